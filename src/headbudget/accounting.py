@@ -1,0 +1,105 @@
+"""Exact parameter and FLOP accounting from a schedule.
+
+Conventions (stated because papers differ):
+- parameters count every weight and bias of the headbudget/GPT-2 decoder: token and position
+  embeddings, per layer two LayerNorms, q/k/v/o projections sized from the layer's schedule entry,
+  the 4x GELU MLP, the final LayerNorm; the output head is tied to the token embedding.
+  ``non_embedding`` = total - token embedding - position embedding.
+- forward FLOPs per token count 2 per multiply-add of every linear layer (including the tied
+  output head), plus the attention-score (QK^T) and attention-value products at the full context
+  length T (no causal discount, as in PaLM/nanoGPT's MFU estimate): ``2*T*H*qk_dim + 2*T*H*v_dim``.
+  LayerNorms, softmax, GELU and biases are not counted.
+
+    >>> from headbudget.schedules import prism, uniform
+    >>> count_parameters(prism(12, 768), 50257, 1024).total == count_parameters(uniform(12, 768, 12), 50257, 1024).total
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from headbudget.schedules import HeadSchedule, LayerSpec
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    attention: int
+    mlp: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.mlp + self.norms
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    embedding: int
+    non_embedding: int
+    attention: int
+    mlp: int
+    per_layer: tuple[LayerParams, ...]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["per_layer"] = [dict(asdict(p), total=p.total) for p in self.per_layer]
+        return d
+
+
+def attention_parameters(spec: LayerSpec, d_model: int, bias: bool = True) -> int:
+    q = d_model * spec.n_heads * spec.qk_head_dim
+    k = d_model * spec.n_kv_heads * spec.qk_head_dim
+    v = d_model * spec.n_kv_heads * spec.v_head_dim
+    o = spec.n_heads * spec.v_head_dim * d_model
+    b = (spec.n_heads * spec.qk_head_dim + spec.n_kv_heads * (spec.qk_head_dim + spec.v_head_dim) + d_model
+         if bias else 0)
+    return q + k + v + o + b
+
+
+def mlp_parameters(d_model: int, mlp_ratio: int = 4, bias: bool = True) -> int:
+    hidden = mlp_ratio * d_model
+    return 2 * d_model * hidden + ((hidden + d_model) if bias else 0)
+
+
+def count_parameters(
+    schedule: HeadSchedule, vocab_size: int, n_positions: int, *, bias: bool = True, mlp_ratio: int = 4
+) -> ParameterCount:
+    """Count parameters of a headbudget decoder with this schedule (matches ``model.num_parameters()``)."""
+    d = schedule.d_model
+    norm = 2 * d if bias else d  # LayerNorm weight (+ bias)
+    per_layer = tuple(
+        LayerParams(attention_parameters(s, d, bias), mlp_parameters(d, mlp_ratio, bias), 2 * norm)
+        for s in schedule.layers
+    )
+    embedding = vocab_size * d + n_positions * d
+    total = embedding + sum(p.total for p in per_layer) + norm
+    return ParameterCount(
+        total=total,
+        embedding=embedding,
+        non_embedding=total - embedding,
+        attention=sum(p.attention for p in per_layer),
+        mlp=sum(p.mlp for p in per_layer),
+        per_layer=per_layer,
+    )
+
+
+def attention_flops_per_token(spec: LayerSpec, d_model: int, context: int) -> int:
+    """Forward FLOPs per token of one attention layer: projections plus score and value products."""
+    proj = 2 * d_model * (spec.n_heads * spec.qk_head_dim + spec.n_kv_heads * (spec.qk_head_dim + spec.v_head_dim))
+    proj += 2 * spec.n_heads * spec.v_head_dim * d_model
+    scores = 2 * context * spec.n_heads * spec.qk_head_dim
+    values = 2 * context * spec.n_heads * spec.v_head_dim
+    return proj + scores + values
+
+
+def flops_per_token(
+    schedule: HeadSchedule, vocab_size: int, context: int, *, mlp_ratio: int = 4
+) -> dict[str, int | list[int]]:
+    """Forward FLOPs per token at context length ``context``: total, per layer, and the output head."""
+    d = schedule.d_model
+    mlp = 2 * 2 * d * mlp_ratio * d
+    per_layer = [attention_flops_per_token(s, d, context) + mlp for s in schedule.layers]
+    head = 2 * d * vocab_size
+    return {"total": sum(per_layer) + head, "per_layer": per_layer, "lm_head": head}

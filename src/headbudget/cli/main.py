@@ -1,0 +1,77 @@
+"""The ``headbudget`` command line.
+
+Each sub-command lives in its own module under ``headbudget.cli`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed
+arguments, returning an exit code).  Modules are imported lazily so ``headbudget schedule``
+does not pay for importing scikit-learn.
+
+Errors a user can fix (bad flag values, malformed files, invalid schedules) are raised as
+``ValueError``/``FileNotFoundError``/``KeyError`` subclasses and printed here as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> module implementing it (module.register(subparsers))
+COMMANDS: dict[str, str] = {
+    "schedule": "headbudget.cli.schedule_cmd",
+    "train": "headbudget.cli.train_cmd",
+    "compare": "headbudget.cli.train_cmd",
+    "quickstart": "headbudget.cli.quickstart_cmd",
+    "prepare": "headbudget.cli.train_cmd",
+    "eval": "headbudget.cli.eval_cmd",
+    "perplexity": "headbudget.cli.eval_cmd",
+    "attention": "headbudget.cli.eval_cmd",
+    "finetune": "headbudget.cli.prune_cmd",
+    "prune": "headbudget.cli.prune_cmd",
+    "prune-compare": "headbudget.cli.prune_cmd",
+    "compress": "headbudget.cli.compress_cmd",
+    "experiment": "headbudget.cli.experiment_cmd",
+}
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="headbudget",
+        description="Adaptive head budgeting: schedules, training, evaluation, pruning, compression.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    registered: set[str] = set()
+    for module_name in dict.fromkeys(COMMANDS.values()):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:  # a command module not yet written in this checkout
+            if exc.name == module_name:
+                continue
+            raise
+        module.register(sub)
+        registered.update(sub.choices)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, ValueError, FileNotFoundError, KeyError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"headbudget {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"headbudget {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
