@@ -1,0 +1,171 @@
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+import headbudget  # noqa: F401  (registers the Auto classes)
+from headbudget.accounting import count_parameters
+from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+from headbudget.models.gpt2_compat import from_gpt2
+from headbudget.schedules import HeadSchedule, LayerSpec, prism
+
+
+def tiny(schedule="prism", vocab=97, **kw):
+    cfg = HeadBudgetConfig.from_preset("cpu-tiny", schedule, vocab_size=vocab, **kw)
+    return HeadBudgetForCausalLM(cfg).eval()
+
+
+def gqa_model():
+    sched = HeadSchedule(64, (LayerSpec(4, 16, 2), LayerSpec(8, 8, 2)), head_dim_multiple=8)
+    return HeadBudgetForCausalLM(HeadBudgetConfig(schedule=sched, vocab_size=50, n_positions=32)).eval()
+
+
+def test_parameter_count_matches_accounting():
+    m = tiny()
+    expected = count_parameters(m.config.head_schedule, 97, m.config.n_positions).total
+    assert m.num_parameters() == expected == sum(p.numel() for p in m.parameters())
+
+
+def test_uniform_and_prism_models_have_identical_parameter_counts():
+    assert tiny("uniform").num_parameters() == tiny("prism").num_parameters()
+
+
+@pytest.mark.parametrize("make", [tiny, gqa_model])
+def test_sdpa_and_explicit_paths_give_same_logits(make):
+    m = make()
+    x = torch.randint(0, 50, (3, 20))
+    fast = m(x).logits
+    slow = m(x, output_attentions=True)
+    assert (fast - slow.logits).abs().max() <= 1e-5
+    for layer, probs in enumerate(slow.attentions):
+        assert probs.shape == (3, m.head_counts[layer], 20, 20)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(3, m.head_counts[layer], 20))
+        assert probs.triu(1).abs().max() == 0  # causal
+
+
+def test_head_mask_gradients_and_padded_tensor_form():
+    m = tiny()
+    x = torch.randint(0, 97, (2, 12))
+    gates = [torch.ones(h, requires_grad=True) for h in m.head_counts]
+    m(x, labels=x, head_mask=gates).loss.backward()
+    assert all(g.grad is not None and g.grad.abs().sum() > 0 for g in gates)
+    padded = torch.ones(len(m.head_counts), max(m.head_counts))
+    padded[2, 1] = 0
+    as_list = [torch.ones(h) for h in m.head_counts]
+    as_list[2][1] = 0
+    torch.testing.assert_close(m(x, head_mask=padded).logits, m(x, head_mask=as_list).logits)
+
+
+@pytest.mark.parametrize(
+    "make, prune",
+    [(tiny, {1: [0], 2: [1, 3], 3: [0, 1, 2]}), (gqa_model, {0: [2, 3], 1: [0, 2, 4, 6]})],
+)
+def test_pruning_equals_gating_to_zero(make, prune):
+    m = make()
+    x = torch.randint(0, 50, (2, 16))
+    gates = [torch.ones(h) for h in m.head_counts]
+    for layer, heads in prune.items():
+        gates[layer][heads] = 0.0
+    gated = m(x, head_mask=gates).logits
+    before = m.num_parameters()
+    m.prune_heads(prune)
+    assert (m(x).logits - gated).abs().max() <= 1e-5
+    assert m.num_parameters() < before
+    assert m.config.head_schedule.neutral is False
+    assert list(m.config.head_schedule.heads) == m.head_counts
+
+
+def test_gqa_pruning_removes_kv_head_only_with_its_whole_group():
+    m = gqa_model()
+    m.prune_heads({0: [2, 3]})  # layer 0: 4 query heads over 2 kv heads; heads 2,3 are kv group 1
+    assert m.transformer.h[0].attn.n_kv_heads == 1
+    assert m.transformer.h[0].attn.k_proj.out_features == 16
+    with pytest.raises(ValueError, match="layer 1: removing heads \\[0\\] leaves key/value groups of unequal size"):
+        m.prune_heads({1: [0]})
+
+
+def test_refuses_to_remove_last_head_and_changes_nothing():
+    m = tiny()
+    before = m.head_counts
+    with pytest.raises(ValueError, match="layer 0: refusing to remove all 1 heads"):
+        m.prune_heads({2: [0], 0: [0]})
+    assert m.head_counts == before
+    with pytest.raises(ValueError, match="layer 3: head 9 out of range"):
+        m.prune_heads({3: [9]})
+
+
+def test_save_and_load_round_trip_of_pruned_model(tmp_path):
+    m = tiny()
+    m.prune_heads({2: [0, 1], 3: [3]})
+    m.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, HeadBudgetForCausalLM)
+    assert loaded.head_counts == m.head_counts == [1, 2, 2, 3]
+    x = torch.randint(0, 97, (2, 10))
+    assert torch.equal(loaded(x).logits, m(x).logits)
+    assert AutoConfig.from_pretrained(tmp_path).head_schedule == m.config.head_schedule
+
+
+def test_gpt2_weights_give_same_logits():
+    cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=120, n_positions=40, bos_token_id=0, eos_token_id=0)
+    hf = GPT2LMHeadModel(cfg).eval()
+    ours = from_gpt2(hf)
+    x = torch.randint(0, 120, (2, 33))
+    assert (hf(x).logits - ours(x).logits).abs().max() <= 1e-4
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0  # left padding
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    diff = (hf(x, attention_mask=mask, position_ids=pos).logits - ours(x, attention_mask=mask, position_ids=pos).logits)
+    assert diff[:, 5:].abs().max() <= 1e-4 and diff[1].abs().max() <= 1e-4
+
+
+def test_padding_mask_matches_unpadded_run():
+    m = tiny()
+    x = torch.randint(1, 97, (1, 12))
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), x], 1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = m(padded, attention_mask=mask, position_ids=pos).logits[:, 4:]
+    assert (out - m(x).logits).abs().max() <= 1e-5
+
+
+def test_kv_cache_incremental_logits_equal_full_pass():
+    m = tiny()
+    x = torch.randint(0, 97, (2, 14))
+    full = m(x).logits
+    out = m(x[:, :9], use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    step = m(x[:, 9:], cache=cache, use_cache=True).logits
+    assert (torch.cat([out.logits, step], 1) - full).abs().max() <= 1e-5
+
+
+def test_generate_uses_cache_and_matches_greedy_loop():
+    m = tiny()
+    prompt = torch.randint(0, 97, (2, 6))
+    lengths = []
+    hook = m.transformer.wte.register_forward_hook(lambda mod, inp, out: lengths.append(inp[0].shape[1]))
+    gen = m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    hook.remove()
+    assert lengths[0] == 6 and all(n == 1 for n in lengths[1:])  # the prefix is never recomputed
+    seq = prompt
+    for _ in range(8):
+        seq = torch.cat([seq, m(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(gen, seq)
+
+
+def test_too_long_input_is_a_clear_error():
+    m = tiny()
+    with pytest.raises(ValueError, match="sequence length 200 exceeds n_positions=128"):
+        m(torch.zeros(1, 200, dtype=torch.long))
+
+
+def test_low_rank_widths_keep_scale_and_shapes():
+    base = prism(4, 128, 128, 32)
+    layers = [LayerSpec(s.n_heads, s.head_dim, None, s.head_dim // 2, s.head_dim // 4) for s in base]
+    sched = base.with_layers(layers, neutral=False)
+    m = HeadBudgetForCausalLM(HeadBudgetConfig(schedule=sched, vocab_size=40, n_positions=32))
+    attn = m.transformer.h[0].attn
+    assert attn.q_proj.out_features == 64 and attn.v_proj.out_features == 32 and attn.o_proj.in_features == 32
+    assert attn.scale == pytest.approx(128 ** -0.5)
+    x = torch.randint(0, 40, (1, 8))
+    assert (m(x).logits - m(x, output_attentions=True).logits).abs().max() <= 1e-5
