@@ -23,6 +23,10 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+# Tiny models run faster on one thread, and the suite stays fast when the machine is busy.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
