@@ -1,0 +1,83 @@
+"""`headbudget eval/perplexity/attention` end to end on a tiny saved model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tests.test_eval_zeroshot import FIXTURES, byte_tokenizer, tiny_gpt2
+
+from headbudget.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared CPU run far faster on one thread; restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_gpt2().save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    return d
+
+
+def test_eval_json_schema(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["eval", str(model_dir), "--tasks", "piqa,hellaswag,arc_easy,winogrande",
+               "--data-dir", str(FIXTURES), "--limit", "2", "--batch-size", "3", "--json", str(out),
+               "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "|piqa       |    2|acc     |" in printed and "forward passes" in printed
+    r = json.loads(out.read_text())
+    assert set(r) == {"results", "predictions", "seconds", "details"}
+    assert isinstance(r["seconds"], float)
+    for task in ("piqa", "hellaswag", "arc_easy"):
+        assert set(r["results"][task]) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"}
+        assert r["results"][task]["n"] == 2
+    assert set(r["results"]["winogrande"]) == {"acc", "acc_stderr", "n"}
+    n_choices = {"piqa": [2, 2], "hellaswag": [4, 4], "arc_easy": [3, 4], "winogrande": [2, 2]}
+    for task, sizes in n_choices.items():
+        preds = r["predictions"][task]
+        assert len(preds) == 2 and all(0 <= p < k for p, k in zip(preds, sizes))
+        acc = sum(p == t for p, t in zip(preds, _targets(task))) / 2
+        assert r["results"][task]["acc"] == acc
+
+
+def _targets(task: str) -> list[int]:
+    from headbudget.evaluation.tasks import load_examples
+
+    return [e.target for e in load_examples(task, FIXTURES, limit=2)]
+
+
+def test_eval_user_errors(model_dir, capsys):
+    assert main(["eval", str(model_dir), "--tasks", "piqa,nope", "--data-dir", str(FIXTURES)]) == 2
+    assert "unknown task 'nope'" in capsys.readouterr().err
+    assert main(["eval", str(model_dir), "--tasks", "piqa", "--data-dir", "/nonexistent"]) == 2
+    assert "--data-dir: no directory" in capsys.readouterr().err
+
+
+def test_perplexity_and_attention_commands(model_dir, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 8)
+    js = tmp_path / "p.json"
+    assert main(["perplexity", str(model_dir), "--data", str(text), "--context", "64",
+                 "--stride", "32", "--json", str(js), "--quiet"]) == 0
+    p = json.loads(js.read_text())
+    assert p["tokens_scored"] == p["tokens_total"] - 1 and p["ppl"] > 1.0
+    out = tmp_path / "attn"
+    assert main(["attention", str(model_dir), "--data", str(text), "--out", str(out),
+                 "--compare", str(model_dir), "--seq-len", "32", "--n-seqs", "2"]) == 0
+    names = sorted(f.name for f in out.iterdir())
+    assert "distance_comparison.png" in names and len([n for n in names if n.endswith(".json")]) == 2
+    s = json.loads((out / f"attention_{model_dir.name}.json").read_text())
+    assert len(s["layers"]) == 2 and s["n_sequences"] == 2 and s["n_tokens"] == 32

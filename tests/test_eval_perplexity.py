@@ -1,0 +1,66 @@
+"""Sliding-window perplexity: window plan coverage and values against plain computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tests.test_eval_zeroshot import byte_tokenizer, tiny_gpt2
+
+from headbudget.evaluation.perplexity import perplexity, read_text, window_plan
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared CPU run far faster on one thread; restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("n, ctx, stride", [(50, 16, 8), (50, 16, 16), (17, 16, 5), (10, 64, 32)])
+def test_every_token_after_the_first_is_scored_once(n, ctx, stride):
+    scored = []
+    for begin, end, trg in window_plan(n, ctx, stride):
+        assert end - begin <= ctx and trg <= end - begin - (1 if begin == 0 else 0)
+        scored.extend(range(end - trg, end))
+    assert scored == list(range(1, n))
+
+
+def test_single_window_equals_model_loss():
+    model, tok = tiny_gpt2(), byte_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 2
+    ids = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        want = float(model(ids, labels=ids).loss)
+    r = perplexity(model, tok, text, context=256, stride=128, progress=False)
+    assert r["windows"] == 1 and r["tokens_scored"] == ids.shape[1] - 1
+    assert r["loss"] == pytest.approx(want, rel=1e-5) and r["ppl"] == pytest.approx(math.exp(want))
+
+
+def test_sliding_window_equals_hand_computation():
+    model, tok = tiny_gpt2(), byte_tokenizer()
+    ids = torch.tensor(tok.encode("abcdefghij" * 4))  # 40 tokens
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for begin, end, trg in [(0, 16, 15), (8, 24, 8), (16, 32, 8), (24, 40, 8)]:
+            lp = torch.log_softmax(model(ids[None, begin:end]).logits[0], -1)
+            for t in range(end - trg, end):
+                nll -= float(lp[t - begin - 1, ids[t]])
+                n += 1
+    r = perplexity(model, tok, input_ids=ids, context=16, stride=8, progress=False)
+    assert r["tokens_scored"] == n == 39 and r["windows"] == 4
+    assert r["loss"] == pytest.approx(nll / n, rel=1e-5)
+    assert perplexity(model, tok, input_ids=ids, context=16, stride=8, max_windows=2,
+                      progress=False)["tokens_scored"] == 23
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="--stride must be in"):
+        window_plan(10, 8, 9)
+    with pytest.raises(FileNotFoundError, match="no file"):
+        read_text(str(tmp_path / "missing.txt"))

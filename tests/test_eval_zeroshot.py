@@ -1,0 +1,229 @@
+"""Zero-shot scoring: hand computations, harness conventions, batching, malformed files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from headbudget.evaluation.tasks import DataError, MCExample, get_task, load_examples
+from headbudget.evaluation.zeroshot import HarnessEncoder, Scorer, mc_metrics, mean_stderr
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "zeroshot"
+TASKS4 = ["piqa", "hellaswag", "arc_easy", "winogrande"]
+
+
+def byte_tokenizer():
+    """GPT-2-style byte-level BPE with no merges (one token per byte): offline, 257 tokens."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import GPT2TokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = 256
+    return GPT2TokenizerFast(vocab=vocab, merges=[])
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=256,
+                                      vocab_size=257)).eval()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared CPU run far faster on one thread; restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return tiny_gpt2()
+
+
+def hand_score(model, tok, context: str, continuation: str) -> float:
+    """log P(continuation | context), computed the plain way on the whole sequence."""
+    ctx = tok.encode(context)
+    whole = tok.encode(context + continuation)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), -1)
+    return sum(float(logp[t - 1, whole[t]]) for t in range(len(ctx), len(whole)))
+
+
+def test_scores_match_hand_computation(gpt2, tok):
+    exs = load_examples("piqa", FIXTURES) + load_examples("winogrande", FIXTURES)
+    for strategy in ("prefix", "full"):
+        got = Scorer(gpt2, tok, strategy=strategy, progress=False).score(exs)
+        for ex, scores in zip(exs, got, strict=True):
+            want = [hand_score(gpt2, tok, c, k) for c, k in zip(ex.contexts, ex.continuations)]
+            assert scores == pytest.approx(want, abs=1e-4), strategy
+
+
+def test_headbudget_model_prefix_cache_matches_full(tok):
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.schedules import prism
+
+    torch.manual_seed(1)
+    model = HeadBudgetForCausalLM(HeadBudgetConfig(schedule=prism(3, 32, 32, 8), vocab_size=257,
+                                                   n_positions=256, dropout=0.0)).eval()
+    exs = [e for t in TASKS4 for e in load_examples(t, FIXTURES)]
+    fast = Scorer(model, tok, progress=False)
+    a = fast.score(exs)
+    b = Scorer(model, tok, strategy="full", batch_size=3, progress=False).score(exs)
+    assert fast.stats.fallbacks == [] and fast.strategy == "prefix"
+    for x, y in zip(a, b, strict=True):
+        assert x == pytest.approx(y, abs=1e-4)
+    ex = exs[0]
+    assert a[0] == pytest.approx([hand_score(model, tok, c, k)
+                                  for c, k in zip(ex.contexts, ex.continuations)], abs=1e-4)
+
+
+def test_batching_equals_one_by_one(gpt2, tok):
+    exs = [e for t in TASKS4 for e in load_examples(t, FIXTURES, limit=1)]
+    one = [Scorer(gpt2, tok, strategy="full", batch_size=1, progress=False).score([e])[0]
+           for e in exs]
+    full = Scorer(gpt2, tok, strategy="full", batch_size=5, progress=False)
+    batched = full.score(exs)
+    prefix = Scorer(gpt2, tok, progress=False)
+    cached = prefix.score(exs)
+    for a, b, c in zip(one, batched, cached, strict=True):
+        assert b == pytest.approx(a, abs=1e-5)
+        assert c == pytest.approx(a, abs=1e-4)
+    n_rows = sum(len(e.contexts) for e in exs)
+    assert full.stats.forward_passes == math.ceil(n_rows / 5)
+    # prefix strategy: at most two passes per item (+1 for the first item's self-check)
+    assert prefix.stats.forward_passes <= 2 * len(exs) + 1
+
+
+def test_trailing_space_moves_to_continuation(tok):
+    enc = HarnessEncoder(tok)
+    assert enc.pair("Answer: ", "yes") == enc.pair("Answer:", " yes")
+    ctx, cont = enc.pair("Answer:", " yes")
+    assert ctx == tok.encode("Answer:") and cont == tok.encode(" yes")
+    # empty context: conditioned on the BOS/EOS token
+    assert enc.pair("", " yes") == ([256], tok.encode(" yes"))
+
+
+def test_acc_norm_uses_character_length_of_choice():
+    ex = get_task("piqa").example({"goal": "g", "sol1": "abcde", "sol2": "a" * 20, "label": 1})
+    assert ex.continuations == [" abcde", " " + "a" * 20]
+    assert ex.norm_lengths == [5.0, 20.0]  # the choice, without the joining space
+    res, preds = mc_metrics([ex], [[-10.0, -12.0]])
+    assert preds == [0] and res["acc"] == 0.0 and res["acc_norm"] == 1.0  # -2.0 < -0.6
+    # ties go to the first choice (numpy argmax)
+    _, preds = mc_metrics([ex], [[-1.0, -1.0]])
+    assert preds == [0]
+
+
+def test_stderr_is_sample_std_over_sqrt_n():
+    xs = [1.0, 0.0, 1.0, 1.0]
+    mu = 0.75
+    want = math.sqrt(sum((x - mu) ** 2 for x in xs) / 3) / 2
+    assert mean_stderr(xs) == pytest.approx(want)
+    assert math.isnan(mean_stderr([1.0]))
+
+
+def test_winogrande_partial_scoring():
+    ex = load_examples("winogrande", FIXTURES)[0]
+    stem = "Sarah was a much better surgeon than Maria so "
+    assert ex.contexts == [stem + "Sarah", stem + "Maria"]
+    assert ex.continuations == [" always got the easier cases."] * 2
+    assert ex.target == 1
+    res, _ = mc_metrics([ex], [[-3.0, -2.0]], get_task("winogrande").metrics)
+    assert "acc_norm" not in res and res["acc"] == 1.0
+
+
+def test_prompts_as_the_harness_builds_them():
+    piqa = load_examples("piqa", FIXTURES)[0]
+    assert piqa.contexts[0] == "Question: How do I open a jar?\nAnswer:"
+    hs = load_examples("hellaswag", FIXTURES)
+    assert hs[0].contexts[0] == "Roof shingle removal: A man is sitting on a roof. he"
+    assert hs[0].continuations[2] == " is holding a. cube."  # " [title]" -> ". ", "  " -> " "
+    assert hs[1].contexts[0] == "Clean and jerk: A lady walks to a barbell. She bends down"
+    arc = load_examples("arc_easy", FIXTURES)
+    assert arc[0].contexts[0] == "Question: Which is a source of energy?\nAnswer:"
+    assert arc[0].continuations == [" Sunlight", " A rock", " Sand"] and arc[1].target == 0
+
+
+def _write(tmp_path: Path, name: str, lines: list[str]) -> Path:
+    d = tmp_path / "data"
+    d.mkdir(exist_ok=True)
+    (d / name).write_text("\n".join(lines) + "\n")
+    return d
+
+
+GOOD_PIQA = json.dumps({"goal": "g", "sol1": "a", "sol2": "b", "label": 0})
+
+
+@pytest.mark.parametrize("line, task, fname, expect", [
+    ("{not json", "piqa", "piqa_validation.jsonl", r"piqa_validation.jsonl:2: invalid JSON"),
+    (json.dumps({"goal": "g", "sol1": "a", "label": 0}), "piqa", "piqa_validation.jsonl",
+     r"piqa_validation.jsonl:2: field 'sol2': missing field"),
+    (json.dumps({"goal": "g", "sol1": "a", "sol2": "b", "label": 2}), "piqa",
+     "piqa_validation.jsonl", r"piqa_validation.jsonl:2: field 'label': label 2 out of range"),
+    (json.dumps({"sentence": "a _ b", "option1": "x", "option2": "y", "answer": "3"}),
+     "winogrande", "winogrande_validation.jsonl",
+     r"winogrande_validation.jsonl:2: field 'answer': label 2 out of range"),
+    (json.dumps({"question": "q", "choices": {"text": ["a"], "label": ["A"]}, "answerKey": "B"}),
+     "arc_easy", "arc_easy_test.jsonl", r"arc_easy_test.jsonl:2: field 'answerKey'"),
+    (json.dumps({"activity_label": "x", "ctx": "c", "endings": "nope", "label": "0"}),
+     "hellaswag", "hellaswag_validation.jsonl", r"hellaswag_validation.jsonl:2: field 'endings'"),
+])
+def test_malformed_rows_name_file_line_field(tmp_path, line, task, fname, expect):
+    first = {"piqa": GOOD_PIQA, "winogrande": json.dumps(
+        {"sentence": "a _ b", "option1": "x", "option2": "y", "answer": "1"}),
+        "arc_easy": json.dumps({"question": "q", "choices": {"text": ["a"], "label": ["A"]},
+                                "answerKey": "A"}),
+        "hellaswag": json.dumps({"activity_label": "x", "ctx": "c", "endings": ["e"],
+                                 "label": "0"})}[task]
+    d = _write(tmp_path, fname, [first, line])
+    with pytest.raises(DataError, match=expect):
+        load_examples(task, d)
+
+
+def test_missing_file_and_unknown_task(tmp_path):
+    with pytest.raises(FileNotFoundError, match="piqa_validation.jsonl"):
+        load_examples("piqa", tmp_path)
+    with pytest.raises(ValueError, match="unknown task 'nope'; known tasks: .*arc_challenge"):
+        get_task("nope")
+
+
+def test_limit_and_registry_extension():
+    assert len(load_examples("piqa", FIXTURES, limit=2)) == 2
+    assert get_task("arc_challenge").hf_name == "ARC-Challenge"
+    ex = get_task("copa").example({"premise": "The man fell.", "choice1": "He slipped.",
+                                   "choice2": "He ate.", "question": "cause", "label": 0})
+    assert ex.contexts[0] == "The man fell because" and ex.continuations[0] == "  he slipped."
+    assert isinstance(ex, MCExample)
+
+
+def test_predictions_equal_lm_eval_hf_backend(tmp_path, gpt2, tok):
+    """The harness's own hf backend gives the same log-likelihoods for the same requests."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    gpt2.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    lm = HFLM(pretrained=str(tmp_path / "m"), batch_size=1, device="cpu")
+
+    class Req:  # the only attribute the backend reads
+        def __init__(self, args):
+            self.args = args
+
+    exs = [e for t in ("piqa", "arc_easy", "winogrande") for e in load_examples(t, FIXTURES, limit=1)]
+    reqs = [Req((c, k)) for e in exs for c, k in zip(e.contexts, e.continuations)]
+    ref = [ll for ll, _ in lm.loglikelihood(reqs, disable_tqdm=True)]
+    ours = [s for row in Scorer(lm.model, lm.tokenizer, progress=False).score(exs) for s in row]
+    assert ours == pytest.approx(ref, abs=1e-4)
