@@ -435,6 +435,15 @@ def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> 
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     spec = spec.strip()
+    # Budgeted kinds (uniform_shrink, late_dim_decay, ...) live in headbudget.budget, which registers
+    # them on import; ``KIND:FRACTION[:OPT=VAL]`` is their spec form.
+    import headbudget.budget as budget
+
+    if ":" in spec:
+        sched = budget.budget_schedule_from_spec(spec, p, **options)
+        if sched.n_layers != p.n_layers:
+            raise ScheduleError(f"schedule has {sched.n_layers} layers but preset {p.name} has {p.n_layers}")
+        return sched
     if spec in SCHEDULE_KINDS:
         sched = SCHEDULE_KINDS[spec](p, **options)
     elif spec.startswith("uniform@"):

@@ -1,0 +1,546 @@
+"""Budgeted head schedules: hit a target fraction of the uniform attention budget.
+
+The attention budget of a schedule is ``D = sum over layers of n_heads x head_dim``.  The strategies
+here shrink a reference schedule (by default the preset's uniform schedule) to a target fraction of
+its budget and return a *non-neutral* :class:`~headbudget.schedules.HeadSchedule` (widths below
+``d_model`` are legal; the model sizes q/k/v/o from the schedule):
+
+``uniform_shrink``
+    every layer keeps its head count and loses the same share of ``head_dim``.
+``late_dim_decay``
+    the first ``keep_layers`` layers stay whole; later layers shrink ``head_dim`` with depth,
+    ``decay="linear"`` (keep factor ``1 - s*j/J`` for the j-th of J shrunk layers, floored at one
+    ``head_dim_multiple``) or
+    ``decay="geometric"`` (keep factor ``r**j``).
+``front_loaded_heads``
+    ``head_dim`` is fixed; the head count falls linearly with depth from the full count in layer 0.
+``custom``
+    either an exact per-layer list ``"4x64/4x64/2x64/2x64"`` (``HEADSxHEAD_DIM`` per layer), or a
+    relative per-layer profile ``profile=1/1/0.5/0.5`` scaled to hit the target.
+
+Every strategy respects ``head_dim_multiple`` (8 by default) and hits the target budget within one
+step of its granularity: one ``head_dim_multiple`` step of every head of one layer for the
+head-dim strategies, one head for ``front_loaded_heads`` (in practice within half a step).
+
+Spec syntax (for ``schedule_from_spec``/``compare``/``--schedule``)::
+
+    KIND:FRACTION[:OPTION=VALUE...]
+    uniform_shrink:0.75
+    late_dim_decay:0.75                  # linear decay, keep_layers = n_layers // 3
+    late_dim_decay:0.5:decay=geometric:keep=2
+    front_loaded_heads:0.75
+    custom:0.75:profile=1/1/0.75/0.5     # relative per-layer widths
+    custom:4x32/4x32/2x32/2x32           # exact per-layer HEADSxHEAD_DIM
+
+The kinds are registered with :func:`headbudget.schedules.register_schedule_kind` when this module is
+imported; :func:`budget_schedule_from_spec` parses the colon form directly.
+
+    >>> s = budgeted_schedule("cpu-small", 0.75, "late_dim_decay")
+    >>> s.head_dims, round(s.budget / (6 * 256), 3)
+    ((64, 64, 56, 48, 32, 24), 0.75)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from headbudget.accounting import count_parameters, flops_per_token
+from headbudget.schedules import (
+    HeadSchedule,
+    LayerSpec,
+    ModelPreset,
+    ScheduleError,
+    get_preset,
+    register_schedule_kind,
+    schedule_from_spec,
+    uniform,
+)
+
+STRATEGIES = ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom")
+DECAYS = ("linear", "geometric")
+
+
+class BudgetError(ScheduleError):
+    """A budget request that cannot be met; the message names the strategy/layer/value."""
+
+
+# ---------------------------------------------------------------------- integer fitting
+def fit_integer_total(
+    targets: Sequence[float],
+    lower: Sequence[int],
+    upper: Sequence[int],
+    weights: Sequence[float],
+    total: float,
+) -> list[int]:
+    """Integers ``v_i`` in ``[lower_i, upper_i]`` near ``targets`` with ``sum v_i*w_i`` close to ``total``.
+
+    Rounds the continuous targets, then moves one unit at a time (the move that most reduces the
+    total's error; ties go to the item whose rounding residual points that way) until no single move
+    helps.  The result is within half of the smallest free weight of ``total`` whenever the bounds allow.
+
+    >>> fit_integer_total([1.5, 1.5, 1.5], [1, 1, 1], [4, 4, 4], [1, 1, 1], 5)
+    [2, 2, 1]
+    """
+    n = len(targets)
+    v = [min(max(int(round(t)), lo), hi) for t, lo, hi in zip(targets, lower, upper)]
+    cur = sum(x * w for x, w in zip(v, weights))
+    for _ in range(10_000):
+        err = total - cur
+        best = None
+        for i in range(n):
+            for delta in (-1, 1):
+                if not lower[i] <= v[i] + delta <= upper[i]:
+                    continue
+                new_err = abs(err - delta * weights[i])
+                if new_err >= abs(err) - 1e-9:
+                    continue
+                key = (new_err, -delta * (targets[i] - v[i]), -i if delta < 0 else i)
+                if best is None or key < best[0]:
+                    best = (key, i, delta)
+        if best is None:
+            break
+        _, i, delta = best
+        v[i] += delta
+        cur += delta * weights[i]
+    return v
+
+
+def _bisect(fn: Callable[[float], float], lo: float, hi: float, target: float, iters: int = 80) -> float:
+    """Solve ``fn(x) == target`` for a non-increasing ``fn`` on ``[lo, hi]``."""
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if fn(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+# ---------------------------------------------------------------------- references
+def reference_schedule(base: str | ModelPreset | HeadSchedule | Sequence[int]) -> HeadSchedule:
+    """The schedule a budget fraction refers to.
+
+    ``base`` is a preset name or :class:`ModelPreset` (its uniform schedule), a
+    :class:`HeadSchedule` (used as is), or ``(n_layers, d_model, n_heads)``.
+    """
+    if isinstance(base, HeadSchedule):
+        return base
+    if isinstance(base, str):
+        base = get_preset(base)
+    if isinstance(base, ModelPreset):
+        return uniform(base.n_layers, base.d_model, base.n_heads)
+    try:
+        n_layers, d_model, n_heads = (int(x) for x in base)
+    except (TypeError, ValueError):
+        raise BudgetError(
+            f"base must be a preset name, ModelPreset, HeadSchedule or (n_layers, d_model, n_heads); got {base!r}"
+        ) from None
+    return uniform(n_layers, d_model, n_heads)
+
+
+def _check_fraction(fraction: float) -> float:
+    try:
+        f = float(fraction)
+    except (TypeError, ValueError):
+        raise BudgetError(f"budget fraction must be a number in (0, 1], got {fraction!r}") from None
+    if not 0 < f <= 1:
+        raise BudgetError(f"budget fraction must be in (0, 1], got {fraction!r}")
+    return f
+
+
+def _finish(ref: HeadSchedule, layers: list[LayerSpec], name: str, target: float | None = None,
+            step: int | None = None) -> HeadSchedule:
+    sched = HeadSchedule(ref.d_model, tuple(layers), neutral=False, head_dim_multiple=ref.head_dim_multiple,
+                         name=name)
+    if target is not None and step is not None and abs(sched.budget - target) > step:
+        raise BudgetError(
+            f"{name.split(':')[0]}: cannot reach {target / ref.budget:.3f} of the budget (got "
+            f"{sched.budget / ref.budget:.3f}); head_dim cannot go below {ref.head_dim_multiple} "
+            "and head counts below 1"
+        )
+    return sched
+
+
+def _dim_units(ref: HeadSchedule) -> tuple[int, list[int]]:
+    m = ref.head_dim_multiple
+    units = []
+    for i, s in enumerate(ref.layers):
+        if s.head_dim % m:
+            raise BudgetError(f"layer {i}: head_dim={s.head_dim} is not a multiple of {m}")
+        units.append(s.head_dim // m)
+    return m, units
+
+
+def _shrink_dims(ref: HeadSchedule, keep: Sequence[float], target: float, fixed: Sequence[bool]) -> list[LayerSpec]:
+    """Per-layer head_dim = keep_l * head_dim_l, rounded to the multiple and fitted to ``target``."""
+    m, units = _dim_units(ref)
+    targets = [u * k for u, k in zip(units, keep)]
+    lower = [u if f else 1 for u, f in zip(units, fixed)]
+    weights = [s.n_heads * m for s in ref.layers]
+    v = fit_integer_total(targets, lower, units, weights, target)
+    return [LayerSpec(s.n_heads, u * m, s.n_kv_heads) for s, u in zip(ref.layers, v)]
+
+
+# ---------------------------------------------------------------------- strategies
+def uniform_shrink(ref: HeadSchedule, fraction: float) -> HeadSchedule:
+    """Every layer keeps its heads and shrinks head_dim by the same share (rounded to the multiple)."""
+    f = _check_fraction(fraction)
+    target = f * ref.budget
+    layers = _shrink_dims(ref, [f] * ref.n_layers, target, [False] * ref.n_layers)
+    return _finish(ref, layers, f"uniform_shrink:{f:g}", target, budget_step(ref, "uniform_shrink"))
+
+
+def late_dim_decay(
+    ref: HeadSchedule, fraction: float, decay: str = "linear", keep_layers: int | None = None
+) -> HeadSchedule:
+    """Keep the first ``keep_layers`` layers whole and shrink head_dim in later layers with depth.
+
+    ``keep_layers`` defaults to ``n_layers // 3`` and is lowered automatically when the target
+    cannot be reached with that many whole layers; an explicit value that cannot reach it is an error.
+    """
+    f = _check_fraction(fraction)
+    if decay not in DECAYS:
+        raise BudgetError(f"late_dim_decay: decay must be one of {', '.join(DECAYS)}, got {decay!r}")
+    n = ref.n_layers
+    auto = keep_layers is None
+    k = n // 3 if auto else int(keep_layers)
+    if not 0 <= k < n:
+        raise BudgetError(f"late_dim_decay: keep_layers must be in [0, {n - 1}] for {n} layers, got {keep_layers}")
+    m, units = _dim_units(ref)
+    target = f * ref.budget
+    min_keep = [1 / u for u in units]
+
+    def widths(param: float, k: int) -> list[float]:
+        keep = []
+        J = n - k
+        for i in range(n):
+            if i < k:
+                keep.append(1.0)
+                continue
+            j = i - k + 1
+            g = 1 - param * j / J if decay == "linear" else param ** j
+            keep.append(min(1.0, max(min_keep[i], g)))
+        return keep
+
+    def total(keep: list[float]) -> float:
+        return sum(g * s.width for g, s in zip(keep, ref.layers))
+
+    while True:
+        strongest = widths(float(n) if decay == "linear" else 0.0, k)
+        if total(strongest) <= target + 1e-9:
+            break
+        if auto and k > 0:
+            k -= 1
+            continue
+        reachable = total(strongest) / ref.budget
+        raise BudgetError(
+            f"late_dim_decay: fraction {f:g} is below the smallest reachable {reachable:.3f} with "
+            f"keep_layers={k}" + (" (lower keep_layers)" if k else " (head_dim cannot go below the multiple)")
+        )
+    if decay == "linear":
+        # slopes above 1 push the first shrunk layers to the floor too (needed for small fractions)
+        param = _bisect(lambda s: total(widths(s, k)), 0.0, float(n), target)
+    else:  # keep factor r**j falls as r falls: bisect on 1 - r so the function is non-increasing
+        param = 1 - _bisect(lambda x: total(widths(1 - x, k)), 0.0, 1.0, target)
+    keep = widths(param, k)
+    layers = _shrink_dims(ref, keep, target, [i < k for i in range(n)])
+    return _finish(ref, layers, f"late_dim_decay:{f:g}:{decay}:keep={k}", target,
+                   budget_step(ref, "late_dim_decay"))
+
+
+def front_loaded_heads(ref: HeadSchedule, fraction: float, max_heads: int | None = None) -> HeadSchedule:
+    """Fixed head_dim; head counts fall linearly with depth from layer 0's count (or ``max_heads``)."""
+    f = _check_fraction(fraction)
+    n = ref.n_layers
+    target = f * ref.budget
+    tops = [s.n_heads if max_heads is None else int(max_heads) for s in ref.layers]
+
+    def counts(s: float) -> list[float]:
+        return [max(1.0, top * (1 - s * (i / max(1, n - 1)))) for i, top in enumerate(tops)]
+
+    def total(c: list[float]) -> float:
+        return sum(h * sp.head_dim for h, sp in zip(c, ref.layers))
+
+    s = _bisect(lambda s: total(counts(s)), 0.0, 1.0, target)
+    if total(counts(1.0)) > target + 1e-9 and n > 1:
+        # even the last layer at one head is not enough: let the slope pass the middle layers too
+        s = _bisect(lambda s: total(counts(s)), 0.0, float(n), target)
+    c = counts(s)
+    v = fit_integer_total(c, [1] * n, tops, [sp.head_dim for sp in ref.layers], target)
+    layers = [LayerSpec(h, sp.head_dim) for h, sp in zip(v, ref.layers)]
+    return _finish(ref, layers, f"front_loaded_heads:{f:g}", target, budget_step(ref, "front_loaded_heads"))
+
+
+def _parse_layer_list(text: str | Sequence[Any]) -> list[LayerSpec]:
+    items = text.replace(",", "/").split("/") if isinstance(text, str) else list(text)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, LayerSpec):
+            out.append(item)
+            continue
+        if isinstance(item, (tuple, list)) and len(item) == 2:
+            out.append(LayerSpec(int(item[0]), int(item[1])))
+            continue
+        try:
+            h, d = str(item).lower().split("x")
+            out.append(LayerSpec(int(h), int(d)))
+        except ValueError:
+            raise BudgetError(f"custom layer list entry {i} ({item!r}) is not HEADSxHEAD_DIM, e.g. 4x64") from None
+    return out
+
+
+def custom_budget(
+    ref: HeadSchedule,
+    fraction: float | None = None,
+    layers: str | Sequence[Any] | None = None,
+    profile: str | Sequence[float] | None = None,
+) -> HeadSchedule:
+    """A custom per-layer budget: an exact ``layers`` list, or a relative width ``profile``.
+
+    With ``layers`` (``"4x64/4x64/2x64/2x64"``) the schedule is taken as given (and checked against
+    ``fraction`` within one layer step when a fraction is given).  With ``profile`` (``"1/1/0.5/0.5"``)
+    each layer's head_dim keep factor is ``c * profile_l`` (capped at 1), ``c`` chosen to hit ``fraction``.
+    """
+    if (layers is None) == (profile is None):
+        raise BudgetError("custom budget needs exactly one of layers=HxD/HxD/... or profile=P/P/...")
+    n = ref.n_layers
+    if layers is not None:
+        specs = _parse_layer_list(layers)
+        if len(specs) != n:
+            raise BudgetError(f"custom layer list has {len(specs)} entries but the model has {n} layers")
+        sched = _finish(ref, specs, "custom:" + "/".join(f"{s.n_heads}x{s.head_dim}" for s in specs))
+        if fraction is not None:
+            f = _check_fraction(fraction)
+            step = max(s.n_heads * ref.head_dim_multiple for s in specs)
+            if abs(sched.budget - f * ref.budget) > step:
+                raise BudgetError(
+                    f"custom layer list has budget {sched.budget} = {sched.budget / ref.budget:.3f} of the "
+                    f"reference, not the requested {f:g}"
+                )
+        return sched
+    f = _check_fraction(1.0 if fraction is None else fraction)
+    if isinstance(profile, str):
+        try:
+            prof = [float(x) for x in profile.replace(",", "/").split("/") if x.strip()]
+        except ValueError:
+            raise BudgetError(f"custom profile {profile!r} is not a /-separated list of numbers") from None
+    else:
+        prof = [float(x) for x in profile]
+    if len(prof) != n:
+        raise BudgetError(f"custom profile has {len(prof)} entries but the model has {n} layers")
+    for i, p in enumerate(prof):
+        if p <= 0:
+            raise BudgetError(f"custom profile: layer {i} weight must be positive, got {p}")
+    _, units = _dim_units(ref)
+    target = f * ref.budget
+
+    def keep(c: float) -> list[float]:
+        return [min(1.0, max(1 / u, c * p)) for u, p in zip(units, prof)]
+
+    c = -_bisect(lambda x: sum(g * s.width for g, s in zip(keep(-x), ref.layers)), -1e6, 0.0, target)
+    layers_out = _shrink_dims(ref, keep(c), target, [False] * n)
+    return _finish(ref, layers_out, f"custom:{f:g}:profile=" + "/".join(f"{p:g}" for p in prof), target,
+                   budget_step(ref, "custom"))
+
+
+def budgeted_schedule(
+    base: str | ModelPreset | HeadSchedule | Sequence[int],
+    budget_fraction: float | None,
+    strategy: str = "uniform_shrink",
+    **opts: Any,
+) -> HeadSchedule:
+    """A schedule with ``budget_fraction`` of ``base``'s attention budget, allocated by ``strategy``.
+
+    ``opts``: ``decay`` ("linear"/"geometric") and ``keep_layers`` for ``late_dim_decay``;
+    ``max_heads`` for ``front_loaded_heads``; ``layers`` or ``profile`` for ``custom``.
+    ``strategy`` may carry options in spec form (``"late_dim_decay:decay=geometric:keep=2"``) or be a
+    bare per-layer list: ``"4x64,4x64,2x64,2x64"`` (exact layers) or ``"1,1,0.5,0.5"`` (a profile).
+    This is the call behind ``headbudget schedule --budget 0.75 --strategy late_dim_decay``.
+
+    >>> budgeted_schedule("cpu-small", 0.5, "front_loaded_heads").heads
+    (4, 3, 2, 1, 1, 1)
+    """
+    ref = reference_schedule(base)
+    opts = {k: v for k, v in opts.items() if v is not None}
+    strategy = strategy.strip()
+    if strategy.partition(":")[0] not in STRATEGIES and ("," in strategy or "/" in strategy):
+        # a bare per-layer list: HxD entries are exact layers, numbers a relative width profile
+        key = "layers" if "x" in strategy.lower() else "profile"
+        opts[key] = strategy
+        strategy = "custom"
+    elif ":" in strategy:  # options in spec form, e.g. late_dim_decay:decay=geometric:keep=2
+        name, _, rest = strategy.partition(":")
+        _, fraction, spec_opts = parse_budget_spec(f"{name}:{budget_fraction if budget_fraction else 1}:{rest}")
+        opts = {**spec_opts, **opts}
+        strategy = name
+    if strategy == "uniform_shrink":
+        _no_opts(strategy, opts, ())
+        return uniform_shrink(ref, budget_fraction)
+    if strategy == "late_dim_decay":
+        _no_opts(strategy, opts, ("decay", "keep_layers"))
+        if "keep_layers" in opts:
+            opts["keep_layers"] = int(opts["keep_layers"])
+        return late_dim_decay(ref, budget_fraction, **opts)
+    if strategy == "front_loaded_heads":
+        _no_opts(strategy, opts, ("max_heads",))
+        return front_loaded_heads(ref, budget_fraction, **opts)
+    if strategy == "custom":
+        _no_opts(strategy, opts, ("layers", "profile"))
+        return custom_budget(ref, budget_fraction, **opts)
+    raise BudgetError(f"unknown budget strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
+def _no_opts(strategy: str, opts: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    bad = sorted(set(opts) - set(allowed))
+    if bad:
+        hint = f" (it takes {', '.join(allowed)})" if allowed else " (it takes none)"
+        raise BudgetError(f"strategy {strategy} does not take option(s) {', '.join(bad)}{hint}")
+
+
+# ---------------------------------------------------------------------- spec parsing
+_OPTION_ALIASES = {"keep": "keep_layers", "decay": "decay", "max_heads": "max_heads", "profile": "profile",
+                   "layers": "layers", "keep_layers": "keep_layers"}
+
+
+def parse_budget_spec(spec: str) -> tuple[str, float | None, dict[str, Any]]:
+    """Split ``KIND:FRACTION[:OPT=VAL...]`` into ``(strategy, fraction, options)``.
+
+    >>> parse_budget_spec("late_dim_decay:0.5:decay=geometric:keep=2")
+    ('late_dim_decay', 0.5, {'decay': 'geometric', 'keep_layers': 2})
+    >>> parse_budget_spec("custom:4x32/4x32")
+    ('custom', None, {'layers': '4x32/4x32'})
+    """
+    kind, _, rest = spec.strip().partition(":")
+    if kind not in STRATEGIES:
+        raise BudgetError(f"unknown budget strategy {kind!r} in {spec!r}; choose from {', '.join(STRATEGIES)}")
+    fraction: float | None = None
+    opts: dict[str, Any] = {}
+    for part in [p for p in rest.split(":") if p] if rest else []:
+        if "=" in part:
+            key, _, value = part.partition("=")
+            if key not in _OPTION_ALIASES:
+                raise BudgetError(f"unknown option {key!r} in budget spec {spec!r}")
+            key = _OPTION_ALIASES[key]
+            opts[key] = int(value) if key in ("keep_layers", "max_heads") and value.isdigit() else value
+        elif "x" in part.lower() and kind == "custom":
+            opts["layers"] = part
+        elif value_is_number(part) and fraction is None:
+            fraction = float(part)
+        elif part in DECAYS:
+            opts["decay"] = part
+        else:
+            raise BudgetError(f"cannot read {part!r} in budget spec {spec!r} (expected a fraction or OPTION=VALUE)")
+    if fraction is None and kind != "custom":
+        raise BudgetError(f"budget spec {spec!r} needs a fraction, e.g. {kind}:0.75")
+    return kind, fraction, opts
+
+
+def value_is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def budget_schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> HeadSchedule:
+    """Like :func:`schedule_from_spec`, but also reads the budget form ``KIND:FRACTION[:OPT=VAL]``.
+
+    >>> budget_schedule_from_spec("uniform_shrink:0.5", "cpu-tiny").head_dims
+    (16, 16, 16, 16)
+    """
+    name, colon, _ = spec.strip().partition(":")
+    if name in STRATEGIES:
+        kind, fraction, opts = parse_budget_spec(spec)
+        return budgeted_schedule(preset, fraction, kind, **{**options, **opts})
+    if colon:  # never hand a colon spec back to schedule_from_spec (it may delegate here)
+        raise BudgetError(f"unknown budget strategy {name!r} in {spec!r}; choose from {', '.join(STRATEGIES)}")
+    return schedule_from_spec(spec, preset, **options)
+
+
+def _make_kind(strategy: str) -> Callable[..., HeadSchedule]:
+    def factory(p: ModelPreset, budget: float | None = None, spec_arg: str | None = None, **options: Any
+                ) -> HeadSchedule:
+        known = {k: v for k, v in options.items() if k in ("decay", "keep_layers", "max_heads", "layers", "profile")}
+        if spec_arg:
+            _, fraction, opts = parse_budget_spec(f"{strategy}:{spec_arg}")
+            known.update(opts)
+            budget = fraction if fraction is not None else budget
+        if budget is None and strategy != "custom":
+            budget = 0.75
+        return budgeted_schedule(p, budget, strategy, **known)
+
+    factory.__name__ = f"_kind_{strategy}"
+    factory.__doc__ = f"Registered schedule kind {strategy!r}: budgeted_schedule(p, budget, {strategy!r})."
+    return factory
+
+
+for _strategy in STRATEGIES:
+    register_schedule_kind(_strategy)(_make_kind(_strategy))
+
+
+# ---------------------------------------------------------------------- reporting
+@dataclass(frozen=True)
+class BudgetReport:
+    """Budget D of a schedule against its reference, with the parameters and FLOPs it implies."""
+
+    name: str
+    budget: int
+    reference_budget: int
+    fraction: float
+    per_layer_width: tuple[int, ...]
+    attention_params: int
+    reference_attention_params: int
+    total_params: int
+    flops_per_token: int
+    reference_flops_per_token: int
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["per_layer_width"] = list(self.per_layer_width)
+        return d
+
+    def format(self) -> str:
+        return (
+            f"{self.name}: D={self.budget} ({self.fraction:.3f} of {self.reference_budget}), "
+            f"attention params {self.attention_params:,} (ref {self.reference_attention_params:,}), "
+            f"total params {self.total_params:,}, FLOPs/token {self.flops_per_token:,} "
+            f"(ref {self.reference_flops_per_token:,})"
+        )
+
+
+def budget_report(
+    schedule: HeadSchedule, reference: HeadSchedule, vocab_size: int, n_positions: int, context: int | None = None
+) -> BudgetReport:
+    """Budget, parameters and forward FLOPs/token of ``schedule`` next to ``reference``.
+
+    >>> ref = reference_schedule("cpu-tiny")
+    >>> budget_report(uniform_shrink(ref, 0.5), ref, 512, 128).fraction
+    0.5
+    """
+    ctx = n_positions if context is None else context
+    p = count_parameters(schedule, vocab_size, n_positions)
+    pr = count_parameters(reference, vocab_size, n_positions)
+    return BudgetReport(
+        name=schedule.name,
+        budget=schedule.budget,
+        reference_budget=reference.budget,
+        fraction=schedule.budget / reference.budget,
+        per_layer_width=tuple(s.width for s in schedule.layers),
+        attention_params=p.attention,
+        reference_attention_params=pr.attention,
+        total_params=p.total,
+        flops_per_token=int(flops_per_token(schedule, vocab_size, ctx)["total"]),
+        reference_flops_per_token=int(flops_per_token(reference, vocab_size, ctx)["total"]),
+    )
+
+
+def budget_step(schedule: HeadSchedule, strategy: str) -> int:
+    """The granularity the strategy moves the budget in: the target is met within this (see module doc)."""
+    if strategy == "front_loaded_heads":
+        return max(s.head_dim for s in schedule.layers)
+    return max(s.n_heads * schedule.head_dim_multiple for s in schedule.layers)

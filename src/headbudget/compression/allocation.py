@@ -1,0 +1,107 @@
+"""Per-layer budgets at a fixed total kept fraction: uniform, later_layers_first, earlier_layers_first.
+
+``later_layers_first`` compresses the later layers first (they keep less), which the allocation theory
+predicts costs least; ``earlier_layers_first`` is its mirror; ``uniform`` keeps the same share in
+every layer.  Keep factors follow a linear profile over depth, ``c * (1 + s)`` down to ``c * (1 - s)``
+(``s = strength``, default 0.5), capped at 1 and floored at the smallest allowed size, with ``c``
+chosen so the total kept size matches ``keep``; the per-layer sizes are then rounded to allowed values
+and fitted to the total (within one step of the smallest layer unit).
+
+    >>> allocate([64] * 4, 0.5, "uniform")
+    [32, 32, 32, 32]
+    >>> allocate([64] * 4, 0.5, "later_layers_first")
+    [48, 37, 27, 16]
+    >>> allocate([12] * 6, 0.5, "earlier_layers_first", candidates=[divisors(12)] * 6)
+    [2, 4, 6, 6, 6, 12]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from headbudget.compression.svd import CompressionError
+
+ALLOCATIONS = ("uniform", "later_layers_first", "earlier_layers_first")
+
+
+def keep_profile(n_layers: int, allocation: str, strength: float = 0.5) -> list[float]:
+    """Relative keep factor per layer (mean 1 before capping)."""
+    if allocation not in ALLOCATIONS:
+        raise CompressionError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+    if not 0 <= strength < 1:
+        raise CompressionError(f"allocation strength must be in [0, 1), got {strength}")
+    if allocation == "uniform" or n_layers == 1:
+        return [1.0] * n_layers
+    ramp = [1 + strength * (1 - 2 * i / (n_layers - 1)) for i in range(n_layers)]  # 1+s .. 1-s
+    return ramp if allocation == "later_layers_first" else ramp[::-1]
+
+
+def allocate(
+    full: Sequence[int],
+    keep: float,
+    allocation: str = "uniform",
+    *,
+    candidates: Sequence[Sequence[int]] | None = None,
+    weights: Sequence[float] | None = None,
+    strength: float = 0.5,
+) -> list[int]:
+    """Per-layer kept sizes (ranks, or kv-head counts) with ``sum(size * weight) ~= keep * sum(full * weight)``.
+
+    ``candidates[i]`` lists the sizes layer i may take (default ``1..full[i]``); ``weights[i]`` is the
+    cost of one unit in layer i (default 1, e.g. heads x 2 x d_model for a rank unit).
+    """
+    if not 0 < keep <= 1:
+        raise CompressionError(f"--keep must be in (0, 1], got {keep}")
+    n = len(full)
+    w = [1.0] * n if weights is None else [float(x) for x in weights]
+    cands = [sorted(set(int(c) for c in cs)) for cs in candidates] if candidates is not None else \
+        [list(range(1, f + 1)) for f in full]
+    prof = keep_profile(n, allocation, strength)
+    total_full = sum(f * wi for f, wi in zip(full, w))
+    target = keep * total_full
+    floor = [cs[0] / f for cs, f in zip(cands, full)]
+
+    def shares(c: float) -> list[float]:
+        return [min(1.0, max(fl, c * p)) for fl, p in zip(floor, prof)]
+
+    def total(c: float) -> float:
+        return sum(s * f * wi for s, f, wi in zip(shares(c), full, w))
+
+    lo, hi = 0.0, 1.0 / min(prof)
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if total(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    cont = [s * f for s, f in zip(shares((lo + hi) / 2), full)]
+    # nearest allowed size, then single moves to neighbouring sizes while they bring the total closer
+    idx = [min(range(len(cs)), key=lambda j, cs=cs, t=t: (abs(cs[j] - t), cs[j])) for cs, t in zip(cands, cont)]
+    cur = sum(cands[i][idx[i]] * w[i] for i in range(n))
+    for _ in range(10_000):
+        err = target - cur
+        best = None
+        for i in range(n):
+            for delta in (-1, 1):
+                j = idx[i] + delta
+                if not 0 <= j < len(cands[i]):
+                    continue
+                change = (cands[i][j] - cands[i][idx[i]]) * w[i]
+                new_err = abs(err - change)
+                if new_err >= abs(err) - 1e-9:
+                    continue
+                residual = (cont[i] - cands[i][idx[i]]) * (1 if change > 0 else -1)
+                key = (new_err, -residual)
+                if best is None or key < best[0]:
+                    best = (key, i, j, change)
+        if best is None:
+            break
+        _, i, j, change = best
+        idx[i] = j
+        cur += change
+    return [cands[i][idx[i]] for i in range(n)]
+
+
+def divisors(n: int) -> list[int]:
+    """Allowed kv-head counts for a layer of n heads."""
+    return [g for g in range(1, n + 1) if n % g == 0]

@@ -1,0 +1,114 @@
+"""Head grouping: merge heads into groups that share one key/value head (MHA -> GQA).
+
+Within a group the key and value projections (weights and biases) of the member heads are replaced by
+their mean; query and output projections are untouched.  The model's layout requires query head h to use
+kv head ``h // group_size`` with equal, contiguous groups, so the query heads are permuted to make every
+group contiguous (the matching output-projection columns are permuted too, which is exact); the
+permutation is returned so head indices can be mapped back.
+
+Groups come from adjacency (``adjacent_groups``: heads 0..g-1, g..2g-1, ...) or from an explicit list,
+e.g. CAHP's clusters of similar heads (``groups=[[0, 3], [1, 2]]``); groups in a layer must have equal size.
+
+    >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    >>> m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+    >>> info = group_heads(m, [adjacent_groups(4, 2)] * 4)
+    >>> m.transformer.h[0].attn.n_kv_heads, m.transformer.h[0].attn.k_proj.out_features
+    (2, 64)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from headbudget.compression.svd import CompressionError, _new_linear
+from headbudget.schedules import LayerSpec
+
+
+def adjacent_groups(n_heads: int, n_groups: int) -> list[list[int]]:
+    """Contiguous groups of equal size: ``adjacent_groups(4, 2) == [[0, 1], [2, 3]]``."""
+    if n_groups <= 0 or n_heads % n_groups:
+        raise CompressionError(f"{n_groups} groups do not divide {n_heads} heads evenly")
+    size = n_heads // n_groups
+    return [list(range(g * size, (g + 1) * size)) for g in range(n_groups)]
+
+
+def check_groups(groups: Sequence[Sequence[int]], n_heads: int, layer: int) -> list[list[int]]:
+    """Validate a partition of ``range(n_heads)`` into equal-size groups; returns it as lists."""
+    gs = [[int(h) for h in g] for g in groups]
+    flat = [h for g in gs for h in g]
+    if not gs or any(not g for g in gs):
+        raise CompressionError(f"layer {layer}: groups must be non-empty lists of head indices, got {groups!r}")
+    bad = [h for h in flat if not 0 <= h < n_heads]
+    if bad:
+        raise CompressionError(f"layer {layer}: head {bad[0]} out of range (layer has {n_heads} heads)")
+    if sorted(flat) != list(range(n_heads)):
+        dup = sorted({h for h in flat if flat.count(h) > 1})
+        missing = sorted(set(range(n_heads)) - set(flat))
+        raise CompressionError(f"layer {layer}: groups must cover every head exactly once "
+                               f"(repeated {dup}, missing {missing})")
+    sizes = sorted({len(g) for g in gs})
+    if len(sizes) > 1:
+        raise CompressionError(f"layer {layer}: groups have unequal sizes {sizes}; the model needs "
+                               "equal groups (n_heads divisible by n_kv_heads)")
+    return gs
+
+
+def groups_from_labels(labels: Sequence[int]) -> list[list[int]]:
+    """Cluster labels per head (e.g. CAHP's) -> groups: ``[0, 1, 0, 1] -> [[0, 2], [1, 3]]``."""
+    out: dict[int, list[int]] = {}
+    for h, lab in enumerate(labels):
+        out.setdefault(int(lab), []).append(h)
+    return [out[k] for k in sorted(out)]
+
+
+@torch.no_grad()
+def group_layer(attn: nn.Module, groups: Sequence[Sequence[int]], layer: int = 0) -> dict[str, Any]:
+    """Merge one layer's heads into the given K/V groups, in place; returns the query-head order."""
+    H = attn.n_heads
+    if attn.n_kv_heads != H:
+        raise CompressionError(f"layer {layer}: already grouped ({attn.n_kv_heads} kv heads for {H} heads); "
+                               "grouping starts from multi-head attention")
+    gs = check_groups(groups, H, layer)
+    order = [h for g in gs for h in g]
+    dq, dv = attn.qk_head_dim, attn.v_head_dim
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+
+    def rows(idx: Sequence[int], width: int) -> torch.Tensor:
+        return torch.cat([torch.arange(i * width, (i + 1) * width) for i in idx])
+
+    def pooled(lin: nn.Linear, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = torch.cat([lin.weight[rows(g, width)].view(len(g), width, -1).mean(0) for g in gs])
+        b = None if lin.bias is None else torch.cat([lin.bias[rows(g, width)].view(len(g), width).mean(0)
+                                                     for g in gs])
+        return w, b
+
+    qi = rows(order, dq)
+    attn.q_proj = _new_linear(q.weight[qi], None if q.bias is None else q.bias[qi], q)
+    attn.k_proj = _new_linear(*pooled(k, dq), k)
+    attn.v_proj = _new_linear(*pooled(v, dv), v)
+    attn.o_proj = _new_linear(o.weight[:, rows(order, dv)], o.bias, o)
+    attn._set_spec(LayerSpec(H, attn.head_dim, len(gs), dq, dv))
+    return {"groups": gs, "head_order": order}
+
+
+def group_heads(model: nn.Module, groups: Sequence[Sequence[Sequence[int]] | None]) -> dict[str, Any]:
+    """Group every layer's heads (``groups[i]`` for layer i; None leaves a layer as it is), in place.
+
+    All layers are checked before any is changed; the config's schedule gets the new ``n_kv_heads``.
+    """
+    blocks = model.transformer.h
+    if len(groups) != len(blocks):
+        raise CompressionError(f"need one group list per layer ({len(blocks)}), got {len(groups)}")
+    for i, (block, g) in enumerate(zip(blocks, groups)):
+        if g is not None:
+            check_groups(g, block.attn.n_heads, i)
+    per_layer = []
+    for i, (block, g) in enumerate(zip(blocks, groups)):
+        per_layer.append(None if g is None else group_layer(block.attn, g, i))
+    sched = model.config.head_schedule
+    model.config.set_schedule(sched.with_layers([b.attn.spec for b in blocks], neutral=False))
+    return {"per_layer": per_layer}

@@ -1,0 +1,214 @@
+"""Low-rank head reduction: per-head truncated SVD of the bilinear forms W_Q^T W_K and W_V^T W_O.
+
+For head h with query/key projections ``W_Q,h, W_K,h`` (``qk_dim x d``) the attention logit between
+a query input x and a key input y is ``(W_Q x + b_Q) . (W_K y + b_K) * scale``.  Expanding, the terms
+``x^T W_Q^T b_K`` and ``b_Q . b_K`` depend on the query only, so they shift every logit of a query row
+by the same amount and cancel in the softmax.  What the model computes is therefore exactly the
+bilinear form of the augmented matrix
+
+    M = [W_Q | b_Q]^T [W_K | 0]          ((d+1) x (d+1), rank <= qk_dim)
+
+on ``[x; 1]`` and ``[y; 1]``.  Its rank-r truncated SVD ``M_r = U_r S_r V_r^T`` is split
+``sqrt(S)`` to each side: the new query projection is ``(U_r S_r^1/2)^T`` (its last column becomes
+the query bias, so the query bias is kept *exactly*), the new key projection ``(V_r S_r^1/2)^T`` (its
+bias is zero).  At full rank the logits equal the original ones up to those per-row constants, so the
+attention probabilities and the model's output are unchanged.  The softmax scale stays
+``1/sqrt(head_dim)`` (the schedule keeps ``head_dim``; only ``qk_head_dim`` shrinks).
+
+The value/output path: head h adds ``P (X W_V,h^T + 1 b_V,h^T) W_O,h^T`` to the output; rows of P sum
+to one, so the value bias contributes the constant ``W_O,h b_V,h``, which is folded into the output
+projection's bias (exact; when the output projection has no bias the value bias joins the SVD as an
+augmented row instead).  ``W_V,h^T W_O,h^T`` (``d x d``, rank <= v_dim) is truncated likewise.
+(Caveat: a head gate from ``head_mask`` no longer scales the folded value-bias term.)
+
+Factorisations are computed through thin QR decompositions in float64 (``M = Q_a (R_a R_b^T) Q_b^T``)
+so only an ``r x r`` SVD per head is needed.
+
+    >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    >>> m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+    >>> info = svd_compress(m, qk_ranks=[8, 8, 4, 4], v_ranks=[8, 8, 4, 4])
+    >>> m.config.head_schedule[3].qk_head_dim, m.transformer.h[3].attn.q_proj.out_features
+    (4, 16)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from headbudget.schedules import LayerSpec
+
+ROTARY_HINTS = ("rope_theta", "rotary_dim", "rotary_pct", "rope_scaling", "rotary_emb_base")
+
+
+class CompressionError(ValueError):
+    """A model or request the compressor cannot handle; the message names the layer and the reason."""
+
+
+def rotary_reason(model: Any) -> str | None:
+    """Why QK SVD is impossible for this model (rotary position embeddings), or None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    pos_type = str(getattr(cfg, "position_embedding_type", "") or "")
+    hints = [h for h in ROTARY_HINTS if getattr(cfg, h, None) is not None]
+    if "rot" in pos_type.lower() or "rope" in pos_type.lower() or hints:
+        what = f"position_embedding_type={pos_type!r}" if pos_type else ", ".join(hints)
+        return (f"model_type {getattr(cfg, 'model_type', '?')!r} uses rotary position embeddings ({what}): "
+                "q and k are rotated by position, so the logit is not the fixed bilinear form "
+                "x^T W_Q^T W_K y that QK SVD truncates (grouping K/V heads is still possible)")
+    return None
+
+
+@dataclass
+class HeadFactors:
+    """Full-rank factors of one head's form ``M = A^T B`` with ``A = (U S^1/2)^T``, ``B = (V S^1/2)^T``.
+
+    ``left``: ``(k, n_in)``; ``right``: ``(k, n_out)``; ``sigma``: the k singular values, descending.
+    Keeping the first r rows of ``left``/``right`` gives the best rank-r approximation of ``M``.
+    """
+
+    left: torch.Tensor
+    right: torch.Tensor
+    sigma: torch.Tensor
+
+    def product(self, rank: int | None = None) -> torch.Tensor:
+        r = self.sigma.numel() if rank is None else rank
+        return self.left[:r].T @ self.right[:r]
+
+    def tail_norm(self, rank: int) -> float:
+        """Frobenius norm of ``M - M_r``: sqrt of the sum of the squared dropped singular values."""
+        return float(self.sigma[rank:].pow(2).sum().sqrt())
+
+
+def factor_product(a_t: torch.Tensor, b_t: torch.Tensor) -> HeadFactors:
+    """Factor ``M = a_t @ b_t.T`` (``a_t``: ``n x k``, ``b_t``: ``m x k``) by its SVD, via thin QR."""
+    a_t, b_t = a_t.double(), b_t.double()
+    qa, ra = torch.linalg.qr(a_t)
+    qb, rb = torch.linalg.qr(b_t)
+    u, s, vh = torch.linalg.svd(ra @ rb.T)
+    root = s.clamp_min(0).sqrt()
+    left = (qa @ u * root).T  # (k, n)
+    right = (qb @ vh.T * root).T  # (k, m)
+    return HeadFactors(left=left, right=right, sigma=s)
+
+
+def _head_rows(weight: torch.Tensor, bias: torch.Tensor | None, h: int, dim: int, with_bias: bool) -> torch.Tensor:
+    """Rows of head h as ``(dim, d+1)``: ``[W_h | b_h]`` (or ``[W_h | 0]``)."""
+    w = weight[h * dim:(h + 1) * dim].double()
+    col = bias[h * dim:(h + 1) * dim].double() if (with_bias and bias is not None) else w.new_zeros(dim)
+    return torch.cat([w, col[:, None]], dim=1)
+
+
+@torch.no_grad()
+def layer_factors(attn: nn.Module, layer: int = 0) -> dict[str, list[HeadFactors]]:
+    """Full-rank QK and VO factors of every head of one attention layer (see module doc)."""
+    H, KV = attn.n_heads, attn.n_kv_heads
+    if KV != H:
+        raise CompressionError(
+            f"layer {layer}: SVD needs one key/value head per query head, but the layer has "
+            f"{H} query heads sharing {KV} key/value heads (run SVD before grouping)"
+        )
+    dq, dv = attn.qk_head_dim, attn.v_head_dim
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    fold_v_bias = o.bias is not None
+    qk, vo = [], []
+    for h in range(H):
+        a = _head_rows(q.weight, q.bias, h, dq, True)  # query bias kept exactly
+        b = _head_rows(k.weight, k.bias, h, dq, False)  # key bias is softmax-invariant: dropped
+        qk.append(factor_product(a.T, b.T))
+        av = _head_rows(v.weight, v.bias, h, dv, not fold_v_bias)
+        wo_h = o.weight[:, h * dv:(h + 1) * dv].double()  # (d, dv)
+        vo.append(factor_product(av.T, wo_h))
+    return {"qk": qk, "vo": vo}
+
+
+def singular_values(model: nn.Module) -> list[dict[str, list[list[float]]]]:
+    """Per layer, per head singular values of the QK and VO forms (for plots and rank choices)."""
+    out = []
+    for i, block in enumerate(model.transformer.h):
+        f = layer_factors(block.attn, i)
+        out.append({key: [hf.sigma.tolist() for hf in f[key]] for key in ("qk", "vo")})
+    return out
+
+
+def _new_linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Linear) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    lin = lin.to(device=like.weight.device, dtype=like.weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight.to(lin.weight.dtype))
+        if bias is not None:
+            lin.bias.copy_(bias.to(lin.bias.dtype))
+    return lin
+
+
+@torch.no_grad()
+def compress_layer(attn: nn.Module, qk_rank: int, v_rank: int, layer: int = 0,
+                   factors: dict[str, list[HeadFactors]] | None = None) -> dict[str, Any]:
+    """Replace one layer's q/k/v/o by rank-``qk_rank`` / rank-``v_rank`` per-head factors, in place.
+
+    Returns per-head Frobenius errors of the truncated forms (``qk_error``/``vo_error``, relative
+    ``*_rel_error``).
+    """
+    H, dq, dv = attn.n_heads, attn.qk_head_dim, attn.v_head_dim
+    for name, r, full in (("qk", qk_rank, dq), ("v", v_rank, dv)):
+        if not isinstance(r, int) or not 1 <= r <= full:
+            raise CompressionError(f"layer {layer}: {name} rank must be an integer in [1, {full}], got {r!r}")
+    f = factors or layer_factors(attn, layer)
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    d = q.in_features
+    has_bias = q.bias is not None
+    q_rows, k_rows, v_rows, o_cols = [], [], [], []
+    o_bias = o.bias.double().clone() if o.bias is not None else None
+    qk_err, vo_err, qk_rel, vo_rel = [], [], [], []
+    for h in range(H):
+        fq, fv = f["qk"][h], f["vo"][h]
+        q_rows.append(fq.left[:qk_rank])
+        k_rows.append(fq.right[:qk_rank])
+        v_rows.append(fv.left[:v_rank])
+        o_cols.append(fv.right[:v_rank])
+        if o_bias is not None and v.bias is not None:
+            o_bias += o.weight[:, h * dv:(h + 1) * dv].double() @ v.bias[h * dv:(h + 1) * dv].double()
+        for sig, r, err, rel in ((fq.sigma, qk_rank, qk_err, qk_rel), (fv.sigma, v_rank, vo_err, vo_rel)):
+            tail = float(sig[r:].pow(2).sum().sqrt())
+            err.append(tail)
+            rel.append(tail / max(float(sig.pow(2).sum().sqrt()), 1e-30))
+    qa, ka, va = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
+    attn.q_proj = _new_linear(qa[:, :d], qa[:, d] if has_bias else None, q)
+    attn.k_proj = _new_linear(ka[:, :d], ka[:, d] if has_bias else None, k)
+    attn.v_proj = _new_linear(va[:, :d], va[:, d] if (has_bias and o_bias is None) else
+                              (torch.zeros(va.shape[0], dtype=va.dtype) if has_bias else None), v)
+    attn.o_proj = _new_linear(torch.cat(o_cols).T, o_bias, o)
+    attn._set_spec(LayerSpec(H, attn.head_dim, attn.n_kv_heads, qk_rank, v_rank))
+    return {"qk_error": qk_err, "vo_error": vo_err, "qk_rel_error": qk_rel, "vo_rel_error": vo_rel}
+
+
+def svd_compress(model: nn.Module, qk_ranks: Sequence[int], v_ranks: Sequence[int] | None = None,
+                 progress: bool = False) -> dict[str, Any]:
+    """Compress every layer of a headbudget model in place to the given per-layer ranks.
+
+    ``v_ranks`` defaults to ``qk_ranks``.  The config's schedule is updated (``neutral=False``,
+    per-layer ``qk_head_dim``/``v_head_dim``), so ``save_pretrained``/``from_pretrained`` round-trip.
+    Raises :class:`CompressionError` for rotary models, grouped K/V layers and bad ranks.
+    """
+    reason = rotary_reason(model)
+    if reason:
+        raise CompressionError(f"SVD compression refused: {reason}")
+    blocks = model.transformer.h
+    v_ranks = list(qk_ranks) if v_ranks is None else list(v_ranks)
+    if len(qk_ranks) != len(blocks) or len(v_ranks) != len(blocks):
+        raise CompressionError(f"need one rank per layer ({len(blocks)}), got {len(qk_ranks)} qk and "
+                               f"{len(v_ranks)} v ranks")
+    from tqdm.auto import tqdm
+
+    per_layer = []
+    for i, block in enumerate(tqdm(blocks, desc="svd", disable=not progress, leave=False)):
+        info = compress_layer(block.attn, int(qk_ranks[i]), int(v_ranks[i]), i)
+        per_layer.append(info)
+    sched = model.config.head_schedule
+    model.config.set_schedule(sched.with_layers([b.attn.spec for b in blocks], neutral=False))
+    return {"per_layer": per_layer}

@@ -1,0 +1,227 @@
+"""N-gram extraction at a fixed attention budget: many narrow heads or few wide ones?
+
+Sequences of uniformly random tokens (vocabulary ``vocab``, length ``seq_len``); at every position t the
+targets are the tokens at ``t - o`` for each offset ``o`` in ``offsets`` (e.g. 1,2,3,4): the model must
+copy k = len(offsets) earlier tokens, each into its own output slot.  The model is one causal attention
+layer with learned token and position embeddings (width ``d_model``), a residual connection and a linear
+read-out to k x vocab logits.  The attention budget ``n_heads x head_dim = budget`` is fixed and the
+split is swept over the divisors of ``budget``.
+
+Error = 1 - accuracy over all (position, offset) targets on a held-out batch, averaged over seeds.
+
+The prediction under test: one head can attend to one relative position cleanly, so the error should
+fall steeply until ``n_heads >= k`` and rise again once heads are too narrow to select a position and
+carry the token's identity.
+
+    >>> from headbudget.experiments.ngram import NgramConfig, run_ngram
+    >>> r = run_ngram(NgramConfig(budget=8, head_counts=(1, 2), offsets=(1, 2), vocab=4, seq_len=8,
+    ...               d_model=8, steps=3, batch=4, seeds=(0,)), progress=False)
+    >>> sorted(r["results"])
+    ['1', '2']
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from headbudget.experiments._common import atomic_write_json, new_figure, save_figure, torch_threads
+
+
+@dataclass
+class NgramConfig:
+    """Sizes of the n-gram experiment (defaults: a few minutes on 2 shared CPU cores)."""
+
+    budget: int = 64
+    head_counts: tuple[int, ...] | None = None  # None: every divisor of budget
+    offsets: tuple[int, ...] = (1, 2, 3, 4)
+    vocab: int = 16
+    seq_len: int = 32
+    d_model: int = 64
+    steps: int = 600
+    batch: int = 64
+    lr: float = 3e-3
+    eval_batch: int = 512
+    seeds: tuple[int, ...] = (0, 1)
+    threads: int = 1
+
+    @classmethod
+    def quick(cls) -> NgramConfig:
+        """A ~30 second version for smoke runs (``--quick``)."""
+        return cls(head_counts=(1, 2, 4, 16, 64), steps=250, eval_batch=256, seeds=(0,))
+
+    def splits(self) -> list[int]:
+        counts = list(self.head_counts) if self.head_counts else [h for h in range(1, self.budget + 1)
+                                                                     if self.budget % h == 0]
+        for h in counts:
+            if h <= 0 or self.budget % h:
+                raise ValueError(f"ngram: --heads value {h} does not divide --budget {self.budget}")
+        return counts
+
+
+class OneLayerAttention(torch.nn.Module):
+    """Embeddings -> causal multi-head attention (n_heads x head_dim) + residual -> linear read-out."""
+
+    def __init__(self, cfg: NgramConfig, n_heads: int, generator: torch.Generator):
+        super().__init__()
+        d, D = cfg.d_model, cfg.budget
+        self.n_heads, self.head_dim = n_heads, D // n_heads
+
+        def p(*shape: int, std: float) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(*shape, generator=generator) * std)
+
+        self.tok = p(cfg.vocab, d, std=1.0)
+        self.pos = p(cfg.seq_len, d, std=1.0)
+        self.wq, self.wk, self.wv = (p(D, d, std=1 / math.sqrt(d)) for _ in range(3))
+        self.wo = p(d, D, std=1 / math.sqrt(D))
+        self.readout = p(len(cfg.offsets) * cfg.vocab, d, std=1 / math.sqrt(d))
+        self.k, self.vocab = len(cfg.offsets), cfg.vocab
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        B, T = tokens.shape
+        x = self.tok[tokens] + self.pos[:T]
+        H, hd = self.n_heads, self.head_dim
+
+        def split(w: torch.Tensor) -> torch.Tensor:
+            return (x @ w.T).view(B, T, H, hd).transpose(1, 2)
+
+        q, k, v = split(self.wq), split(self.wk), split(self.wv)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, H * hd) @ self.wo.T
+        return ((x + y) @ self.readout.T).view(B, T, self.k, self.vocab)
+
+
+def _batch(cfg: NgramConfig, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(cfg.vocab, (n, cfg.seq_len), generator=g)
+    start = max(cfg.offsets)
+    targets = torch.stack([tokens[:, start - o: cfg.seq_len - o] for o in cfg.offsets], dim=-1)
+    return tokens, targets  # targets: (n, T - start, k)
+
+
+def _train_eval(cfg: NgramConfig, n_heads: int, seed: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(seed * 1009 + n_heads)
+    model = OneLayerAttention(cfg, n_heads, g)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=max(1, cfg.steps),
+                                                pct_start=0.1)
+    start = max(cfg.offsets)
+    gd = torch.Generator().manual_seed(seed * 7 + 1)
+    for _ in range(cfg.steps):
+        tokens, targets = _batch(cfg, cfg.batch, gd)
+        logits = model(tokens)[:, start:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    ge = torch.Generator().manual_seed(10_000 + seed)
+    tokens, targets = _batch(cfg, cfg.eval_batch, ge)
+    with torch.no_grad():
+        logits = model(tokens)[:, start:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+        correct = (logits.argmax(-1) == targets).float()
+    return {
+        "error": float(1 - correct.mean()),
+        "loss": float(loss),
+        "error_per_offset": [float(1 - c) for c in correct.mean(dim=(0, 1))],
+    }
+
+
+def run_ngram(cfg: NgramConfig, progress: bool = True) -> dict[str, Any]:
+    """Run the sweep; returns a JSON-ready dict (config, per-split results, summary with a verdict)."""
+    splits = cfg.splits()
+    if min(cfg.offsets) <= 0 or max(cfg.offsets) >= cfg.seq_len:
+        raise ValueError(f"ngram: --offsets must be in [1, {cfg.seq_len - 1}], got {list(cfg.offsets)}")
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {}
+    jobs = [(h, s) for h in splits for s in cfg.seeds]
+    with torch_threads(cfg.threads):
+        bar = tqdm(jobs, desc="ngram", disable=not progress, unit="model")
+        for h, seed in bar:
+            bar.set_postfix(heads=h, head_dim=cfg.budget // h, seed=seed)
+            r = _train_eval(cfg, h, seed)
+            entry = results.setdefault(str(h), {"n_heads": h, "head_dim": cfg.budget // h, "runs": []})
+            entry["runs"].append(dict(r, seed=seed))
+    for entry in results.values():
+        errs = [r["error"] for r in entry["runs"]]
+        entry["error_mean"] = sum(errs) / len(errs)
+        entry["error_min"], entry["error_max"] = min(errs), max(errs)
+    return {
+        "experiment": "ngram",
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "results": results,
+        "summary": _summarise(cfg, results),
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _summarise(cfg: NgramConfig, results: dict[str, Any]) -> dict[str, Any]:
+    k = len(cfg.offsets)
+    heads = sorted(int(h) for h in results)
+    err = {h: results[str(h)]["error_mean"] for h in heads}
+    best = min(heads, key=lambda h: (err[h], h))
+    below = [err[h] for h in heads if h < k]
+    at_or_above = [err[h] for h in heads if h >= k]
+    knee = bool(below) and bool(at_or_above) and min(at_or_above) < min(below) - 0.05
+    rises = bool(at_or_above) and err[heads[-1]] > err[best] + 0.05
+    if knee and best >= k:
+        verdict = (f"agrees: error drops once n_heads >= {k} (the number of offsets); best split "
+                   f"{best} x {cfg.budget // best}" + (", and rises again for the narrowest heads" if rises else ""))
+    elif best < k:
+        verdict = (f"disagrees: the best split has {best} heads, fewer than the {k} offsets to copy")
+    else:
+        verdict = f"inconclusive: no clear drop at n_heads = {k} (best split {best} x {cfg.budget // best})"
+    return {"n_offsets": k, "best_n_heads": best, "error_by_heads": {str(h): err[h] for h in heads},
+            "drop_at_n_offsets": knee, "rises_for_narrowest": rises, "verdict": verdict}
+
+
+def plot_ngram(result: dict[str, Any], path: str) -> None:
+    """Error vs number of heads at fixed budget (mean over seeds, min-max band)."""
+    fig, ax = new_figure(figsize=(6.4, 4.4))
+    heads = sorted(int(h) for h in result["results"])
+    mean = [result["results"][str(h)]["error_mean"] for h in heads]
+    lo = [result["results"][str(h)]["error_min"] for h in heads]
+    hi = [result["results"][str(h)]["error_max"] for h in heads]
+    ax.plot(heads, mean, marker="o", label="error (mean over seeds)")
+    ax.fill_between(heads, lo, hi, alpha=0.25, label="min-max over seeds")
+    k = result["summary"]["n_offsets"]
+    ax.axvline(k, color="grey", ls="--", label=f"n_heads = #offsets = {k}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(heads)
+    ax.set_xticklabels([f"{h}\nx{result['config']['budget'] // h}" for h in heads])
+    ax.set_xlabel("number of heads (x head dim) at fixed budget")
+    ax.set_ylabel("error (1 - accuracy)")
+    c = result["config"]
+    ax.set_title(f"N-gram extraction, offsets {c['offsets']}, budget {c['budget']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def format_ngram(result: dict[str, Any]) -> str:
+    lines = ["n_heads x head_dim   error(mean)  min     max     per-offset error (seed 0)"]
+    for h in sorted(result["results"], key=int):
+        e = result["results"][h]
+        per = " ".join(f"{x:.3f}" for x in e["runs"][0]["error_per_offset"])
+        lines.append(f"{e['n_heads']:>7} x {e['head_dim']:<8}  {e['error_mean']:.4f}       "
+                     f"{e['error_min']:.4f}  {e['error_max']:.4f}  {per}")
+    lines.append(f"verdict: {result['summary']['verdict']}")
+    lines.append(f"elapsed: {result['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+def write_ngram(result: dict[str, Any], out_dir: str) -> tuple[str, str]:
+    """Write ``ngram.json`` and ``ngram.png`` into ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    json_path = atomic_write_json(out / "ngram.json", result)
+    png_path = out / "ngram.png"
+    plot_ngram(result, str(png_path))
+    return str(json_path), str(png_path)

@@ -1,0 +1,140 @@
+"""Budgeted schedules: targets, granularity, validation, spec parsing and registration."""
+
+from __future__ import annotations
+
+import pytest
+
+from headbudget import schedules
+from headbudget.budget import (
+    BudgetError,
+    budget_report,
+    budget_schedule_from_spec,
+    budget_step,
+    budgeted_schedule,
+    fit_integer_total,
+    parse_budget_spec,
+    reference_schedule,
+)
+from headbudget.schedules import HeadSchedule, ScheduleError
+
+PRESETS = ["cpu-tiny", "cpu-small", "gpt2-124m"]
+FRACTIONS = [0.25, 0.5, 0.6, 0.75, 0.9, 1.0]
+
+
+@pytest.mark.parametrize("strategy", ["uniform_shrink", "late_dim_decay", "front_loaded_heads"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_strategies_hit_target_within_one_step(strategy, preset):
+    ref = reference_schedule(preset)
+    for f in FRACTIONS:
+        s = budgeted_schedule(preset, f, strategy)
+        assert isinstance(s, HeadSchedule) and s.neutral is False
+        assert s.n_layers == ref.n_layers and s.d_model == ref.d_model
+        assert abs(s.budget - f * ref.budget) <= budget_step(ref, strategy), (strategy, preset, f, s)
+        assert all(d % 8 == 0 and d >= 8 for d in s.head_dims)
+        # re-validates through the dict round trip
+        assert HeadSchedule.from_dict(s.to_dict()) == s
+
+
+def test_exact_values_cpu_small():
+    assert budgeted_schedule("cpu-small", 0.75, "uniform_shrink").head_dims == (48,) * 6
+    s = budgeted_schedule("cpu-small", 0.75, "late_dim_decay")
+    assert s.head_dims == (64, 64, 56, 48, 32, 24) and s.budget == 1152 == 0.75 * 1536
+    assert s.heads == (4,) * 6
+    f = budgeted_schedule("cpu-small", 0.75, "front_loaded_heads")
+    assert f.heads == (4, 4, 3, 3, 2, 2) and f.head_dims == (64,) * 6 and f.budget == 1152
+
+
+def test_late_dim_decay_keeps_early_layers_and_is_monotone():
+    for decay in ("linear", "geometric"):
+        s = budgeted_schedule("gpt2-124m", 0.6, "late_dim_decay", decay=decay, keep_layers=3)
+        assert s.head_dims[:3] == (64, 64, 64)
+        assert list(s.head_dims) == sorted(s.head_dims, reverse=True)
+        assert abs(s.budget - 0.6 * 12 * 768) <= 12 * 8
+    lin = budgeted_schedule("gpt2-124m", 0.6, "late_dim_decay", decay="linear", keep_layers=3)
+    geo = budgeted_schedule("gpt2-124m", 0.6, "late_dim_decay", decay="geometric", keep_layers=3)
+    assert lin.head_dims != geo.head_dims
+
+
+def test_front_loaded_heads_non_increasing():
+    s = budgeted_schedule("gpt2-124m", 0.5, "front_loaded_heads")
+    assert list(s.heads) == sorted(s.heads, reverse=True) and s.heads[0] == 12
+    assert s.budget == 0.5 * 12 * 768
+
+
+def test_custom_layers_and_profile():
+    s = budgeted_schedule("cpu-tiny", None, "custom", layers="4x32/4x32/2x32/2x16")
+    assert s.heads == (4, 4, 2, 2) and s.head_dims == (32, 32, 32, 16) and s.budget == 352
+    with pytest.raises(BudgetError, match="3 entries but the model has 4"):
+        budgeted_schedule("cpu-tiny", None, "custom", layers="4x32/4x32/2x32")
+    with pytest.raises(BudgetError, match="not the requested 0.5"):
+        budgeted_schedule("cpu-tiny", 0.5, "custom", layers="4x32/4x32/4x32/4x32")
+    p = budgeted_schedule("cpu-small", 0.5, "custom", profile="1/1/1/0.5/0.5/0.5")
+    assert p.budget == 768
+    assert p.head_dims[0] > p.head_dims[-1]
+    with pytest.raises(ScheduleError, match="multiple of 8"):
+        budgeted_schedule("cpu-tiny", None, "custom", layers="4x32/4x32/2x32/2x12")
+
+
+def test_errors_are_specific():
+    with pytest.raises(BudgetError, match=r"in \(0, 1\]"):
+        budgeted_schedule("cpu-small", 1.5, "uniform_shrink")
+    with pytest.raises(BudgetError, match="cannot reach 0.050"):
+        budgeted_schedule("cpu-small", 0.05, "uniform_shrink")
+    with pytest.raises(BudgetError, match="unknown budget strategy 'nope'"):
+        budgeted_schedule("cpu-small", 0.5, "nope")
+    with pytest.raises(BudgetError, match="does not take option"):
+        budgeted_schedule("cpu-small", 0.5, "uniform_shrink", decay="linear")
+    with pytest.raises(BudgetError, match="keep_layers=5"):
+        budgeted_schedule("cpu-small", 0.3, "late_dim_decay", keep_layers=5)
+
+
+def test_fit_integer_total():
+    assert fit_integer_total([1.5, 1.5, 1.5], [1] * 3, [4] * 3, [1] * 3, 5) == [2, 2, 1]
+    v = fit_integer_total([2.4, 2.4, 2.4, 2.4], [1] * 4, [8] * 4, [3, 3, 3, 3], 30)
+    assert sum(x * 3 for x in v) == 30 and max(v) - min(v) <= 1
+
+
+def test_spec_parsing_and_registration():
+    assert parse_budget_spec("late_dim_decay:0.5:decay=geometric:keep=2") == (
+        "late_dim_decay", 0.5, {"decay": "geometric", "keep_layers": 2})
+    assert parse_budget_spec("late_dim_decay:0.5:geometric")[2] == {"decay": "geometric"}
+    with pytest.raises(BudgetError, match="needs a fraction"):
+        parse_budget_spec("uniform_shrink")
+    s = budget_schedule_from_spec("late_dim_decay:0.75", "cpu-small")
+    assert s == budgeted_schedule("cpu-small", 0.75, "late_dim_decay")
+    assert budget_schedule_from_spec("custom:4x32/4x32/2x32/2x32", "cpu-tiny").heads == (4, 4, 2, 2)
+    assert budget_schedule_from_spec("prism", "cpu-small") == schedules.prism(6, 256, 256, 64)
+    # registered kinds work through the lead's schedule_from_spec (fraction passed as an option)
+    for kind in ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom"):
+        assert kind in schedules.SCHEDULE_KINDS
+    s2 = schedules.schedule_from_spec("uniform_shrink", "cpu-small", budget=0.5)
+    assert s2.head_dims == (32,) * 6
+    s3 = schedules.SCHEDULE_KINDS["late_dim_decay"](schedules.get_preset("cpu-small"), spec_arg="0.75")
+    assert s3 == s
+
+
+def test_budget_report_counts():
+    ref = reference_schedule("cpu-tiny")
+    s = budgeted_schedule("cpu-tiny", 0.5, "uniform_shrink")
+    r = budget_report(s, ref, vocab_size=512, n_positions=128)
+    assert r.fraction == 0.5 and r.budget == 256 and r.reference_budget == 512
+    # per layer: q,k,v out 64 each (+bias 64), o in 64 -> 128 (+bias 128)
+    per_layer = 3 * (128 * 64 + 64) + 64 * 128 + 128
+    assert r.attention_params == 4 * per_layer
+    assert r.flops_per_token < r.reference_flops_per_token
+    assert "D=256 (0.500 of 512)" in r.format()
+
+
+def test_budgeted_schedule_builds_a_model_with_exact_parameter_count():
+    import torch
+
+    from headbudget.accounting import count_parameters
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+
+    for strategy in ("late_dim_decay", "front_loaded_heads"):
+        s = budgeted_schedule("cpu-tiny", 0.5, strategy)
+        m = HeadBudgetForCausalLM(HeadBudgetConfig(schedule=s, vocab_size=64, n_positions=32))
+        assert m.transformer.h[-1].attn.q_proj.out_features == s[-1].width
+        assert m.num_parameters() == count_parameters(s, 64, 32).total
+        out = m(torch.randint(0, 64, (1, 8)), labels=torch.randint(0, 64, (1, 8)))
+        assert out.logits.shape == (1, 8, 64) and torch.isfinite(out.loss)
