@@ -1,0 +1,119 @@
+"""Training-step throughput: uniform vs prism, and headbudget vs Hugging Face GPT-2 (sdpa).
+
+A training step is forward + backward + AdamW step on random tokens. Models are timed interleaved
+(A, B, C, A, B, C, ...) and the median step time is used, so ratios come from the same run and the same
+machine state. Prints a table and writes JSON.
+
+    python benchmarks/throughput.py                       # cpu-small + one gpt2-124m config on CPU
+    python benchmarks/throughput.py --device cuda --dtype bf16 --configs gpt2-124m:8:1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+from headbudget.schedules import get_preset
+
+
+def build(kind: str, preset: str, device: str) -> torch.nn.Module:
+    p = get_preset(preset)
+    if kind == "hf-gpt2":
+        cfg = GPT2Config(n_layer=p.n_layers, n_embd=p.d_model, n_head=p.n_heads, vocab_size=p.vocab_size,
+                         n_positions=p.n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg._attn_implementation = "sdpa"
+        model = GPT2LMHeadModel(cfg)
+    else:
+        model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset(preset, kind))
+    return model.to(device).train()
+
+
+def step_fn(model, batch, opt, device, dtype):
+    def step():
+        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return step
+
+
+def run_config(preset: str, batch: int, context: int, kinds: list[str], steps: int, warmup: int,
+               device: str, dtype: torch.dtype) -> dict:
+    p = get_preset(preset)
+    torch.manual_seed(0)
+    data = torch.randint(0, p.vocab_size, (batch, context), device=device)
+    models = {k: build(k, preset, device) for k in kinds}
+    steps_fns = {}
+    for k, m in models.items():
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda")
+        steps_fns[k] = step_fn(m, data, opt, device, dtype)
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(warmup + steps):
+        for k in kinds:  # interleaved so drifts in machine load hit every model alike
+            t = time.perf_counter()
+            steps_fns[k]()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t)
+    tokens = batch * context
+    res = {k: {"median_step_s": statistics.median(v), "tokens_per_s": tokens / statistics.median(v),
+               "params": sum(p.numel() for p in models[k].parameters())} for k, v in times.items()}
+    out = {"preset": preset, "batch": batch, "context": context, "results": res}
+    if "uniform" in res:
+        base = res["uniform"]["tokens_per_s"]
+        out["ratios"] = {f"{k}/uniform": r["tokens_per_s"] / base for k, r in res.items() if k != "uniform"}
+        if "hf-gpt2" in res:
+            out["ratios"]["uniform/hf-gpt2"] = base / res["hf-gpt2"]["tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="cpu-small:8:256,gpt2-124m:1:128",
+                    help="comma list of PRESET:BATCH:CONTEXT")
+    ap.add_argument("--kinds", default="uniform,prism,hf-gpt2")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="benchmarks/results/throughput.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    kinds = args.kinds.split(",")
+    rows = []
+    for spec in args.configs.split(","):
+        preset, batch, context = spec.split(":")
+        rows.append(run_config(preset, int(batch), int(context), kinds, args.steps, args.warmup, args.device, dtype))
+    print(f"{'config':<24}{'model':<10}{'params':>13}{'step s':>10}{'tokens/s':>12}")
+    for r in rows:
+        name = f"{r['preset']} b{r['batch']} T{r['context']}"
+        for k, v in r["results"].items():
+            print(f"{name:<24}{k:<10}{v['params']:>13,}{v['median_step_s']:>10.3f}{v['tokens_per_s']:>12,.0f}")
+        for k, v in r.get("ratios", {}).items():
+            print(f"{'':<24}ratio {k}: {v:.3f}")
+    meta = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "cpu_count": os.cpu_count(), "steps": args.steps, "warmup": args.warmup}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "configs": rows}, indent=2))
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
