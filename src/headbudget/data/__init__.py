@@ -1,1 +1,12 @@
-"""data."""
+"""Data: sources, the built-in synthetic corpus, tokenizers, prepared memmaps and batch sampling.
+
+    >>> from headbudget.data import prepare_data
+    >>> # prepare_data("synthetic:200000", "bpe:512", "runs/cache")  -> PreparedData(train/val memmaps)
+"""
+
+from headbudget.data.prepare import PreparedData, prepare_data, token_dtype
+from headbudget.data.sources import read_source
+from headbudget.data.tokenizers import Tokenizer, load_tokenizer, make_tokenizer
+
+__all__ = ["PreparedData", "prepare_data", "token_dtype", "read_source", "Tokenizer", "load_tokenizer",
+           "make_tokenizer"]

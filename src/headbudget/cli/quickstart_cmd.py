@@ -1,0 +1,166 @@
+"""``headbudget quickstart``: the main job end to end on the built-in corpus, in a few CPU minutes.
+
+    headbudget quickstart --out runs/quickstart
+
+Stages: prepare the synthetic corpus (tokenizer trained on it), train a uniform and a prism model of
+the ``cpu-tiny`` preset on identical batches, compare their validation loss, and write
+``report.md`` / ``compare.json`` / ``loss_curves.png``; prints where each file is and how long every
+stage took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from headbudget.train.config import RunConfig, apply_overrides
+
+#: The built-in copy of configs/quickstart.yaml (a test checks they agree), so an installed package
+#: without the repository's configs/ folder still runs the quickstart.
+QUICKSTART: dict[str, Any] = {
+    "name": "quickstart",
+    "seed": 0,
+    "model": {"preset": "cpu-tiny", "schedule": "uniform", "vocab_size": None},
+    "data": {"source": "synthetic:400000", "tokenizer": "bpe:512", "val_fraction": 0.05, "seed": 0},
+    "train": {"steps": 150, "batch_size": 16, "context": 128, "lr": 3.0e-3, "min_lr_ratio": 0.1,
+              "warmup_steps": 15, "weight_decay": 0.1, "grad_clip": 1.0, "eval_every": 50,
+              "eval_batches": 8, "log_every": 10, "ckpt_every": 0},
+}
+
+#: ``--tiny`` (hidden, for tests): seconds instead of minutes.
+TINY_OVERRIDES = [
+    "data.source=synthetic:20000", "data.tokenizer=byte", "model.n_layers=3", "model.d_model=64",
+    "model.n_heads=2", "model.prism_max_head_dim=32", "model.prism_min_head_dim=8", "train.steps=6",
+    "train.batch_size=4", "train.context=32", "train.eval_every=3", "train.eval_batches=2",
+    "train.log_every=3", "train.warmup_steps=2",
+]
+
+SCHEDULES = ("uniform", "prism")
+
+
+def quickstart_config(overrides: list[str] | None = None, tiny: bool = False) -> RunConfig:
+    """configs/quickstart.yaml when present, else the embedded copy; then ``--tiny`` and ``--set``."""
+    path = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
+    cfg = RunConfig.load(path) if path.is_file() else RunConfig.from_dict(QUICKSTART, "built-in quickstart")
+    return apply_overrides(cfg, (TINY_OVERRIDES if tiny else []) + list(overrides or []))
+
+
+def _attention_stage(summary: dict[str, Any], data, cfg: RunConfig, out: Path) -> str | None:
+    """Per-layer mean attention distance of the two trained models on fixed validation windows.
+
+    Writes ``attention.json`` and ``attention_distance.png``; returns a markdown section (or None when
+    ``headbudget.analysis.attention`` is not installed)."""
+    try:
+        from headbudget.analysis.attention import attention_summary, plot_distance_comparison, write_json
+    except ImportError:
+        return None
+    from headbudget.data.loader import val_batches
+    from headbudget.models import HeadBudgetForCausalLM
+
+    n_seqs = 2 if cfg.train.batch_size < 8 else 8
+    ids = val_batches(data.val, n_batches=1, batch_size=n_seqs, context=cfg.train.context)[0][0]
+    summaries = {}
+    for run in summary["runs"]:
+        model = HeadBudgetForCausalLM.from_pretrained(str(Path(run["run_dir"]) / "model"))
+        summaries[run["schedule"]] = attention_summary(model, ids, local_window=8, batch_size=2)
+    write_json(summaries, out / "attention.json")
+    plot_distance_comparison(summaries, out / "attention_distance.png",
+                             title="mean attention distance per head (tokens)")
+    names = list(summaries)
+    lines = ["## Attention distance", "",
+             f"Mean attention distance (tokens back, averaged over heads and {n_seqs} validation windows of "
+             f"{cfg.train.context} tokens) per layer; local share = mass on the 8 most recent tokens.", "",
+             "| layer | " + " | ".join(f"{n} heads | {n} distance | {n} local share" for n in names) + " |",
+             "|---:|" + "---:|---:|---:|" * len(names)]
+    for i in range(len(summaries[names[0]]["layers"])):
+        cells = []
+        for n in names:
+            row = summaries[n]["layers"][i]
+            cells += [str(row["n_heads"]), f"{row['mean_distance']:.1f}", f"{row['mean_local_share']:.2f}"]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    lines += ["", "![attention distance](attention_distance.png)", ""]
+    return "\n".join(lines)
+
+
+def _quiet_transformers() -> None:
+    """Hide transformers' per-file load/save progress bars (this command draws its own)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    from headbudget.train.compare import prepare_for, run_compare
+
+    t_all = time.perf_counter()
+    out = Path(args.out)
+    cfg = quickstart_config(args.overrides, tiny=args.tiny)
+    if args.cache_dir:
+        cfg = cfg.replace(data={"cache_dir": args.cache_dir})
+    elif cfg.data.cache_dir is None:
+        cfg = cfg.replace(data={"cache_dir": str(out / "data-cache")})
+    timings: dict[str, float] = {}
+    print(f"headbudget quickstart -> {out}")
+    print(f"[1/4] preparing {cfg.data.source} with tokenizer {cfg.data.tokenizer} ...", flush=True)
+    t0 = time.perf_counter()
+    data = prepare_for(cfg, progress=False)
+    timings["prepare data"] = time.perf_counter() - t0
+    m = data.meta
+    print(f"      {m['train_tokens']:,} train / {m['val_tokens']:,} val tokens, vocab {m['vocab_size']} "
+          f"({'cached' if data.reused else 'built'}) in {timings['prepare data']:.1f}s", flush=True)
+
+    stage = {"i": 2, "t": time.perf_counter()}
+
+    def on_run(sched: str, seed: int, result) -> None:
+        dt = time.perf_counter() - stage["t"]
+        timings[f"train {sched}"] = dt
+        print(f"      {sched}: val loss {result.final_val_loss:.4f} ({result.params:,} params, "
+              f"{result.tokens_per_s:,.0f} tokens/s) in {dt:.1f}s", flush=True)
+        stage["i"] += 1
+        stage["t"] = time.perf_counter()
+        if stage["i"] <= 3:
+            print(f"[{stage['i']}/4] training {SCHEDULES[stage['i'] - 2]} ...", flush=True)
+
+    print(f"[2/4] training {SCHEDULES[0]} ({cfg.model.preset}, {cfg.train.steps} steps x "
+          f"{cfg.train.batch_size} x {cfg.train.context} tokens) ...", flush=True)
+    summary = run_compare(cfg, list(SCHEDULES), [cfg.seed], out, data=data, on_run=on_run)
+    t0 = time.perf_counter()
+    print("[4/4] attention distance and report", flush=True)
+    att = _attention_stage(summary, data, cfg, out)
+    if att is not None:
+        timings["attention analysis"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - t_all
+    s = summary["schedules"]
+    u, p = s["uniform"]["val_loss_mean"], s["prism"]["val_loss_mean"]
+    better = "prism" if p < u else "uniform"
+    print(f"      val loss: uniform {u:.4f}   prism {p:.4f}   (Δ prism-uniform {p - u:+.4f}; lower is "
+          f"better: {better}; one seed - use `headbudget compare --seeds 3` to judge noise)")
+    report = out / "report.md"
+    text = report.read_text()
+    if att is not None:
+        text += "\n" + att
+    text += "\n## Quickstart stage times\n\n| stage | seconds |\n|---|---:|\n" + "".join(
+        f"| {k} | {v:.1f} |\n" for k, v in timings.items())
+    report.write_text(text)
+    (out / "timings.json").write_text(json.dumps(timings, indent=2))
+    print("      stage times: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+    print(f"      report: {report}\n      curves: {out / 'loss_curves.png'}\n      numbers: {out / 'compare.json'}")
+    if att is not None:
+        print(f"      attention: {out / 'attention_distance.png'}, {out / 'attention.json'}")
+    print(f"      models: {out / 'uniform-seed0' / 'model'}, {out / 'prism-seed0' / 'model'}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quickstart", help="train uniform vs prism on the built-in corpus (a few CPU minutes)",
+                       description="Prepare the synthetic corpus, train a uniform and a prism model, compare.")
+    p.add_argument("--out", default="runs/quickstart", help="output directory (default runs/quickstart)")
+    p.add_argument("--cache-dir", help="data cache (default OUT/data-cache)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a quickstart config key, e.g. --set train.steps=300")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_quickstart)

@@ -1,0 +1,145 @@
+"""``headbudget train``, ``headbudget compare`` and ``headbudget prepare``.
+
+    headbudget train configs/cpu-small.yaml --schedule prism --out runs/prism --set train.lr=3e-4
+    headbudget train configs/cpu-small.yaml --out runs/prism --resume        # continue exactly
+    torchrun --nproc_per_node 2 -m headbudget.cli.main train configs/cpu-small.yaml   # DDP
+    headbudget compare configs/cpu-small.yaml --schedules uniform,prism,reverse,uniform@128 --seeds 3
+    headbudget prepare configs/cpu-small.yaml        # tokenize once into the cache
+    headbudget prepare --source "jsonl:corpus.jsonl:text" --tokenizer bpe:4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from headbudget.train.config import RunConfig, load_config, resolve_config_path
+
+
+def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
+    if config_required:
+        p.add_argument("config", help="config file (YAML) or a bundled name: quickstart, cpu-small, gpt2-124m, ...")
+    else:
+        p.add_argument("config", nargs="?", help="config file (YAML) or bundled name (optional)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def _load(args: argparse.Namespace) -> RunConfig:
+    path = resolve_config_path(args.config) if args.config else None
+    return load_config(path, args.overrides)
+
+
+def _is_main() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _quiet_transformers() -> None:
+    """Hide transformers' per-file load/save progress bars (this command draws its own)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    from headbudget.train.trainer import Trainer, TrainingDivergedError
+
+    cfg = _load(args)
+    if args.schedule:
+        cfg = cfg.replace(model={"schedule": args.schedule})
+    if args.seed is not None:
+        cfg = cfg.replace(seed=args.seed)
+    out = Path(args.out or cfg.out or f"runs/{cfg.name}-{cfg.model.schedule}-s{cfg.seed}")
+    if (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*.pt")) and not args.resume:
+        raise ValueError(f"{out} already holds checkpoints: add --resume to continue, or choose another --out")
+    t0 = time.perf_counter()
+    try:
+        result = Trainer(cfg, out, resume=args.resume).run()
+    except TrainingDivergedError as exc:
+        print(f"headbudget train: stopped: {exc}", file=sys.stderr)
+        return 3
+    if _is_main():
+        val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
+        print(f"trained {cfg.model.schedule} ({result.params:,} params) for {result.steps} steps in "
+              f"{time.perf_counter() - t0:.1f}s: val loss {val}, {result.tokens_per_s:,.0f} tokens/s, "
+              f"peak {result.peak_memory_mb:,.0f} MB")
+        print(f"model: {result.model_dir}   metrics: {out / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    _quiet_transformers()
+    from headbudget.train.compare import parse_schedules, run_compare
+
+    cfg = _load(args)
+    schedules = parse_schedules(args.schedules)
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    out = Path(args.out or f"runs/compare-{cfg.name}")
+    n = len(schedules) * args.seeds
+
+    def on_run(sched: str, seed: int, result) -> None:
+        print(f"[{on_run.i}/{n}] {sched} seed {seed}: val loss {result.final_val_loss:.4f}, "
+              f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.1f}s", flush=True)
+        on_run.i += 1
+
+    on_run.i = 1
+    summary = run_compare(cfg, schedules, args.seeds, out, save_models=not args.no_save_models, on_run=on_run)
+    print()
+    print((out / "report.md").read_text().split("## Reading")[0].split("\n\n", 2)[-1].strip())
+    print(f"\ncompare.json, report.md, loss_curves.png in {out}  ({summary['wall_s']:.0f}s)")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from headbudget.data.prepare import prepare_data
+
+    cfg = _load(args)
+    d = cfg.data
+    source = args.source or d.source
+    tokenizer = args.tokenizer or d.tokenizer
+    t0 = time.perf_counter()
+    data = prepare_data(source, tokenizer, args.cache_dir or d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
+                        max_chars=d.max_chars, split_blank_lines=d.split_blank_lines, force=args.force)
+    m = data.meta
+    print(f"{'reused' if data.reused else 'prepared'} {data.directory} in {time.perf_counter() - t0:.1f}s")
+    print(json.dumps({k: m[k] for k in ("source", "tokenizer", "vocab_size", "dtype", "train_tokens",
+                                        "val_tokens", "content_hash")}, indent=2))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train one model from a config",
+                       description="Train one model; writes metrics.jsonl, checkpoints/, model/ (HF format).")
+    _add_common(p)
+    p.add_argument("--schedule", help="head schedule: uniform, prism, reverse, linear, uniform@128, 3,3,6,6 ...")
+    p.add_argument("--out", help="run directory (default: config 'out' or runs/NAME-SCHEDULE-sSEED)")
+    p.add_argument("--seed", type=int, help="override the config's seed")
+    p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
+                       description="Writes compare.json, report.md and loss_curves.png.")
+    _add_common(p)
+    p.add_argument("--schedules", default="uniform,prism",
+                   help="comma list, e.g. uniform,prism,reverse,uniform@128 (use ';' between schedules "
+                        "written as head lists)")
+    p.add_argument("--seeds", type=int, default=1, help="number of seeds (config seed, seed+1, ...)")
+    p.add_argument("--out", help="output directory (default runs/compare-NAME)")
+    p.add_argument("--no-save-models", action="store_true", help="do not write each run's model/ folder")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("prepare", help="tokenize a data source into cached train/val memmaps",
+                       description="Prepare (or find in the cache) the data of a config or of --source.")
+    _add_common(p, config_required=False)
+    p.add_argument("--source", help="text file/glob, jsonl:PATH[:FIELD], hf:NAME[:CONFIG], synthetic[:N_WORDS]")
+    p.add_argument("--tokenizer", help="byte, bpe:N, gpt2[:DIR], hf:NAME_OR_PATH")
+    p.add_argument("--cache-dir", help="cache directory (default $HEADBUDGET_DATA_CACHE or ~/.cache/headbudget/data)")
+    p.add_argument("--force", action="store_true", help="rebuild even when a cached copy exists")
+    p.set_defaults(func=cmd_prepare)

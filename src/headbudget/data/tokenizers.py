@@ -1,0 +1,255 @@
+"""Tokenizers by spec string: ``byte``, ``bpe:N``, ``gpt2[:DIR]``, ``hf:NAME_OR_PATH``.
+
+Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``
+and ``save(dir)``; :func:`load_tokenizer` reads a saved one back, so a run directory carries the exact
+tokenizer its model was trained with.
+
+    >>> tok = make_tokenizer("byte")
+    >>> tok.decode(tok.encode("héllo")), tok.vocab_size, tok.eos_id
+    ('héllo', 257, 256)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+#: Default folder of the offline GPT-2 BPE files (relative to the project root / current directory).
+DEFAULT_GPT2_DIR = "../shared/data/tokenizers/gpt2"
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+SPEC_FILE = "tokenizer_spec.json"
+
+
+class TokenizerError(ValueError):
+    """A bad tokenizer spec or missing tokenizer files (one-line message)."""
+
+
+class Tokenizer:
+    """Common interface.  ``spec`` is the string that built it (recorded in meta files)."""
+
+    spec: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write what :func:`load_tokenizer` needs into ``directory``; returns the directory."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(d / SPEC_FILE, json.dumps(self._spec_dict(), indent=2))
+        return d
+
+    def _spec_dict(self) -> dict[str, Any]:
+        return {"spec": self.spec, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+    def fingerprint(self) -> str:
+        """A string that changes whenever the token ids would change (used in cache keys)."""
+        return self.spec
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes 0..255 plus an end-of-document token 256."""
+
+    def __init__(self) -> None:
+        self.spec = "byte"
+        self.vocab_size = 257
+        self.eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer(Tokenizer):
+    """A byte-level BPE trained with Hugging Face ``tokenizers`` (``bpe:N``)."""
+
+    EOS = "<|endoftext|>"
+
+    def __init__(self, tokenizer: Any, spec: str) -> None:
+        self.tk = tokenizer
+        self.spec = spec
+        self.vocab_size = tokenizer.get_vocab_size()
+        eos = tokenizer.token_to_id(self.EOS)
+        if eos is None:
+            raise TokenizerError(f"BPE tokenizer for {spec!r} has no {self.EOS} token")
+        self.eos_id = eos
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import ByteLevelBPETokenizer
+
+        if vocab_size < 257 + 1:
+            raise TokenizerError(f"bpe:{vocab_size}: a byte-level BPE needs at least 258 tokens")
+        tk = ByteLevelBPETokenizer()
+        tk.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[cls.EOS],
+                               show_progress=False)
+        return cls(tk, f"bpe:{vocab_size}")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tk.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tk.decode(list(ids))
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        d = super().save(directory)
+        self.tk._tokenizer.save(str(d / ".tokenizer.json.tmp"))
+        os.replace(d / ".tokenizer.json.tmp", d / "tokenizer.json")
+        return d
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        return self.spec + ":" + hashlib.sha256(self.tk._tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+class TiktokenGPT2(Tokenizer):
+    """GPT-2's BPE through tiktoken, built offline from ``encoder.json`` + ``vocab.bpe``."""
+
+    def __init__(self, directory: str | os.PathLike = DEFAULT_GPT2_DIR) -> None:
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+        d = Path(directory)
+        enc_json, vocab_bpe = d / "encoder.json", d / "vocab.bpe"
+        for f in (enc_json, vocab_bpe):
+            if not f.is_file():
+                raise TokenizerError(f"gpt2 tokenizer: {f} not found (give gpt2:DIR with encoder.json and vocab.bpe)")
+        ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(vocab_bpe), encoder_json_file=str(enc_json))
+        self.enc = tiktoken.Encoding("gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": 50256})
+        self.directory = d
+        self.spec = f"gpt2:{d}"
+        self.vocab_size = self.enc.n_vocab
+        self.eos_id = 50256
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_ordinary_batch(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.enc.decode(list(ids))
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        import shutil
+
+        d = super().save(directory)
+        for name in ("encoder.json", "vocab.bpe"):
+            shutil.copyfile(self.directory / name, d / name)
+        return d
+
+    def fingerprint(self) -> str:
+        return "gpt2"  # the GPT-2 BPE is fixed; its folder does not change the ids
+
+
+class HFTokenizer(Tokenizer):
+    """Any ``transformers.AutoTokenizer`` (``hf:NAME_OR_PATH``)."""
+
+    def __init__(self, name: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tk = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"hf tokenizer {name!r} could not be loaded: {str(exc).splitlines()[0]}") from None
+        self.spec = f"hf:{name}"
+        self.vocab_size = len(self.tk)
+        eos = self.tk.eos_token_id
+        if eos is None:
+            eos = self.tk.sep_token_id if self.tk.sep_token_id is not None else self.vocab_size - 1
+        self.eos_id = int(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tk(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tk.decode(list(ids))
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        d = super().save(directory)
+        self.tk.save_pretrained(str(d))
+        return d
+
+
+def make_tokenizer(spec: str, train_texts: Iterable[str] | None = None) -> Tokenizer:
+    """Build a tokenizer from its spec; ``bpe:N`` trains on ``train_texts`` (required for it).
+
+    >>> make_tokenizer("bpe:300", ["the dog runs . the dogs run ."] * 50).vocab_size <= 300
+    True
+    """
+    spec = spec.strip()
+    kind, _, arg = spec.partition(":")
+    if kind == "byte" and not arg:
+        return ByteTokenizer()
+    if kind == "bpe":
+        try:
+            n = int(arg)
+        except ValueError:
+            raise TokenizerError(f"bad tokenizer {spec!r}: expected bpe:VOCAB_SIZE, e.g. bpe:4096") from None
+        if train_texts is None:
+            raise TokenizerError(f"tokenizer {spec!r} must be trained: give the training text")
+        return BPETokenizer.train(train_texts, n)
+    if kind == "gpt2":
+        return TiktokenGPT2(arg or DEFAULT_GPT2_DIR)
+    if kind == "hf" and arg:
+        return HFTokenizer(arg)
+    raise TokenizerError(
+        f"unknown tokenizer {spec!r}; use byte, bpe:N, gpt2[:DIR] or hf:NAME_OR_PATH"
+    )
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer written by :meth:`Tokenizer.save`."""
+    d = Path(directory)
+    f = d / SPEC_FILE
+    if not f.is_file():
+        raise TokenizerError(f"{d} holds no saved tokenizer ({SPEC_FILE} missing)")
+    info = json.loads(f.read_text())
+    spec = info["spec"]
+    kind = spec.split(":", 1)[0]
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        from tokenizers import Tokenizer as RawTokenizer
+        from tokenizers.implementations import BaseTokenizer
+
+        raw = RawTokenizer.from_file(str(d / "tokenizer.json"))
+        return BPETokenizer(BaseTokenizer(raw), spec)
+    if kind == "gpt2":
+        tok = TiktokenGPT2(d)
+        tok.spec = spec
+        return tok
+    if kind == "hf":
+        tok = HFTokenizer(str(d))
+        tok.spec = spec
+        return tok
+    raise TokenizerError(f"{f}: unknown tokenizer spec {spec!r}")

@@ -1,0 +1,646 @@
+"""The training loop: AdamW, warmup + cosine, grad accumulation, clipping, exact resume, DDP/FSDP.
+
+    >>> from headbudget.train import RunConfig, train
+    >>> cfg = RunConfig.from_dict({"model": {"preset": "cpu-tiny", "schedule": "prism"},
+    ...                            "data": {"source": "synthetic:50000"}, "train": {"steps": 20}})
+    >>> # result = train(cfg, "runs/demo")   # -> TrainResult(final_val_loss=..., model_dir=runs/demo/model)
+
+Outputs in the run directory: ``metrics.jsonl`` (one record per logged step: step, tokens, train_loss,
+val_loss, lr, grad_norm, tokens_per_s), ``checkpoints/step_*.pt`` (atomic, last K kept), ``model/``
+(Hugging Face format: ``AutoModelForCausalLM.from_pretrained`` loads it), ``tokenizer/``,
+``config.yaml`` (the resolved config) and ``summary.json``.
+
+Data order is a pure function of (seed, step) (see :mod:`headbudget.data.loader`), and checkpoints hold
+model, optimizer, step and every RNG state, so ``resume=True`` continues bit-for-bit on CPU.
+Under ``torchrun`` the trainer joins the process group (gloo on CPU, NCCL on CUDA) and splits each
+global batch across ranks; ``train.fsdp: true`` shards with FSDP instead of DDP (not tested on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from headbudget.data.loader import train_batch, val_batches
+from headbudget.data.prepare import PreparedData, prepare_data
+from headbudget.schedules import HeadSchedule, ModelPreset, get_preset, schedule_from_spec
+from headbudget.train.checkpoint import load_latest_checkpoint, save_checkpoint
+from headbudget.train.config import RunConfig
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss became NaN/inf; the message names the step and the last good checkpoint."""
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    model_dir: Path | None
+    steps: int
+    tokens: int
+    final_val_loss: float | None
+    final_train_loss: float | None
+    params: int
+    tokens_per_s: float
+    peak_memory_mb: float
+    wall_s: float
+    schedule: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        d["model_dir"] = str(self.model_dir) if self.model_dir else None
+        d.pop("history")
+        return d
+
+
+# ---------------------------------------------------------------------------- model construction
+def model_preset(cfg: RunConfig) -> ModelPreset:
+    """The config's preset with its shape overrides (``model.n_layers`` etc.) applied."""
+    from dataclasses import replace
+
+    p = get_preset(cfg.model.preset)
+    changes = {k: getattr(cfg.model, k) for k in ("n_layers", "d_model", "n_heads", "prism_max_head_dim",
+                                                    "prism_min_head_dim") if getattr(cfg.model, k) is not None}
+    return replace(p, **changes) if changes else p
+
+
+def build_schedule(cfg: RunConfig) -> HeadSchedule:
+    return schedule_from_spec(cfg.model.schedule, model_preset(cfg))
+
+
+def resolve_vocab_size(cfg: RunConfig, tokenizer_vocab: int) -> int:
+    if cfg.model.vocab_size is None:
+        return int(math.ceil(tokenizer_vocab / 64) * 64)
+    if cfg.model.vocab_size < tokenizer_vocab:
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens"
+        )
+    return cfg.model.vocab_size
+
+
+def build_model(cfg: RunConfig, vocab_size: int):
+    """A freshly initialised :class:`HeadBudgetForCausalLM` for the config (seed the RNG first)."""
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+
+    n_pos = cfg.model.n_positions or cfg.train.context
+    if n_pos < cfg.train.context:
+        raise ValueError(f"model.n_positions={n_pos} is shorter than train.context={cfg.train.context}")
+    mcfg = HeadBudgetConfig(schedule=build_schedule(cfg), vocab_size=vocab_size, n_positions=n_pos,
+                            dropout=cfg.model.dropout, bias=cfg.model.bias)
+    return HeadBudgetForCausalLM(mcfg)
+
+
+def _clean_name(name: str) -> str:
+    """Parameter name without DDP/FSDP/compile wrapper prefixes."""
+    for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float,
+                 decay_names: set[str] | None = None) -> list[dict[str, Any]]:
+    """Weight decay on matrices (linear and embedding weights), none on biases and LayerNorms.
+
+    ``decay_names`` (computed on the unwrapped model) is needed under FSDP, whose flattened shards
+    no longer have the parameters' shapes."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # shared (tied) tensors are listed once
+        if not p.requires_grad:
+            continue
+        wd = _clean_name(name) in decay_names if decay_names is not None else p.dim() >= 2
+        (decay if wd else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+    t = cfg.train
+    if t.warmup_steps > 0 and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    floor = t.lr * t.min_lr_ratio
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------- helpers
+class PeakMemory:
+    """Peak memory during a block: CUDA allocator peak, or sampled process RSS on CPU (approximate)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # not Linux
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak_bytes = max(self.peak_bytes, self.rss())
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak_bytes = self.rss()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak_bytes = max(self.peak_bytes, self.rss())
+
+    @property
+    def peak_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return self.peak_bytes / 2**20
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def cpu_threads(requested: int = 0, world_size: int = 1) -> int:
+    """Threads to use on CPU: ``requested`` if positive, else the idle cores per process (>= 1)."""
+    if requested > 0:
+        return requested
+    n = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        busy = 0.0
+    return max(1, min(torch.get_num_threads(), int(n - busy + 0.5)) // max(1, world_size))
+
+
+def _dist_env() -> tuple[int, int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# ---------------------------------------------------------------------------- trainer
+class Trainer:
+    """Train one model from a :class:`RunConfig` into ``out_dir``.
+
+    ``callbacks`` are called as ``cb(trainer, step, record)`` after every optimizer step (``record`` is
+    the metrics dict of that step, or None when it was not logged); raising from one stops the run
+    (used by tests to simulate a kill).  ``data`` may pass an already prepared dataset.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out_dir: str | os.PathLike,
+        *,
+        resume: bool = False,
+        callbacks: list[Callable[[Trainer, int, dict | None], None]] | None = None,
+        data: PreparedData | None = None,
+        save_model: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.resume = resume
+        self.callbacks = list(callbacks or [])
+        self.data = data
+        self.save_model = save_model
+        self.rank, self.world, self.local_rank = _dist_env()
+        self._check()
+
+    def _check(self) -> None:
+        t = self.cfg.train
+        for name in ("steps", "batch_size", "grad_accum", "context", "eval_batches", "log_every"):
+            if getattr(t, name) <= 0:
+                raise ValueError(f"train.{name} must be positive, got {getattr(t, name)}")
+        if t.batch_size % (t.grad_accum * self.world):
+            raise ValueError(
+                f"train.batch_size={t.batch_size} must be divisible by train.grad_accum x processes = "
+                f"{t.grad_accum} x {self.world}"
+            )
+        if t.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
+        build_schedule(self.cfg)  # schedule errors before any data work
+
+    # ------------------------------------------------------------------ setup
+    def _device(self) -> torch.device:
+        d = self.cfg.train.device
+        if d == "auto":
+            d = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(d)
+        if dev.type == "cuda" and self.world > 1:
+            dev = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(dev)
+        return dev
+
+    def _init_dist(self, device: torch.device) -> bool:
+        if self.world <= 1:
+            return False
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        return True
+
+    def _prepare(self) -> PreparedData:
+        if self.data is not None:
+            return self.data
+        d = self.cfg.data
+        kw = dict(seed=d.seed, val_fraction=d.val_fraction, max_chars=d.max_chars,
+                  split_blank_lines=d.split_blank_lines)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if self.rank == 0:
+                data = prepare_data(d.source, d.tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
+            dist.barrier()
+            if self.rank != 0:
+                data = prepare_data(d.source, d.tokenizer, d.cache_dir, progress=False, **kw)
+            return data
+        return prepare_data(d.source, d.tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> TrainResult:
+        device = self._device()
+        saved_threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads(self.cfg.train.threads, self.world))
+        try:
+            return self._run(device)
+        finally:
+            torch.set_num_threads(saved_threads)
+
+    def _run(self, device: torch.device) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        distributed = self._init_dist(device)
+        is_main = self.rank == 0
+        self.out.mkdir(parents=True, exist_ok=True)
+        ckpt_dir = self.out / "checkpoints"
+        metrics_path = self.out / "metrics.jsonl"
+
+        data = self._prepare()
+        self.data = data
+        train_tokens, val_tokens = data.train, data.val
+        vocab = resolve_vocab_size(cfg, data.tokenizer.vocab_size)
+
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, vocab).to(device)
+        raw_model = model
+        n_params = sum(p.numel() for p in raw_model.parameters())
+        schedule = raw_model.config.schedule
+
+        use_bf16 = (t.precision == "bf16") or (t.precision == "auto" and device.type == "cuda")
+        autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if use_bf16
+                    else contextlib.nullcontext())
+
+        if distributed and t.fsdp:
+            import functools
+
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+            block_cls = type(raw_model.transformer.h[0])
+            model = FSDP(model, use_orig_params=True, device_id=device if device.type == "cuda" else None,
+                         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                            transformer_layer_cls={block_cls}))
+        elif distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        opt_kwargs: dict[str, Any] = dict(lr=t.lr, betas=(t.beta1, t.beta2))
+        if device.type == "cuda":
+            opt_kwargs["fused"] = True
+        decay_names = {n for n, p in raw_model.named_parameters() if p.dim() >= 2}
+        optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay, decay_names), **opt_kwargs)
+
+        # ---- resume
+        start_step = 0
+        if self.resume:
+            found = load_latest_checkpoint(ckpt_dir)
+            if found is not None:
+                path, state = found
+                self._check_compatible(path, state.get("config") or {})
+                self._load_state(model, raw_model, optimizer, state, distributed, t.fsdp)
+                start_step = int(state["step"])
+                if is_main:
+                    print(f"resuming from {path} (step {start_step})", flush=True)
+            elif is_main:
+                print(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0", flush=True)
+        if is_main:
+            self._trim_metrics(metrics_path, start_step)
+            _atomic_write(self.out / "config.yaml", cfg.to_yaml())
+            data.tokenizer.save(self.out / "tokenizer")
+
+        fwd_model = torch.compile(model) if t.compile else model
+        ev_bs = t.eval_batch_size or t.batch_size
+        val_set = val_batches(val_tokens, n_batches=t.eval_batches, batch_size=ev_bs, context=t.context,
+                              rank=self.rank, world_size=self.world)
+        if start_step == 0:  # the dropout stream (a resumed run restored its RNG state above)
+            torch.manual_seed(cfg.seed + 1 + self.rank)
+
+        writer = None
+        if t.tensorboard and is_main:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                writer = SummaryWriter(str(self.out / "tensorboard"))
+            except ImportError:
+                warnings.warn("train.tensorboard: tensorboard is not installed (pip install tensorboard)",
+                              stacklevel=2)
+
+        from tqdm.auto import tqdm
+
+        history: list[dict[str, Any]] = []
+        tokens_per_step = t.batch_size * t.context
+        last_val: float | None = None
+        last_train: float | None = None
+        tps_values: list[float] = []
+        t_start = time.perf_counter()
+        bar = tqdm(total=t.steps, initial=start_step, desc=f"train {cfg.model.schedule}", unit="step",
+                   disable=not (t.progress and is_main), dynamic_ncols=True, leave=False)
+        last_good = self._last_ckpt(ckpt_dir)
+        interval_tokens, interval_time = 0, 0.0
+        mem = PeakMemory(device)
+        with mem:
+            model.train()
+            for step in range(start_step, t.steps):
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg)
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                loss_sum = torch.zeros((), device=device)
+                for micro in range(t.grad_accum):
+                    x, y = train_batch(train_tokens, seed=cfg.seed, step=step, batch_size=t.batch_size,
+                                       context=t.context, micro=micro, n_micro=t.grad_accum,
+                                       rank=self.rank, world_size=self.world)
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    sync = (not distributed or t.fsdp or micro == t.grad_accum - 1)
+                    ctx = contextlib.nullcontext() if sync else model.no_sync()
+                    with ctx:
+                        with autocast:
+                            loss = self.compute_loss(fwd_model, x, y)
+                        (loss / t.grad_accum).backward()
+                    loss_sum += loss.detach()
+                train_loss_t = loss_sum / t.grad_accum
+                if distributed:
+                    import torch.distributed as dist
+
+                    dist.all_reduce(train_loss_t)
+                    train_loss_t /= self.world
+                train_loss = float(train_loss_t)
+                if not math.isfinite(train_loss):
+                    optimizer.zero_grad(set_to_none=True)
+                    bar.close()
+                    where = f"; the last good checkpoint is {last_good}" if last_good else \
+                        "; no checkpoint was written before it"
+                    raise TrainingDivergedError(
+                        f"non-finite training loss ({train_loss}) at step {step + 1} (lr {lr:.3g}){where}. "
+                        "Lower train.lr, raise train.warmup_steps or use train.precision=fp32."
+                    )
+                if t.grad_clip > 0:
+                    if hasattr(model, "clip_grad_norm_"):  # FSDP
+                        gnorm = model.clip_grad_norm_(t.grad_clip)
+                    else:
+                        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                else:
+                    gnorm = torch.linalg.vector_norm(
+                        torch.stack([p.grad.detach().norm() for p in model.parameters() if p.grad is not None]))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                done = step + 1
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                interval_time += time.perf_counter() - t0
+                interval_tokens += tokens_per_step
+                last_train = train_loss
+
+                record = None
+                is_eval = (t.eval_every > 0 and done % t.eval_every == 0) or done == t.steps
+                if done % t.log_every == 0 or is_eval:
+                    tps = interval_tokens / max(interval_time, 1e-9)
+                    tps_values.append(tps)
+                    interval_tokens, interval_time = 0, 0.0
+                    record = {"step": done, "tokens": done * tokens_per_step, "train_loss": train_loss,
+                              "val_loss": None, "lr": lr, "grad_norm": float(gnorm), "tokens_per_s": tps}
+                    if is_eval:
+                        last_val = self.evaluate(raw_model if not t.fsdp else model, val_set, device,
+                                                 autocast, distributed)
+                        record["val_loss"] = last_val
+                    if is_main:
+                        with open(metrics_path, "a") as f:
+                            f.write(json.dumps(record) + "\n")
+                        if writer is not None:
+                            for k in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
+                                if record[k] is not None:
+                                    writer.add_scalar(k, record[k], done)
+                    history.append(record)
+                    bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tps:,.0f}",
+                                    **({"val": f"{last_val:.3f}"} if is_eval else {}))
+                bar.update(1)
+
+                if t.ckpt_every > 0 and (done % t.ckpt_every == 0 or done == t.steps):
+                    state = self._state(model, raw_model, optimizer, done, distributed, t.fsdp)
+                    if is_main:
+                        last_good = save_checkpoint(state, ckpt_dir, done, keep_last=t.keep_last)
+                    if distributed:
+                        import torch.distributed as dist
+
+                        dist.barrier()
+                for cb in self.callbacks:
+                    cb(self, done, record)
+        bar.close()
+        wall = time.perf_counter() - t_start
+        if writer is not None:
+            writer.close()
+
+        model_dir = None
+        if self.save_model:
+            full = self._full_state_dict(model, raw_model, t.fsdp) if (distributed and t.fsdp) else None
+            if is_main:
+                model_dir = self.out / "model"
+                tmp_dir = self.out / ".model.tmp"
+                if full is not None:
+                    raw_model.load_state_dict(full)
+                raw_model.save_pretrained(str(tmp_dir))
+                data.tokenizer.save(tmp_dir / "tokenizer")
+                if model_dir.exists():
+                    import shutil
+
+                    shutil.rmtree(model_dir)
+                os.replace(tmp_dir, model_dir)
+        tps_mean = float(np.mean(tps_values)) if tps_values else 0.0
+        result = TrainResult(
+            out_dir=self.out, model_dir=model_dir, steps=t.steps, tokens=t.steps * tokens_per_step,
+            final_val_loss=last_val, final_train_loss=last_train, params=n_params, tokens_per_s=tps_mean,
+            peak_memory_mb=mem.peak_mb, wall_s=wall, schedule=schedule, history=history,
+        )
+        if is_main:
+            summary = result.to_dict()
+            summary.update(name=cfg.name, seed=cfg.seed, schedule_spec=cfg.model.schedule,
+                           world_size=self.world, data=data.meta)
+            _atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
+        self.model = raw_model
+        return result
+
+    # ------------------------------------------------------------------ pieces
+    @staticmethod
+    def compute_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``model`` on inputs ``x`` and (already shifted) targets ``y``."""
+        logits = model(input_ids=x, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self, model, val_set, device, autocast, distributed) -> float:
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), device=device, dtype=torch.float64)
+        for x, y in val_set:
+            with autocast:
+                total += self.compute_loss(model, x.to(device), y.to(device)).double()
+        mean = total / len(val_set)
+        if distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(mean)
+            mean /= self.world
+        model.train(was_training)
+        return float(mean)
+
+    @staticmethod
+    def _last_ckpt(ckpt_dir: Path) -> Path | None:
+        from headbudget.train.checkpoint import list_checkpoints
+
+        found = list_checkpoints(ckpt_dir)
+        return found[-1] if found else None
+
+    @staticmethod
+    def _trim_metrics(path: Path, start_step: int) -> None:
+        """Keep only records up to ``start_step`` (a resumed run rewrites what came after)."""
+        if not path.exists():
+            return
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= start_step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):
+                continue
+        _atomic_write(path, "".join(k + "\n" for k in keep))
+
+    def _full_state_dict(self, model, raw_model, fsdp: bool) -> dict[str, torch.Tensor]:
+        if not fsdp:
+            return raw_model.state_dict()
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+            return model.state_dict()
+
+    def _state(self, model, raw_model, optimizer, step: int, distributed: bool, fsdp: bool) -> dict[str, Any]:
+        if fsdp and distributed:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            model_sd = self._full_state_dict(model, raw_model, True)
+            optim_sd = FSDP.optim_state_dict(model, optimizer)
+        else:
+            model_sd = raw_model.state_dict()
+            optim_sd = optimizer.state_dict()
+        rng = _rng_state()
+        if distributed:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, rng)
+            rng_all = gathered
+        else:
+            rng_all = [rng]
+        return {"step": step, "model": model_sd, "optimizer": optim_sd, "rng": rng_all,
+                "config": self.cfg.to_dict(), "world_size": self.world}
+
+    #: train keys a resumed run may change (they do not change the model, data or data order)
+    RESUMABLE_CHANGES = frozenset({"steps", "eval_every", "eval_batches", "eval_batch_size", "log_every",
+                                   "ckpt_every", "keep_last", "progress", "threads", "tensorboard", "compile",
+                                   "device"})
+
+    def _check_compatible(self, path: Path, saved: dict[str, Any]) -> None:
+        """Refuse to resume a checkpoint written with a different model, data or data order."""
+        now = self.cfg.to_dict()
+        for section in ("model", "data", "train"):
+            for key, value in now[section].items():
+                if section == "train" and key in self.RESUMABLE_CHANGES:
+                    continue
+                old = saved.get(section, {}).get(key, value)
+                if old != value:
+                    raise ValueError(f"cannot resume from {path}: it was written with {section}.{key}={old!r}, "
+                                     f"the config now says {value!r}")
+        if saved.get("seed", self.cfg.seed) != self.cfg.seed:
+            raise ValueError(f"cannot resume from {path}: it was written with seed={saved['seed']}, "
+                             f"the config now says {self.cfg.seed}")
+
+    def _load_state(self, model, raw_model, optimizer, state, distributed: bool, fsdp: bool) -> None:
+        if fsdp and distributed:
+            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                      FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
+                model.load_state_dict(state["model"])
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optimizer"]))
+        else:
+            raw_model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        rngs = state.get("rng") or []
+        if rngs:
+            _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
+
+
+def train(cfg: RunConfig, out_dir: str | os.PathLike, **kwargs: Any) -> TrainResult:
+    """Train one model (see :class:`Trainer`); returns the :class:`TrainResult`."""
+    return Trainer(cfg, out_dir, **kwargs).run()

@@ -1,0 +1,45 @@
+"""`headbudget quickstart` end to end at tiny size (hidden --tiny flag)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from headbudget.cli.main import main
+from headbudget.cli.quickstart_cmd import QUICKSTART, quickstart_config
+from headbudget.train.config import RunConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_embedded_quickstart_config_matches_configs_file():
+    from_file = RunConfig.load(CONFIGS / "quickstart.yaml")
+    assert RunConfig.from_dict(QUICKSTART) == from_file == quickstart_config()
+    assert yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())["model"]["preset"] == "cpu-tiny"
+
+
+def test_tiny_quickstart_writes_report_and_timings(tmp_path, capsys):
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1"]) == 0
+    printed = capsys.readouterr().out
+    assert "[1/4] preparing synthetic:20000" in printed and "stage times:" in printed
+    assert f"report: {out / 'report.md'}" in printed
+    cmp = json.loads((out / "compare.json").read_text())
+    assert [r["schedule"] for r in cmp["runs"]] == ["uniform", "prism"]
+    assert cmp["runs"][0]["params"] == cmp["runs"][1]["params"]
+    timings = json.loads((out / "timings.json").read_text())
+    assert {"prepare data", "train uniform", "train prism", "total"} <= set(timings)
+    assert timings["total"] >= timings["train uniform"] + timings["train prism"]
+    report = (out / "report.md").read_text()
+    assert "| uniform | 2,2,2 |" in report and "| prism" in report and "Quickstart stage times" in report
+    for name in ("uniform", "prism"):
+        assert (out / f"{name}-seed0" / "model" / "model.safetensors").is_file()
+    if (out / "attention.json").exists():  # headbudget.analysis.attention is installed
+        att = json.loads((out / "attention.json").read_text())
+        assert [r["n_heads"] for r in att["prism"]["layers"]] == [2, 4, 8]
+        assert "## Attention distance" in report
+    # a second run reuses the prepared data
+    assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1"]) == 0
+    assert "(cached)" in capsys.readouterr().out

@@ -1,0 +1,82 @@
+"""Run configs: YAML loading, --set overrides with type coercion, unknown keys, bundled configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from headbudget.train.config import ConfigError, RunConfig, apply_overrides, load_config, resolve_config_path
+from headbudget.train.trainer import build_schedule, lr_at
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_overrides_coerce_to_field_types():
+    cfg = apply_overrides(RunConfig(), [
+        "train.lr=3e-4", "train.steps=1e3", "train.compile=yes", "model.vocab_size=auto",
+        "model.d_model=256", "data.max_chars=null", "data.source=synthetic:500", "seed=7",
+    ])
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.train.steps == 1000 and isinstance(cfg.train.steps, int)
+    assert cfg.train.compile is True
+    assert cfg.model.vocab_size is None and cfg.model.d_model == 256
+    assert cfg.data.source == "synthetic:500" and cfg.seed == 7
+
+
+def test_yaml_strings_like_3e_4_become_floats(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr: 3e-4\n  steps: 20\nmodel:\n  schedule: uniform@64\n")
+    cfg = RunConfig.load(p)
+    assert cfg.train.lr == 0.0003 and cfg.model.schedule == "uniform@64"
+
+
+def test_unknown_keys_are_errors_naming_the_key_and_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: unknown key 'train.learning_rate'"):
+        RunConfig.load(p)
+    with pytest.raises(ConfigError, match=r"unknown key 'train.lrr'"):
+        apply_overrides(RunConfig(), ["train.lrr=1"])
+    with pytest.raises(ConfigError, match=r"unknown section 'optim'"):
+        apply_overrides(RunConfig(), ["optim.lr=1"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_overrides(RunConfig(), ["train.lr"])
+    with pytest.raises(ConfigError, match=r"train.steps: expected an integer, got 'ten'"):
+        apply_overrides(RunConfig(), ["train.steps=ten"])
+    with pytest.raises(ConfigError, match=r"train.steps: expected an integer, got 2.5"):
+        apply_overrides(RunConfig(), ["train.steps=2.5"])
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+        RunConfig.load(p)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "cpu-small", "gpt2-124m", "gpt2-354m", "gpt-757m"])
+def test_bundled_configs_load_and_build_every_schedule(name):
+    cfg = load_config(resolve_config_path(name))
+    assert cfg.name == name
+    for sched in ("uniform", "prism", "reverse"):
+        s = build_schedule(cfg.replace(model={"schedule": sched}))
+        assert s.d_model * s.n_layers == s.budget  # neutral: same parameters as uniform
+    if name.startswith("gpt"):
+        assert cfg.train.context == 1024 and cfg.data.source.startswith("hf:")
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = apply_overrides(RunConfig(), ["train.lr=1.0", "train.warmup_steps=10", "train.steps=110",
+                                        "train.min_lr_ratio=0.1"])
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+
+
+def test_replace_and_round_trip_through_yaml(tmp_path):
+    cfg = RunConfig().replace(seed=3, model={"schedule": "prism"})
+    p = tmp_path / "rt.yaml"
+    p.write_text(cfg.to_yaml())
+    assert RunConfig.load(p) == cfg

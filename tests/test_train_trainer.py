@@ -1,0 +1,169 @@
+"""The trainer: exact resume, atomic keep-last-K checkpoints, NaN guard, HF-format output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from headbudget.train import RunConfig, Trainer, TrainingDivergedError, train
+from headbudget.train import checkpoint as ckpt
+from headbudget.train.checkpoint import list_checkpoints, save_checkpoint
+
+
+def tiny_config(tmp_path: Path, **train_kw) -> RunConfig:
+    t = {"steps": 20, "batch_size": 4, "grad_accum": 2, "context": 32, "eval_every": 5, "eval_batches": 2,
+         "log_every": 1, "ckpt_every": 5, "keep_last": 2, "warmup_steps": 3, "lr": 3e-3, "progress": False,
+         "threads": 1}
+    t.update(train_kw)
+    return RunConfig.from_dict({
+        "name": "tiny",
+        "model": {"preset": "cpu-tiny", "schedule": "prism", "n_layers": 3, "d_model": 64, "n_heads": 2,
+                  "prism_max_head_dim": 32, "prism_min_head_dim": 8, "dropout": 0.1},
+        "data": {"source": "synthetic:20000", "tokenizer": "byte", "cache_dir": str(tmp_path / "cache")},
+        "train": t,
+    })
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+class Kill(Exception):
+    pass
+
+
+def test_resume_after_kill_is_exact(tmp_path):
+    cfg = tiny_config(tmp_path)
+    straight = train(cfg, tmp_path / "straight", save_model=False)
+
+    def kill_at_10(trainer, step, record):
+        if step == 10:
+            raise Kill
+
+    run = tmp_path / "killed"
+    with pytest.raises(Kill):
+        train(cfg, run, callbacks=[kill_at_10], save_model=False)
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000005.pt", "step_000010.pt"]
+    # resume in a fresh process through the CLI, as a user would after a crash
+    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "headbudget.cli.main", "train", str(tmp_path / "cfg.yaml"),
+                           "--out", str(run), "--resume"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resuming from" in proc.stdout and "step 10" in proc.stdout
+    a, b = _metrics(tmp_path / "straight"), _metrics(run)
+    assert [r["step"] for r in b] == list(range(1, 21))
+    for ra, rb in zip(a, b):
+        assert (ra["train_loss"], ra["val_loss"], ra["lr"], ra["grad_norm"]) == \
+               (rb["train_loss"], rb["val_loss"], rb["lr"], rb["grad_norm"]), ra["step"]
+    w_straight = straight.history[-1]["val_loss"]
+    assert w_straight == b[-1]["val_loss"]
+    from headbudget.models import HeadBudgetForCausalLM
+
+    resumed = HeadBudgetForCausalLM.from_pretrained(str(run / "model"))
+    sd_resumed = resumed.state_dict()
+    final = torch.load(list_checkpoints(tmp_path / "straight" / "checkpoints")[-1], weights_only=False)["model"]
+    for k, v in final.items():
+        assert torch.equal(v, sd_resumed[k]), k
+
+
+def test_checkpoints_are_atomic_and_keep_last_k(tmp_path, monkeypatch):
+    d = tmp_path / "ck"
+    for s in (1, 2, 3, 4):
+        save_checkpoint({"step": s, "w": torch.ones(3) * s}, d, s, keep_last=3)
+    assert [p.name for p in list_checkpoints(d)] == ["step_000002.pt", "step_000003.pt", "step_000004.pt"]
+
+    def crash(obj, f, *a, **k):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint({"step": 5}, d, 5, keep_last=3)
+    monkeypatch.undo()
+    # no step_5 file, no temp files, older checkpoints untouched
+    assert sorted(p.name for p in d.iterdir()) == ["step_000002.pt", "step_000003.pt", "step_000004.pt"]
+    path, state = ckpt.load_latest_checkpoint(d)
+    assert path.name == "step_000004.pt" and torch.equal(state["w"], torch.full((3,), 4.0))
+
+
+def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, steps=12, ckpt_every=4, log_every=4, eval_every=4)
+    real = Trainer.compute_loss
+    calls = {"n": 0}
+
+    def poisoned(model, x, y):
+        calls["n"] += model.training  # count training forwards only (eval also computes losses)
+        loss = real(model, x, y)
+        return loss * float("nan") if calls["n"] > 2 * 6 else loss  # grad_accum=2: NaN from step 7
+
+    monkeypatch.setattr(Trainer, "compute_loss", staticmethod(poisoned))
+    run = tmp_path / "nan"
+    with pytest.raises(TrainingDivergedError, match=r"non-finite training loss \(nan\) at step 7.*step_000004\.pt"):
+        train(cfg, run)
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000004.pt"]
+    state = torch.load(run / "checkpoints" / "step_000004.pt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert not (run / "model").exists()
+
+
+def test_final_model_loads_with_automodel_and_reproduces_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import headbudget  # noqa: F401  (registers the model type)
+
+    cfg = tiny_config(tmp_path, steps=3, ckpt_every=0, eval_every=3)
+    trainer = Trainer(cfg, tmp_path / "run")
+    result = trainer.run()
+    loaded = AutoModelForCausalLM.from_pretrained(str(result.model_dir)).eval()
+    trainer.model.eval()
+    x = torch.randint(0, 257, (2, 16))
+    assert torch.equal(loaded(x).logits, trainer.model(x).logits)
+    assert loaded.config.head_schedule.heads == (2, 4, 8)
+    assert (result.model_dir / "tokenizer" / "tokenizer_spec.json").is_file()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_val_loss"] == result.final_val_loss and summary["params"] == result.params
+    rec = _metrics(tmp_path / "run")[-1]
+    assert set(rec) == {"step", "tokens", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s"}
+    assert rec["tokens"] == 3 * 4 * 32
+
+
+def test_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="train.batch_size=5 must be divisible by train.grad_accum"):
+        Trainer(tiny_config(tmp_path, batch_size=5), tmp_path / "x")
+    cfg = tiny_config(tmp_path).replace(model={"schedule": "uniform@48"})
+    with pytest.raises(ValueError, match="head_dim=48"):
+        Trainer(cfg, tmp_path / "x")
+
+
+def test_resume_refuses_a_different_model_or_data_order(tmp_path):
+    cfg = tiny_config(tmp_path, steps=2, ckpt_every=2, eval_every=2)
+    train(cfg, tmp_path / "r", save_model=False)
+    other = cfg.replace(model={"schedule": "uniform"})
+    with pytest.raises(ValueError, match=r"step_000002.pt: it was written with model.schedule='prism'"):
+        train(other, tmp_path / "r", resume=True)
+    longer = cfg.replace(train={"steps": 3})  # extending a run is allowed
+    assert train(longer, tmp_path / "r", resume=True, save_model=False).steps == 3
+    assert [r["step"] for r in _metrics(tmp_path / "r")] == [1, 2, 3]
+
+
+def test_param_groups_decay_matrices_only():
+    from headbudget.train.trainer import build_model, param_groups
+
+    cfg = tiny_config(Path("."))
+    model = build_model(cfg, 320)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {names[id(p)] for p in decay["params"]} >= {"transformer.wte.weight", "transformer.h.0.attn.q_proj.weight"}
+    assert all(names[id(p)].endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")) for p in no_decay["params"])
+    n_total = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == n_total  # tied weights once
+    by_name = param_groups(model, 0.1, {"transformer.wte.weight"})  # FSDP path: names decide
+    assert [names[id(p)] for p in by_name[0]["params"]] == ["transformer.wte.weight"]
