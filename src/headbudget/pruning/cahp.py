@@ -1,0 +1,402 @@
+"""CAHP: complementary attention-head pruning (embedding, clustering, knee, representatives).
+
+Given one signature per head (JM feature vectors, or a JS-divergence matrix in label-free mode)
+and one salience score per head, :func:`select_heads` picks a complementary subset:
+
+1. t-SNE to 2-D (:func:`embed_heads`, perplexity 10 clipped below the number of heads, seeded);
+2. k-medoids (FasterPAM) for every k in 2..N-1 on the embedding, scored with the Mean
+   Simplified Silhouette (:func:`mean_simplified_silhouette`; the published "mean" variant by
+   default, the textbook "nearest" variant as an option);
+3. the knee of MSS-vs-k with Kneedle (:func:`find_knee`; concave, increasing, polynomial fit of
+   degree ``poly_degree``) -- or a forced ``keep``;
+4. per cluster the most salient head (not the medoid), then at least one head per layer
+   (:func:`ensure_one_per_layer` rescues each empty layer's most salient head).
+
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> feats = np.concatenate([rng.normal(c, 0.05, (6, 8)) for c in range(4)])  # 4 groups of heads
+    >>> heads = [(i // 12, i % 12) for i in range(24)]
+    >>> res = select_heads(feats, heads, salience=rng.random(24), seed=0)
+    >>> res.knee_k >= 2 and len(res.kept) >= res.knee_k
+    True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CAHPSelection",
+    "cluster_sweep",
+    "embed_heads",
+    "ensure_one_per_layer",
+    "find_knee",
+    "kept_by_layer",
+    "mean_simplified_silhouette",
+    "representatives",
+    "select_heads",
+]
+
+MSS_VARIANTS = ("mean", "nearest")
+
+
+def embed_heads(
+    features: np.ndarray | None = None,
+    *,
+    distances: np.ndarray | None = None,
+    perplexity: float = 10.0,
+    seed: int = 0,
+) -> np.ndarray:
+    """t-SNE embedding ``(N, 2)`` of head features (Euclidean) or of a precomputed distance matrix.
+
+    The perplexity is clipped to ``N - 1`` (scikit-learn requires it below the sample count).
+    """
+    from sklearn.manifold import TSNE
+    from threadpoolctl import threadpool_limits
+
+    if (features is None) == (distances is None):
+        raise ValueError("embed_heads: give exactly one of features or distances")
+    n = int((features if features is not None else distances).shape[0])  # type: ignore[union-attr]
+    if n < 3:
+        raise ValueError(f"embed_heads: need at least 3 heads to embed, got {n}")
+    perp = float(min(perplexity, n - 1))
+    if perp <= 0:
+        raise ValueError(f"perplexity must be > 0, got {perplexity}")
+    if distances is not None:
+        d = np.asarray(distances, dtype=np.float64)
+        if d.shape != (n, n):
+            raise ValueError(f"distance matrix must be square, got {d.shape}")
+        tsne = TSNE(2, perplexity=perp, metric="precomputed", init="random", random_state=seed)
+        with threadpool_limits(1):  # OpenMP threads only oversubscribe at this size (and cost determinism)
+            return tsne.fit_transform(np.clip(d, 0.0, None))
+    x = np.asarray(features, dtype=np.float64)
+    if not np.isfinite(x).all():
+        raise ValueError("embed_heads: head features contain NaN or inf")
+    tsne = TSNE(2, perplexity=perp, init="pca", random_state=seed)
+    with threadpool_limits(1):
+        return tsne.fit_transform(x)
+
+
+def _pairwise(points: np.ndarray) -> np.ndarray:
+    diff = points[:, None, :] - points[None, :, :]
+    return np.sqrt((diff**2).sum(-1))
+
+
+def mean_simplified_silhouette(
+    points: np.ndarray | None,
+    labels: Sequence[int],
+    medoids: Sequence[int],
+    variant: str = "mean",
+    distances: np.ndarray | None = None,
+) -> float:
+    """Mean Simplified Silhouette of a medoid clustering, over the non-medoid points.
+
+    For each point, ``a`` is the distance to its own medoid and ``b`` the **mean** distance to the
+    other medoids (``variant="mean"``, the published CAHP code) or the distance to the **nearest**
+    other medoid (``variant="nearest"``, the textbook definition); ``s = (b - a) / max(a, b)``
+    (0 when both are 0).  ``labels[i]`` indexes ``medoids``.
+
+    >>> pts = np.array([[0.0], [1.0], [10.0], [12.0], [20.0]])
+    >>> round(mean_simplified_silhouette(pts, [0, 0, 1, 1, 2], [0, 2, 4]), 4)
+    0.8643
+    """
+    if variant not in MSS_VARIANTS:
+        raise ValueError(f"unknown MSS variant {variant!r}; choose from {', '.join(MSS_VARIANTS)}")
+    d = _pairwise(np.asarray(points, dtype=np.float64)) if distances is None else np.asarray(distances)
+    labels = np.asarray(labels)
+    medoids = np.asarray(medoids)
+    k = len(medoids)
+    if k < 2:
+        raise ValueError("the silhouette needs at least two clusters")
+    medoid_set = set(medoids.tolist())
+    scores = []
+    for i in range(len(labels)):
+        if i in medoid_set:
+            continue
+        to_med = d[i, medoids]
+        own = int(labels[i])
+        a = to_med[own]
+        others = np.delete(to_med, own)
+        b = others.mean() if variant == "mean" else others.min()
+        m = max(a, b)
+        scores.append(0.0 if m == 0 else (b - a) / m)
+    return float(np.mean(scores)) if scores else 0.0
+
+
+@dataclass
+class Clustering:
+    k: int
+    mss: float
+    labels: np.ndarray
+    medoids: np.ndarray
+
+
+def cluster_sweep(
+    points: np.ndarray,
+    ks: Sequence[int] | None = None,
+    seed: int = 0,
+    variant: str = "mean",
+    progress: bool = False,
+) -> list[Clustering]:
+    """FasterPAM k-medoids for every ``k`` in ``ks`` (default 2..N-1) on Euclidean distances of
+    ``points``, each scored with :func:`mean_simplified_silhouette`."""
+    import kmedoids
+    from tqdm.auto import tqdm
+
+    pts = np.asarray(points, dtype=np.float64)
+    n = pts.shape[0]
+    ks = list(range(2, n)) if ks is None else list(ks)
+    if not ks:
+        raise ValueError(f"no k to try with {n} heads (need at least 3 heads)")
+    bad = [k for k in ks if not 2 <= k < n]
+    if bad:
+        raise ValueError(f"k must be in 2..{n - 1} for {n} heads, got {bad}")
+    diss = _pairwise(pts)
+    out = []
+    for k in tqdm(ks, desc="k-medoids", disable=not progress, leave=False):
+        res = kmedoids.fasterpam(diss, k, random_state=seed, n_cpu=1)
+        labels, medoids = np.asarray(res.labels), np.asarray(res.medoids)
+        out.append(Clustering(k, mean_simplified_silhouette(None, labels, medoids, variant, diss), labels, medoids))
+    return out
+
+
+def find_knee(x: Sequence[float], y: Sequence[float], poly_degree: int = 6) -> float | None:
+    """Kneedle knee of an increasing, concave curve (``kneed.KneeLocator``, polynomial fit).
+
+    Returns the x of the knee, or ``None`` when Kneedle finds none.
+    """
+    from kneed import KneeLocator
+
+    if len(x) != len(y):
+        raise ValueError(f"find_knee: {len(x)} x values but {len(y)} y values")
+    if len(x) < 3:
+        return None
+    if poly_degree < 1:
+        raise ValueError(f"--poly-degree must be >= 1, got {poly_degree}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kl = KneeLocator(
+            list(x), list(y), curve="concave", direction="increasing",
+            interp_method="polynomial", polynomial_degree=int(poly_degree),
+        )
+    return None if kl.knee is None else float(kl.knee)
+
+
+def representatives(labels: Sequence[int], salience: Sequence[float]) -> list[int]:
+    """Index of the most salient member of every cluster (ties: lowest index), sorted."""
+    labels = np.asarray(labels)
+    sal = np.asarray(salience, dtype=np.float64)
+    reps = []
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        reps.append(int(members[np.argmax(sal[members])]))
+    return sorted(reps)
+
+
+def ensure_one_per_layer(
+    kept: Sequence[int], heads: Sequence[tuple[int, int]], salience: Sequence[float]
+) -> tuple[list[int], list[int]]:
+    """Add each layer's most salient head when none of its heads is kept.
+
+    Returns ``(kept + rescued sorted, rescued)`` (indices into ``heads``).
+    """
+    sal = np.asarray(salience, dtype=np.float64)
+    kept_set = set(int(i) for i in kept)
+    layers = sorted({layer for layer, _ in heads})
+    rescued = []
+    for layer in layers:
+        members = [i for i, (lay, _) in enumerate(heads) if lay == layer]
+        if not kept_set.intersection(members):
+            best = max(members, key=lambda i: (sal[i], -i))
+            rescued.append(best)
+            kept_set.add(best)
+    return sorted(kept_set), rescued
+
+
+def kept_by_layer(kept: Sequence[int], heads: Sequence[tuple[int, int]], n_layers: int | None = None) -> dict[int, list[int]]:
+    """``{layer: [head, ...]}`` of the kept indices (every layer present, sorted)."""
+    n_layers = (max(layer for layer, _ in heads) + 1) if n_layers is None else n_layers
+    out: dict[int, list[int]] = {layer: [] for layer in range(n_layers)}
+    for i in kept:
+        layer, h = heads[i]
+        out[layer].append(h)
+    return {layer: sorted(v) for layer, v in out.items()}
+
+
+@dataclass
+class CAHPSelection:
+    """Everything CAHP decided, for reports and plots."""
+
+    kept: list[int]                       # indices into heads, sorted
+    heads: list[tuple[int, int]]
+    knee_k: int
+    mss: list[tuple[int, float]]
+    embedding: np.ndarray
+    labels: np.ndarray                    # cluster of every head at knee_k
+    medoids: np.ndarray
+    rescued: list[int]
+    salience: np.ndarray
+    knee_source: str = "mss"              # "mss", "keep", "accuracy" or "fallback-max-mss"
+    accuracy_curve: list[tuple[int, int, float]] = field(default_factory=list)  # (k, heads kept, acc)
+
+    @property
+    def kept_by_layer(self) -> dict[int, list[int]]:
+        return kept_by_layer(self.kept, self.heads)
+
+
+def select_heads(
+    features: np.ndarray | None,
+    heads: Sequence[tuple[int, int]],
+    salience: Sequence[float],
+    *,
+    distances: np.ndarray | None = None,
+    keep: int | None = None,
+    poly_degree: int = 6,
+    perplexity: float = 10.0,
+    mss_variant: str = "mean",
+    seed: int = 0,
+    accuracy_fn: Callable[[list[int]], float] | None = None,
+    accuracy_ks: Sequence[int] | None = None,
+    progress: bool = False,
+) -> CAHPSelection:
+    """Run CAHP's selection on precomputed signatures.
+
+    ``keep`` forces the number of heads kept: the largest k whose cluster representatives plus
+    rescued heads number at most ``keep`` (exactly ``keep`` unless rescues make that impossible).  ``accuracy_fn(kept_indices) -> accuracy`` switches the knee to
+    measured accuracy vs heads kept (``--curve accuracy``), evaluated at ``accuracy_ks``
+    (default every k).
+    """
+    heads = [tuple(map(int, h)) for h in heads]
+    n = len(heads)
+    sal = np.asarray(salience, dtype=np.float64)
+    if sal.shape != (n,):
+        raise ValueError(f"salience has {sal.size} values for {n} heads")
+    if n < 4:
+        raise ValueError(f"CAHP needs at least 4 heads to cluster, the model has {n}")
+    emb = embed_heads(features, distances=distances, perplexity=perplexity, seed=seed)
+    sweep = cluster_sweep(emb, seed=seed, variant=mss_variant, progress=progress)
+    by_k = {c.k: c for c in sweep}
+    mss = [(c.k, c.mss) for c in sweep]
+    curve: list[tuple[int, int, float]] = []
+    if keep is not None:
+        n_layers = len({layer for layer, _ in heads})
+        lo = max(2, n_layers)
+        if not lo <= keep < n:
+            raise ValueError(f"--keep must be between {lo} and {n - 1} for a model with {n} heads in {n_layers} layers, got {keep}")
+        # the largest k whose representatives plus rescued heads fit in exactly `keep` heads
+        knee_k = 2
+        for k in range(min(keep, n - 1), 1, -1):
+            if len(ensure_one_per_layer(representatives(by_k[k].labels, sal), heads, sal)[0]) <= keep:
+                knee_k = k
+                break
+        source = "keep"
+    elif accuracy_fn is not None:
+        ks = sorted(by_k) if accuracy_ks is None else sorted(set(accuracy_ks))
+        for k in ks:
+            kept, _ = ensure_one_per_layer(representatives(by_k[k].labels, sal), heads, sal)
+            curve.append((k, len(kept), float(accuracy_fn(kept))))
+        knee = find_knee([c[1] for c in curve], [c[2] for c in curve], poly_degree)
+        if knee is None:
+            knee_k, source = max(curve, key=lambda c: (c[2], -c[0]))[0], "fallback-max-accuracy"
+        else:
+            knee_k = min(curve, key=lambda c: (abs(c[1] - knee), c[0]))[0]
+            source = "accuracy"
+    else:
+        knee = find_knee([k for k, _ in mss], [v for _, v in mss], poly_degree)
+        if knee is None:
+            knee_k, source = max(mss, key=lambda kv: (kv[1], -kv[0]))[0], "fallback-max-mss"
+        else:
+            knee_k, source = int(round(knee)), "mss"
+    chosen = by_k[knee_k]
+    kept, rescued = ensure_one_per_layer(representatives(chosen.labels, sal), heads, sal)
+    return CAHPSelection(
+        kept=kept, heads=list(heads), knee_k=knee_k, mss=mss, embedding=emb, labels=chosen.labels,
+        medoids=chosen.medoids, rescued=rescued, salience=sal, knee_source=source, accuracy_curve=curve,
+    )
+
+
+def as_layer_dict(kept: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
+    """JSON form ``{"<layer>": [heads]}``."""
+    return {str(layer): sorted(int(h) for h in hs) for layer, hs in sorted(kept.items())}
+
+
+# --------------------------------------------------------------------------- on a model
+def _model_inputs(batch: Mapping[str, Any], device: Any) -> dict[str, Any]:
+    """The batch minus labels, on ``device`` (attention maps need no loss)."""
+    return {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items() if k != "labels"}
+
+
+def model_signatures(
+    adapter: Any,
+    batches: Sequence[Mapping[str, Any]],
+    n_classes: int | None,
+    grid: int = 32,
+    progress: bool = True,
+) -> Any:
+    """One pass of :func:`headbudget.pruning.signatures.collect_signatures` over ``batches`` using
+    the adapter's attention probabilities (``n_classes=None``: label-free mode)."""
+    from .signatures import collect_signatures
+
+    device = next(adapter.model.parameters()).device
+    return collect_signatures(
+        lambda b: adapter.attention_probs(**_model_inputs(b, device)),
+        batches, adapter.head_counts(), n_classes, grid=grid, progress=progress, total=len(batches),
+    )
+
+
+def cahp_select(
+    adapter: Any,
+    signature_batches: Sequence[Mapping[str, Any]],
+    salience_batches: Sequence[Mapping[str, Any]],
+    *,
+    n_classes: int | None,
+    loss_fn: Callable[..., Any] | None = None,
+    grid: int = 32,
+    keep: int | None = None,
+    poly_degree: int = 6,
+    perplexity: float = 10.0,
+    mss_variant: str = "mean",
+    seed: int = 0,
+    salience_fraction: float = 0.25,
+    accuracy_fn: Callable[[list[int]], float] | None = None,
+    accuracy_ks: Sequence[int] | None = None,
+    progress: bool = True,
+) -> tuple[CAHPSelection, dict[str, float]]:
+    """CAHP on a model: signatures, salience, selection.  Returns the selection and the wall time
+    of each stage (``signatures``, ``salience``, ``cluster``).
+
+    Class-conditional mode (``n_classes`` >= 2): JM features of per-class signatures.  Label-free
+    mode (``n_classes=None``): JS divergence of pooled attention; ``loss_fn`` should then be the
+    LM loss (e.g. batches carrying ``labels=input_ids``).
+
+    Example (``model`` a fine-tuned classifier, batches from ``tasks.make_loader``)::
+
+        adapter = get_adapter(model)
+        sel, secs = cahp_select(adapter, train_batches, shuffled_batches, n_classes=5)
+        adapter.prune_heads(prune_spec(sel.kept, adapter.head_counts()))
+    """
+    import time
+
+    from .importance import default_loss, salience
+
+    t0 = time.perf_counter()
+    sig = model_signatures(adapter, signature_batches, n_classes, grid, progress)
+    t1 = time.perf_counter()
+    sal = salience(adapter, adapter.model, list(salience_batches), loss_fn or default_loss,
+                   fraction=salience_fraction, progress=progress)
+    t2 = time.perf_counter()
+    if sig.label_free:
+        sel = select_heads(None, sig.heads, sal, distances=sig.distances(), keep=keep, poly_degree=poly_degree,
+                           perplexity=perplexity, mss_variant=mss_variant, seed=seed, accuracy_fn=accuracy_fn,
+                           accuracy_ks=accuracy_ks, progress=progress)
+    else:
+        sel = select_heads(sig.features(), sig.heads, sal, keep=keep, poly_degree=poly_degree,
+                           perplexity=perplexity, mss_variant=mss_variant, seed=seed, accuracy_fn=accuracy_fn,
+                           accuracy_ks=accuracy_ks, progress=progress)
+    t3 = time.perf_counter()
+    return sel, {"signatures": t1 - t0, "salience": t2 - t1, "cluster": t3 - t2}

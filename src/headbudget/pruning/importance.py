@@ -1,0 +1,352 @@
+"""Head importance scores (plug-ins) and importance-based head selection.
+
+Scoring and pruning are separate (Torch-Pruning style): an *importance* maps a model and data to
+one score per head (``list`` of per-layer arrays, higher = more important); :func:`select_top`
+turns scores into a kept set of an exact size under the at-least-one-head-per-layer rule; the
+adapter then removes the rest.  Michel et al.'s method is iterative, so it is a *selector*
+(:func:`michel_iterative`) built from its importance.
+
+Registered importances (``IMPORTANCES``):
+
+* ``michel``    -- mean ``|dL/dgate|`` with per-layer L2 normalisation (Michel et al., 2019);
+* ``fisher``    -- sum of squared gate gradients (mini-batch empirical Fisher);
+* ``magnitude`` -- L2 norm of each head's q/k/v rows and o columns;
+* ``random``    -- seeded uniform scores.
+
+    >>> scores = [np.array([0.1, 0.9, 0.5]), np.array([0.2, 0.3])]
+    >>> heads = head_list([3, 2])
+    >>> [heads[i] for i in select_top(scores, 3, heads)]
+    [(0, 1), (0, 2), (1, 1)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = [
+    "IMPORTANCES",
+    "ImportanceContext",
+    "default_loss",
+    "flatten",
+    "gate_gradients",
+    "head_list",
+    "michel_iterative",
+    "salience",
+    "select_by_method",
+    "select_top",
+]
+
+Batch = Mapping[str, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+
+
+def default_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """``model(**batch).loss`` (classification: ``labels`` in the batch; LM: ``labels=input_ids``)."""
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        raise ValueError("the model returned no loss: the batches must carry 'labels'")
+    return loss
+
+
+def head_list(head_counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``[(layer, head), ...]`` in layer order -- the flat order every score array uses."""
+    return [(layer, h) for layer, n in enumerate(head_counts) for h in range(n)]
+
+
+def flatten(per_layer: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1) for s in per_layer])
+
+
+def unflatten(flat: np.ndarray, head_counts: Sequence[int]) -> list[np.ndarray]:
+    out, i = [], 0
+    for n in head_counts:
+        out.append(np.asarray(flat[i : i + n]))
+        i += n
+    return out
+
+
+@contextlib.contextmanager
+def _frozen_params(model: torch.nn.Module) -> Iterator[None]:
+    """Disable parameter gradients (gate gradients only need activations) and restore them."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, f in flags:
+            p.requires_grad_(f)
+
+
+def _to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def gate_gradients(
+    adapter: Any,
+    model: torch.nn.Module,
+    batches: Iterable[Batch],
+    loss_fn: LossFn = default_loss,
+    *,
+    gate_values: Sequence[torch.Tensor | Sequence[float]] | None = None,
+    reduce: str = "abs",
+    max_batches: int | None = None,
+    progress: bool = True,
+    desc: str = "gate gradients",
+) -> list[np.ndarray]:
+    """Mean over batches of ``|dL/dgate|`` (``reduce="abs"``), or the sum of ``(dL/dgate)^2``
+    (``reduce="square"``), one array per layer.
+
+    Gradients are taken in eval mode (no dropout) with parameter gradients switched off.
+    ``gate_values`` evaluates the gradient at other gate values (Michel et al.'s iterative
+    pruning sets pruned heads' gates to 0).
+    """
+    from tqdm.auto import tqdm
+
+    if reduce not in ("abs", "square"):
+        raise ValueError(f"reduce must be 'abs' or 'square', got {reduce!r}")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    totals: list[torch.Tensor] | None = None
+    n = 0
+    try:
+        with _frozen_params(model), adapter.gates() as gates:
+            if gate_values is not None:
+                for g, v in zip(gates, gate_values):
+                    g.data.copy_(torch.as_tensor(v, dtype=g.dtype, device=g.device))
+            if totals is None:
+                totals = [torch.zeros(g.shape, dtype=torch.float64) for g in gates]
+            for batch in tqdm(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
+                if max_batches is not None and n >= max_batches:
+                    break
+                for g in gates:
+                    g.grad = None
+                loss = loss_fn(model, _to_device(batch, device))
+                loss.backward()
+                for t, g in zip(totals, gates):
+                    grad = g.grad.detach().to("cpu", torch.float64) if g.grad is not None else torch.zeros_like(t)
+                    t += grad.abs() if reduce == "abs" else grad**2
+                n += 1
+    finally:
+        model.train(was_training)
+    if n == 0:
+        raise ValueError("no batches for the gate gradients (empty training data?)")
+    assert totals is not None
+    return [(t / n if reduce == "abs" else t).numpy() for t in totals]
+
+
+def salience(
+    adapter: Any,
+    model: torch.nn.Module,
+    batches: Sequence[Batch],
+    loss_fn: LossFn = default_loss,
+    fraction: float = 0.25,
+    progress: bool = True,
+) -> np.ndarray:
+    """CAHP's head salience: mean ``|dL/dgate|`` over the first ``fraction`` of ``batches``,
+    min-max normalised to [0, 1] over all heads (flat, layer order)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"salience fraction must be in (0, 1], got {fraction}")
+    n = max(1, math.ceil(len(batches) * fraction))
+    flat = flatten(gate_gradients(adapter, model, batches[:n], loss_fn, progress=progress, desc="salience"))
+    lo, hi = flat.min(), flat.max()
+    return np.zeros_like(flat) if hi == lo else (flat - lo) / (hi - lo)
+
+
+# --------------------------------------------------------------------------- plug-ins
+@dataclass
+class ImportanceContext:
+    """What an importance may use: the adapter (and its model), batches, the loss, a seed."""
+
+    adapter: Any
+    model: torch.nn.Module
+    batches: Sequence[Batch]
+    loss_fn: LossFn = default_loss
+    seed: int = 0
+    progress: bool = True
+
+    @property
+    def head_counts(self) -> list[int]:
+        return list(self.adapter.head_counts())
+
+
+class Importance(Protocol):
+    def __call__(self, ctx: ImportanceContext) -> list[np.ndarray]: ...
+
+
+def l2_normalise_per_layer(scores: Sequence[np.ndarray], eps: float = 1e-20) -> list[np.ndarray]:
+    """Divide every layer's scores by their L2 norm (Michel et al.)."""
+    return [np.asarray(s, dtype=np.float64) / max(float(np.linalg.norm(s)), eps) for s in scores]
+
+
+def michel_importance(ctx: ImportanceContext, gate_values: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Mean ``|dL/dgate|`` over the batches, L2-normalised within each layer."""
+    grads = gate_gradients(
+        ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, gate_values=gate_values,
+        progress=ctx.progress, desc="michel importance",
+    )
+    return l2_normalise_per_layer(grads)
+
+
+def fisher_importance(ctx: ImportanceContext) -> list[np.ndarray]:
+    """Sum over batches of squared gate gradients."""
+    return gate_gradients(
+        ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, reduce="square",
+        progress=ctx.progress, desc="fisher importance",
+    )
+
+
+def _rows_sq(weight: torch.Tensor, n: int, dim: int, offset: int = 0) -> torch.Tensor:
+    """Squared L2 norm of ``n`` consecutive ``dim``-row blocks of a ``[out, in]`` weight from ``offset``."""
+    w = weight.detach().float()[offset : offset + n * dim]
+    return (w.reshape(n, dim, -1) ** 2).sum((1, 2))
+
+
+def head_weight_norms(adapter: Any) -> list[np.ndarray]:
+    """Per layer, every head's weight L2 norm: its query, key and value rows plus its columns of the
+    output projection (for grouped-query attention the key/value rows of the head's KV group)."""
+    if hasattr(adapter, "head_weight_norms"):
+        return [np.asarray(s, dtype=np.float64) for s in adapter.head_weight_norms()]
+    family = adapter.family
+    counts = adapter.head_counts()
+    out = []
+    for layer, n in enumerate(counts):
+        d = int(adapter._out_head_dim(layer))
+        o = adapter._out_proj(layer).weight.detach().float()
+        if family == "gpt2":  # Conv1D weights are [in, out]
+            attn = adapter._attn(layer)
+            split = int(attn.split_size)
+            w = attn.c_attn.weight.detach().float().T  # [3 * split, in]
+            sq = sum(_rows_sq(w, n, d, k * split) for k in range(3)) + _rows_sq(o, n, d)
+        else:
+            if family == "bert":
+                sa = adapter._self(layer)
+                q, k, v = sa.query.weight, sa.key.weight, sa.value.weight
+            elif family in ("llama", "headbudget"):
+                attn = adapter._attn(layer)
+                q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+            else:
+                raise ValueError(f"magnitude importance: unsupported adapter family {family!r}")
+            qd = q.shape[0] // n
+            n_kv = adapter.kv_head_counts()[layer]
+            kd, vd = k.shape[0] // n_kv, v.shape[0] // n_kv
+            group = torch.tensor([h // (n // n_kv) for h in range(n)])
+            sq = (_rows_sq(q, n, qd) + _rows_sq(k, n_kv, kd)[group] + _rows_sq(v, n_kv, vd)[group]
+                  + _rows_sq(o.T.contiguous(), n, d))
+        out.append(torch.sqrt(sq).double().numpy())
+    return out
+
+
+def magnitude_importance(ctx: ImportanceContext) -> list[np.ndarray]:
+    """L2 norm of each head's weights: its q/k/v projection rows and o projection columns."""
+    return head_weight_norms(ctx.adapter)
+
+
+def random_importance(ctx: ImportanceContext) -> list[np.ndarray]:
+    """Seeded uniform scores."""
+    rng = np.random.default_rng(ctx.seed)
+    return [rng.random(n) for n in ctx.head_counts]
+
+
+IMPORTANCES: dict[str, Importance] = {
+    "michel": michel_importance,
+    "fisher": fisher_importance,
+    "magnitude": magnitude_importance,
+    "random": random_importance,
+}
+
+
+# --------------------------------------------------------------------------- selection
+def select_top(scores: Sequence[np.ndarray], n_keep: int, heads: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """Keep exactly ``n_keep`` heads: each layer's best head first (at-least-one rule), then the
+    best of the rest by global score (ties: lower index).  Returns sorted flat indices."""
+    counts = [len(s) for s in scores]
+    heads = head_list(counts) if heads is None else list(heads)
+    flat = flatten(scores)
+    n_layers = len(counts)
+    if not n_layers <= n_keep <= len(flat):
+        raise ValueError(
+            f"cannot keep {n_keep} heads: need between {n_layers} (one per layer) and {len(flat)}"
+        )
+    if not np.isfinite(flat).all():
+        raise ValueError("importance scores contain NaN or inf")
+    kept: set[int] = set()
+    start = 0
+    for n in counts:
+        kept.add(start + int(np.argmax(flat[start : start + n])))
+        start += n
+    order = sorted(range(len(flat)), key=lambda i: (-flat[i], i))
+    for i in order:
+        if len(kept) >= n_keep:
+            break
+        kept.add(i)
+    return sorted(kept)
+
+
+def michel_iterative(ctx: ImportanceContext, n_keep: int, step_fraction: float = 0.1) -> list[int]:
+    """Michel et al.'s iterative pruning: recompute importance with the pruned heads' gates at 0
+    and remove the least important ``step_fraction`` of the original heads per round, never a
+    layer's last head, until ``n_keep`` remain."""
+    counts = ctx.head_counts
+    total, n_layers = sum(counts), len(counts)
+    if not n_layers <= n_keep <= total:
+        raise ValueError(f"cannot keep {n_keep} heads: need between {n_layers} and {total}")
+    step = max(1, int(round(step_fraction * total)))
+    alive = np.ones(total, dtype=bool)
+    layer_of = np.array([layer for layer, n in enumerate(counts) for _ in range(n)])
+    while alive.sum() > n_keep:
+        mask = unflatten(alive.astype(np.float64), counts)
+        imp = flatten(michel_importance(ctx, gate_values=mask))
+        n_remove = min(step, int(alive.sum()) - n_keep)
+        for i in sorted(np.flatnonzero(alive), key=lambda i: (imp[i], -i)):
+            if n_remove == 0:
+                break
+            if alive[layer_of == layer_of[i]].sum() <= 1:
+                continue
+            alive[i] = False
+            n_remove -= 1
+    return sorted(int(i) for i in np.flatnonzero(alive))
+
+
+def select_by_method(method: str, ctx: ImportanceContext, n_keep: int) -> tuple[list[int], np.ndarray | None]:
+    """Kept flat indices (and the flat scores, when the method has one final score) for a baseline."""
+    if method == "michel":
+        return michel_iterative(ctx, n_keep), None
+    if method not in IMPORTANCES:
+        raise ValueError(f"unknown importance {method!r}; choose from {', '.join(IMPORTANCES)}")
+    scores = IMPORTANCES[method](ctx)
+    return select_top(scores, n_keep), flatten(scores)
+
+
+def gate_mask(kept: Iterable[int], head_counts: Sequence[int]) -> list[torch.Tensor]:
+    """Per-layer 0/1 gate values that keep exactly ``kept`` (flat indices)."""
+    flat = torch.zeros(sum(head_counts))
+    flat[list(kept)] = 1.0
+    return list(torch.split(flat, list(head_counts)))
+
+
+def prune_spec(kept: Iterable[int], head_counts: Sequence[int]) -> dict[int, list[int]]:
+    """``{layer: [heads to remove]}`` (current indices) for ``adapter.prune_heads``."""
+    keep = set(int(i) for i in kept)
+    out: dict[int, list[int]] = {}
+    for i, (layer, h) in enumerate(head_list(head_counts)):
+        if i not in keep:
+            out.setdefault(layer, []).append(h)
+    return out
+
+
+def kept_mapping(kept: Iterable[int], head_counts: Sequence[int]) -> Mapping[int, list[int]]:
+    heads = head_list(head_counts)
+    out: dict[int, list[int]] = {layer: [] for layer in range(len(head_counts))}
+    for i in sorted(kept):
+        out[heads[i][0]].append(heads[i][1])
+    return out

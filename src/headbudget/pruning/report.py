@@ -1,0 +1,283 @@
+"""Pruning reports: ``report.json`` (fixed schema), ``report.md`` and plots (matplotlib, Agg).
+
+``report.json`` is exactly::
+
+    {"method", "heads_total", "heads_kept", "kept": {"<layer>": [heads]}, "knee_k",
+     "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...}}
+
+(``metric`` holds the primary dev-split accuracy; ``null`` where a stage did not run).  Everything
+else (every split's accuracy, salience, clusters, embedding) goes to ``details.json``.
+
+    >>> rep = build_report("cahp", 72, {0: [1, 4], 1: [0]}, knee_k=3, mss=[(2, 0.5), (3, 0.7)],
+    ...                    metric={"dense": 0.5, "pruned": 0.3, "finetuned": 0.45}, seconds={"total": 9.0})
+    >>> rep["heads_kept"], rep["kept"]
+    (3, {'0': [1, 4], '1': [0]})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "REPORT_KEYS",
+    "atomic_write_text",
+    "build_report",
+    "compare_markdown",
+    "plot_accuracy_vs_heads",
+    "plot_embedding",
+    "plot_heads_per_layer",
+    "plot_mss",
+    "report_markdown",
+    "write_json",
+]
+
+REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds")
+METRIC_KEYS = ("dense", "pruned", "finetuned")
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to a temporary file beside ``path`` and ``os.replace`` it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    return obj
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(_jsonable(obj), indent=1) + "\n")
+
+
+def build_report(
+    method: str,
+    heads_total: int,
+    kept: Mapping[int | str, Sequence[int]],
+    knee_k: int | None,
+    mss: Sequence[tuple[int, float]] | None,
+    metric: Mapping[str, float | None],
+    seconds: Mapping[str, float],
+) -> dict[str, Any]:
+    """The ``report.json`` dict, keys in the fixed order (``kept`` keyed by layer as strings)."""
+    kept_json = {str(int(layer)): sorted(int(h) for h in hs) for layer, hs in sorted(kept.items(), key=lambda kv: int(kv[0]))}
+    return {
+        "method": method,
+        "heads_total": int(heads_total),
+        "heads_kept": int(sum(len(v) for v in kept_json.values())),
+        "kept": kept_json,
+        "knee_k": None if knee_k is None else int(knee_k),
+        "mss": [[int(k), float(v)] for k, v in (mss or [])],
+        "metric": {k: (None if metric.get(k) is None else float(metric[k])) for k in METRIC_KEYS},  # type: ignore[arg-type]
+        "seconds": {k: round(float(v), 3) for k, v in seconds.items()},
+    }
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    return str(v)
+
+
+def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None = None, plots: Sequence[str] = ()) -> str:
+    """Human-readable summary of one pruning run."""
+    lines = [f"# Head pruning: {report['method']}", ""]
+    lines.append(f"Kept **{report['heads_kept']} / {report['heads_total']}** heads"
+                 + (f" (knee k = {report['knee_k']})" if report.get("knee_k") is not None else "") + ".")
+    details = details or {}
+    if details.get("knee_source"):
+        lines.append(f"Head count from: {details['knee_source']}.")
+    if details.get("rescued"):
+        lines.append(f"Rescued (at least one head per layer): {details['rescued']}.")
+    lines += ["", "## Accuracy", "", "| split | dense | pruned | fine-tuned |", "| --- | --- | --- | --- |"]
+    acc = details.get("accuracy") or {}
+    if acc:
+        for split, row in acc.items():
+            lines.append(f"| {split} | {_fmt(row.get('dense'))} | {_fmt(row.get('pruned'))} | {_fmt(row.get('finetuned'))} |")
+    else:
+        m = report["metric"]
+        lines.append(f"| primary | {_fmt(m['dense'])} | {_fmt(m['pruned'])} | {_fmt(m['finetuned'])} |")
+    lines += ["", "## Heads kept per layer", "", "| layer | kept | heads |", "| --- | --- | --- |"]
+    for layer, hs in report["kept"].items():
+        lines.append(f"| {layer} | {len(hs)} | {', '.join(map(str, hs))} |")
+    lines += ["", "## Wall time (s)", "", "| stage | seconds |", "| --- | --- |"]
+    for k, v in report["seconds"].items():
+        lines.append(f"| {k} | {v:.1f} |")
+    if report.get("mss"):
+        best = max(report["mss"], key=lambda kv: kv[1])
+        lines += ["", f"MSS computed for k = {report['mss'][0][0]}..{report['mss'][-1][0]}; "
+                  f"maximum {best[1]:.4f} at k = {best[0]}."]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -> str:
+    """Table of several methods at one head count: ``rows`` have method, heads_kept, accuracy
+    ({split: {dense, pruned, finetuned}}), seconds, kept."""
+    head = ["method", "heads"]
+    for s in splits:
+        head += [f"{s} pruned", f"{s} fine-tuned"]
+    head += ["select s", "finetune s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [str(r["method"]), str(r["heads_kept"])]
+        for s in splits:
+            a = (r.get("accuracy") or {}).get(s, {})
+            cells += [_fmt(a.get("pruned")), _fmt(a.get("finetuned"))]
+        sec = r.get("seconds") or {}
+        cells += [_fmt(sec.get("select")), _fmt(sec.get("finetune"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    if rows:
+        dense = (rows[0].get("accuracy") or {})
+        lines += ["", "Dense: " + ", ".join(f"{s} {_fmt(dense.get(s, {}).get('dense'))}" for s in splits)]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        _plt().close(fig)
+    return path
+
+
+def plot_mss(mss: Sequence[tuple[int, float]], knee_k: int | None, path: str | os.PathLike[str],
+             title: str = "Mean Simplified Silhouette") -> Path:
+    """MSS vs k with the chosen k marked."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ks = [k for k, _ in mss]
+    vs = [v for _, v in mss]
+    ax.plot(ks, vs, marker=".", lw=1)
+    if knee_k is not None:
+        ax.axvline(knee_k, color="tab:red", ls="--", lw=1, label=f"k = {knee_k}")
+        ax.legend()
+    ax.set_xlabel("clusters k")
+    ax.set_ylabel("MSS")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_embedding(embedding: np.ndarray, labels: Sequence[int], heads: Sequence[tuple[int, int]],
+                   kept: Sequence[int], path: str | os.PathLike[str]) -> Path:
+    """2-D t-SNE embedding of the heads, coloured by cluster (left) and by layer (right); kept
+    heads ringed in black."""
+    plt = _plt()
+    emb = np.asarray(embedding)
+    layers = np.array([layer for layer, _ in heads])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
+    kept_mask = np.zeros(len(heads), dtype=bool)
+    kept_mask[list(kept)] = True
+    for ax, colour, title, cmap in (
+        (axes[0], np.asarray(labels), f"clusters (k = {len(set(np.asarray(labels).tolist()))})", "tab20"),
+        (axes[1], layers, "layers", "viridis"),
+    ):
+        sc = ax.scatter(emb[:, 0], emb[:, 1], c=colour, cmap=cmap, s=28)
+        ax.scatter(emb[kept_mask, 0], emb[kept_mask, 1], facecolors="none", edgecolors="black", s=90, lw=1.2,
+                   label="kept")
+        ax.set_title(f"t-SNE of head signatures: {title}")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if colour is layers:
+            from matplotlib.ticker import MaxNLocator
+
+            cb = fig.colorbar(sc, ax=ax, label="layer")
+            cb.locator = MaxNLocator(integer=True)
+            cb.update_ticks()
+        ax.legend(loc="best", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_heads_per_layer(kept_by_method: Mapping[str, Mapping[Any, Sequence[int]]], n_layers: int,
+                         path: str | os.PathLike[str]) -> Path:
+    """Grouped bars: heads kept in each layer by each method (the "proximity bias" figure)."""
+    plt = _plt()
+    methods = list(kept_by_method)
+    fig, ax = plt.subplots(figsize=(max(6, n_layers * 0.6 * max(1, len(methods)) / 2), 3.8))
+    width = 0.8 / max(1, len(methods))
+    x = np.arange(n_layers)
+    for i, m in enumerate(methods):
+        kept = {int(k): v for k, v in kept_by_method[m].items()}
+        ax.bar(x + (i - (len(methods) - 1) / 2) * width, [len(kept.get(layer, [])) for layer in range(n_layers)],
+               width, label=m)
+    ax.set_xticks(x)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("heads kept")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title("Heads kept per layer")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], path: str | os.PathLike[str],
+                           dense: tuple[int, float] | None = None,
+                           curve: Sequence[tuple[int, float]] | None = None, ylabel: str = "dev accuracy") -> Path:
+    """Accuracy vs heads kept: one marker series per label (e.g. "cahp pruned"), the dense model
+    as a star, and an optional measured curve (``--curve accuracy``)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if curve:
+        cs = sorted(curve)
+        ax.plot([c[0] for c in cs], [c[1] for c in cs], color="0.6", lw=1, marker=".", label="CAHP sweep (pruned)")
+    markers = "osD^v<>ph"
+    for i, (label, pts) in enumerate(points.items()):
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], s=40, label=label)
+    if dense is not None:
+        ax.scatter([dense[0]], [dense[1]], marker="*", s=160, color="black", label="dense")
+    ax.set_xlabel("heads kept")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Accuracy vs heads kept")
+    return _save(fig, path)

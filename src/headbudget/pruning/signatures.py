@@ -1,0 +1,310 @@
+"""Attention signatures of heads and the distances CAHP clusters them by.
+
+Two kinds of signature are computed in one streaming pass over the data:
+
+* **class-conditional** (the paper's): for every head, every input's attention matrix is cut to
+  the real tokens (padding never enters), resized to a ``B x B`` grid with bilinear
+  interpolation, and accumulated per class as a running mean and variance per cell
+  (Chan/Welford merge, float64).  :func:`jm_features` turns the per-class Gaussians into one
+  vector per head: the per-cell Jeffries–Matusita distance for every pair of classes.
+* **label-free** (for language models): every head's *pooled* attention distribution (the mean
+  of the resized maps with each query row renormalised to sum to 1); :func:`js_distance_matrix`
+  compares two heads by the Jensen–Shannon divergence of their rows, averaged over query rows.
+
+    >>> import torch
+    >>> acc = ClassSignatureAccumulator(n_classes=2, n_heads=3, grid=4)
+    >>> maps = [torch.softmax(torch.randn(3, 5, 5), -1) for _ in range(4)]
+    >>> acc.update(resize_maps(maps, 4), torch.tensor([0, 1, 0, 1]))
+    >>> jm_features(acc.mean, acc.var).shape      # 3 heads, 1 class pair x 16 cells
+    (3, 16)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ClassSignatureAccumulator",
+    "Signatures",
+    "bhattacharyya_gaussian",
+    "jeffries_matusita",
+    "jm_features",
+    "js_distance_matrix",
+    "real_token_maps",
+    "resize_maps",
+    "collect_signatures",
+]
+
+DEFAULT_GRID = 32
+DEFAULT_EPS = 1e-10
+
+
+# --------------------------------------------------------------------------- grids
+def resize_maps(maps: Sequence[torch.Tensor], grid: int = DEFAULT_GRID) -> torch.Tensor:
+    """Resize a list of ``(H, L_i, L_i)`` attention maps (one per input, real tokens only) to
+    ``(N, H, grid, grid)`` with bilinear interpolation (``align_corners=False``).
+
+    Inputs of equal length are interpolated together, so a batch costs one call per distinct
+    length.
+    """
+    if not maps:
+        raise ValueError("resize_maps: no attention maps given")
+    out: list[torch.Tensor | None] = [None] * len(maps)
+    by_len: dict[int, list[int]] = {}
+    for i, m in enumerate(maps):
+        if m.dim() != 3 or m.shape[-1] != m.shape[-2]:
+            raise ValueError(f"resize_maps: map {i} has shape {tuple(m.shape)}, expected (H, L, L)")
+        by_len.setdefault(int(m.shape[-1]), []).append(i)
+    for _, idx in by_len.items():
+        stack = torch.stack([maps[i] for i in idx]).float()
+        resized = F.interpolate(stack, size=(grid, grid), mode="bilinear", align_corners=False)
+        for j, i in enumerate(idx):
+            out[i] = resized[j]
+    return torch.stack(out)  # type: ignore[arg-type]
+
+
+def real_token_maps(
+    attentions: Sequence[torch.Tensor], attention_mask: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """Cut every input's attention maps to its real tokens.
+
+    ``attentions`` is one ``(B, H_l, T, T)`` tensor per layer (head counts may differ between
+    layers); ``attention_mask`` is ``(B, T)`` with 1 for real tokens (left or right padding, or
+    holes, all handled).  Returns one ``(sum_l H_l, L_i, L_i)`` tensor per input: the heads of all
+    layers concatenated in layer order, rows and columns of padding positions removed.
+    """
+    if not attentions:
+        raise ValueError("real_token_maps: the model returned no attention maps")
+    stacked = torch.cat([a.detach() for a in attentions], dim=1)  # (B, H_total, T, T)
+    bsz, _, t, _ = stacked.shape
+    if attention_mask is None:
+        return [stacked[i] for i in range(bsz)]
+    if attention_mask.shape != (bsz, t):
+        raise ValueError(
+            f"real_token_maps: attention_mask has shape {tuple(attention_mask.shape)}, "
+            f"attention maps need ({bsz}, {t})"
+        )
+    maps = []
+    for i in range(bsz):
+        keep = attention_mask[i].to(torch.bool).nonzero(as_tuple=True)[0].to(stacked.device)
+        if keep.numel() == 0:
+            raise ValueError(f"real_token_maps: input {i} of the batch has no real tokens")
+        maps.append(stacked[i][:, keep][:, :, keep])
+    return maps
+
+
+# --------------------------------------------------------------------------- streaming stats
+class ClassSignatureAccumulator:
+    """Streaming per-class mean and variance of every cell of every head's grid.
+
+    Batches are merged with Chan et al.'s parallel update (exact, float64), so the result does not
+    depend on how the data were batched.  ``var`` is the population variance (ddof = 0).
+    """
+
+    def __init__(self, n_classes: int, n_heads: int, grid: int = DEFAULT_GRID) -> None:
+        if n_classes < 1:
+            raise ValueError(f"n_classes must be >= 1, got {n_classes}")
+        self.n_classes, self.n_heads, self.grid = n_classes, n_heads, grid
+        shape = (n_classes, n_heads, grid, grid)
+        self.count = torch.zeros(n_classes, dtype=torch.float64)
+        self.mean = torch.zeros(shape, dtype=torch.float64)
+        self.m2 = torch.zeros(shape, dtype=torch.float64)
+
+    def update(self, grids: torch.Tensor, labels: torch.Tensor | Sequence[int]) -> None:
+        """Add ``grids`` ``(N, H, B, B)`` with class ``labels`` ``(N,)``."""
+        grids = grids.detach().to("cpu", torch.float64)
+        labels = torch.as_tensor(labels, dtype=torch.long).cpu()
+        if grids.shape[1:] != (self.n_heads, self.grid, self.grid):
+            raise ValueError(
+                f"signature grids have shape {tuple(grids.shape[1:])}, "
+                f"expected ({self.n_heads}, {self.grid}, {self.grid})"
+            )
+        if labels.numel() != grids.shape[0]:
+            raise ValueError(f"{labels.numel()} labels for {grids.shape[0]} attention grids")
+        for c in labels.unique().tolist():
+            if not 0 <= c < self.n_classes:
+                raise ValueError(f"label {c} outside 0..{self.n_classes - 1}")
+            x = grids[labels == c]
+            n_b = float(x.shape[0])
+            mean_b = x.mean(0)
+            m2_b = ((x - mean_b) ** 2).sum(0)
+            n_a = float(self.count[c])
+            n = n_a + n_b
+            delta = mean_b - self.mean[c]
+            self.mean[c] += delta * (n_b / n)
+            self.m2[c] += m2_b + delta**2 * (n_a * n_b / n)
+            self.count[c] = n
+
+    @property
+    def var(self) -> torch.Tensor:
+        """Population variance per class and cell (zeros for classes never seen)."""
+        return self.m2 / self.count.clamp(min=1.0).view(-1, 1, 1, 1)
+
+    def missing_classes(self) -> list[int]:
+        return [c for c in range(self.n_classes) if self.count[c] == 0]
+
+
+# --------------------------------------------------------------------------- distances
+def bhattacharyya_gaussian(
+    mu1: torch.Tensor | np.ndarray | float,
+    var1: torch.Tensor | np.ndarray | float,
+    mu2: torch.Tensor | np.ndarray | float,
+    var2: torch.Tensor | np.ndarray | float,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """Bhattacharyya distance between univariate Gaussians N(mu1, var1) and N(mu2, var2), elementwise.
+
+    ``D_B = 1/4 (mu1 - mu2)^2 / (s1^2 + s2^2) + 1/2 ln((s1^2 + s2^2) / (2 s1 s2))``; ``eps`` is
+    added to both variances so cells where a class never varies stay finite.
+
+    >>> round(float(bhattacharyya_gaussian(0.0, 1.0, 1.0, 1.0)), 6)
+    0.125
+    """
+    mu1, var1, mu2, var2 = (torch.as_tensor(v, dtype=torch.float64) for v in (mu1, var1, mu2, var2))
+    v1, v2 = var1 + eps, var2 + eps
+    s = v1 + v2
+    return 0.25 * (mu1 - mu2) ** 2 / s + 0.5 * torch.log(s / (2.0 * torch.sqrt(v1 * v2)))
+
+
+def jeffries_matusita(
+    mu1: torch.Tensor | np.ndarray | float,
+    var1: torch.Tensor | np.ndarray | float,
+    mu2: torch.Tensor | np.ndarray | float,
+    var2: torch.Tensor | np.ndarray | float,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """Jeffries–Matusita distance ``2 (1 - exp(-D_B))`` (in [0, 2]) between univariate Gaussians."""
+    return 2.0 * (1.0 - torch.exp(-bhattacharyya_gaussian(mu1, var1, mu2, var2, eps)))
+
+
+def jm_features(
+    mean: torch.Tensor, var: torch.Tensor, eps: float = DEFAULT_EPS, classes: Sequence[int] | None = None
+) -> np.ndarray:
+    """One feature vector per head: per-cell JM distances for every pair of classes, concatenated.
+
+    ``mean``/``var`` are ``(C, H, B, B)`` (from :class:`ClassSignatureAccumulator`).  Returns a
+    float64 array ``(H, n_pairs * B * B)``; pairs in ``itertools.combinations`` order of
+    ``classes`` (default all).
+    """
+    if mean.shape != var.shape or mean.dim() != 4:
+        raise ValueError(f"mean/var must both be (C, H, B, B), got {tuple(mean.shape)} and {tuple(var.shape)}")
+    classes = list(range(mean.shape[0])) if classes is None else list(classes)
+    if len(classes) < 2:
+        raise ValueError("class-conditional signatures need at least two classes; use label-free mode")
+    n_heads = mean.shape[1]
+    parts = [
+        jeffries_matusita(mean[a], var[a], mean[b], var[b], eps).reshape(n_heads, -1)
+        for a, b in itertools.combinations(classes, 2)
+    ]
+    return torch.cat(parts, dim=1).numpy()
+
+
+def row_distributions(grids: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Renormalise every query row of ``(..., B, B)`` grids to a probability distribution."""
+    grids = grids.clamp(min=0.0)
+    return grids / grids.sum(-1, keepdim=True).clamp(min=eps)
+
+
+def js_distance_matrix(pooled: torch.Tensor, eps: float = 1e-12) -> np.ndarray:
+    """Head-to-head Jensen–Shannon divergence (natural log, in [0, ln 2]) averaged over query rows.
+
+    ``pooled`` is ``(H, B, B)``: each head's pooled attention, rows are distributions over key
+    cells.  Returns a symmetric ``(H, H)`` float64 matrix with a zero diagonal.
+    """
+    p = row_distributions(pooled.to(torch.float64), eps)
+    n = p.shape[0]
+    out = torch.zeros(n, n, dtype=torch.float64)
+
+    def kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.where(a > 0, a * (torch.log(a.clamp(min=eps)) - torch.log(b.clamp(min=eps))), 0.0).sum(-1)
+
+    for i in range(n):
+        m = 0.5 * (p[i : i + 1] + p[i:])
+        js = 0.5 * kl(p[i : i + 1], m) + 0.5 * kl(p[i:], m)  # (n - i, B)
+        out[i, i:] = js.mean(-1)
+    out = torch.triu(out, diagonal=1)
+    out = out + out.T
+    out.fill_diagonal_(0.0)
+    return out.clamp(min=0.0).numpy()
+
+
+# --------------------------------------------------------------------------- one pass
+@dataclass
+class Signatures:
+    """The result of :func:`collect_signatures`.
+
+    ``mean``/``var``/``count`` are per class (``n_classes == 1`` in label-free mode, where
+    ``mean[0]`` holds the pooled row-normalised attention).  ``heads`` lists ``(layer, head)`` of
+    every row, in the order the features use.
+    """
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    count: torch.Tensor
+    heads: list[tuple[int, int]]
+    grid: int
+    label_free: bool
+
+    def features(self, eps: float = DEFAULT_EPS) -> np.ndarray:
+        """JM features (class-conditional mode), over the pairs of classes that occurred in the data."""
+        if self.label_free:
+            raise ValueError("label-free signatures have no classes: use distances()")
+        present = [c for c in range(self.mean.shape[0]) if self.count[c] > 0]
+        return jm_features(self.mean, self.var, eps, classes=present)
+
+    def distances(self) -> np.ndarray:
+        """JS-divergence matrix between heads (label-free mode)."""
+        return js_distance_matrix(self.mean[0])
+
+
+def collect_signatures(
+    attention_fn: Callable[[Mapping[str, torch.Tensor]], Sequence[torch.Tensor]],
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    head_counts: Sequence[int],
+    n_classes: int | None,
+    grid: int = DEFAULT_GRID,
+    label_key: str = "labels",
+    progress: bool = True,
+    total: int | None = None,
+) -> Signatures:
+    """Stream over ``batches`` once and accumulate every head's signature.
+
+    ``attention_fn(batch)`` returns per-layer ``(B, H_l, T, T)`` probabilities (e.g.
+    ``lambda b: adapter.attention_probs(**inputs)``).  ``n_classes=None`` selects label-free mode
+    (rows renormalised, one pooled "class").  Real tokens come from ``batch["attention_mask"]``
+    (all tokens when absent).
+    """
+    from tqdm.auto import tqdm
+
+    label_free = n_classes is None
+    n_heads = int(sum(head_counts))
+    acc = ClassSignatureAccumulator(1 if label_free else int(n_classes), n_heads, grid)
+    heads = [(layer, h) for layer, n in enumerate(head_counts) for h in range(n)]
+    for batch in tqdm(batches, desc="signatures", total=total, disable=not progress, leave=False):
+        with torch.no_grad():
+            attn = attention_fn(batch)
+        got = [int(a.shape[1]) for a in attn]
+        if got != list(head_counts):
+            raise ValueError(f"attention maps have head counts {got}, the adapter reported {list(head_counts)}")
+        maps = real_token_maps(attn, batch.get("attention_mask"))
+        grids = resize_maps(maps, grid)
+        if label_free:
+            acc.update(row_distributions(grids), torch.zeros(len(maps), dtype=torch.long))
+        else:
+            if label_key not in batch:
+                raise ValueError(f"class-conditional signatures need '{label_key}' in every batch")
+            acc.update(grids, batch[label_key])
+    if acc.count.sum() == 0:
+        raise ValueError("collect_signatures: the data yielded no batches")
+    if not label_free and acc.n_classes - len(acc.missing_classes()) < 2:
+        raise ValueError(
+            f"only classes {[c for c in range(acc.n_classes) if acc.count[c] > 0]} occur in the "
+            "signature data; class-conditional signatures need at least two (use more data)"
+        )
+    return Signatures(acc.mean, acc.var, acc.count, heads, grid, label_free)

@@ -1,0 +1,230 @@
+"""CAHP math on synthetic arrays: distances, streaming stats, padding, MSS, knee, selection rules."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from headbudget.pruning.cahp import (
+    cluster_sweep,
+    ensure_one_per_layer,
+    find_knee,
+    kept_by_layer,
+    mean_simplified_silhouette,
+    representatives,
+    select_heads,
+)
+from headbudget.pruning.importance import head_list, michel_iterative, prune_spec, select_top
+from headbudget.pruning.signatures import (
+    ClassSignatureAccumulator,
+    bhattacharyya_gaussian,
+    collect_signatures,
+    jeffries_matusita,
+    jm_features,
+    js_distance_matrix,
+    real_token_maps,
+    resize_maps,
+)
+
+
+# ----------------------------------------------------------------------------- distances
+def test_bhattacharyya_and_jm_hand_values():
+    # equal variances, means 1 apart: 1/4 * 1/2 = 0.125
+    assert float(bhattacharyya_gaussian(0.0, 1.0, 1.0, 1.0, eps=0)) == pytest.approx(0.125, abs=1e-12)
+    # equal means, variances 1 and 4: 1/2 ln(5 / (2*1*2)) = 1/2 ln 1.25
+    assert float(bhattacharyya_gaussian(0.0, 1.0, 0.0, 4.0, eps=0)) == pytest.approx(0.5 * math.log(1.25), abs=1e-12)
+    # both terms: mu 0 vs 2, var 1 vs 3: 1/4 * 4/4 + 1/2 ln(4 / (2 sqrt 3))
+    want = 0.25 + 0.5 * math.log(4 / (2 * math.sqrt(3)))
+    assert float(bhattacharyya_gaussian(0.0, 1.0, 2.0, 3.0, eps=0)) == pytest.approx(want, abs=1e-12)
+    assert float(jeffries_matusita(0.0, 1.0, 1.0, 1.0, eps=0)) == pytest.approx(2 * (1 - math.exp(-0.125)), abs=1e-12)
+    # identical Gaussians -> 0; far apart -> saturates at 2
+    assert float(jeffries_matusita(0.3, 0.1, 0.3, 0.1)) == pytest.approx(0.0, abs=1e-12)
+    assert float(jeffries_matusita(0.0, 0.0, 1.0, 0.0, eps=1e-10)) == pytest.approx(2.0, abs=1e-12)
+
+
+def test_jm_features_layout_and_pairs():
+    mean = torch.zeros(3, 2, 2, 2, dtype=torch.float64)
+    var = torch.ones(3, 2, 2, 2, dtype=torch.float64)
+    mean[1, 0] = 1.0  # class 1 differs from 0 and 2 on head 0 only
+    feats = jm_features(mean, var, eps=0)
+    assert feats.shape == (2, 3 * 4)  # pairs (0,1), (0,2), (1,2) x 4 cells
+    jm1 = 2 * (1 - math.exp(-0.125))
+    np.testing.assert_allclose(feats[0], [jm1] * 4 + [0.0] * 4 + [jm1] * 4, atol=1e-12)
+    np.testing.assert_allclose(feats[1], 0.0, atol=1e-12)
+    with pytest.raises(ValueError, match="at least two classes"):
+        jm_features(mean[:1], var[:1])
+
+
+def test_streaming_stats_match_numpy_and_do_not_depend_on_batching():
+    rng = np.random.default_rng(0)
+    x = rng.random((40, 3, 4, 4))
+    y = rng.integers(0, 3, 40)
+    a = ClassSignatureAccumulator(3, 3, 4)
+    a.update(torch.tensor(x), torch.tensor(y))
+    b = ClassSignatureAccumulator(3, 3, 4)
+    for s in range(0, 40, 7):
+        b.update(torch.tensor(x[s : s + 7]), torch.tensor(y[s : s + 7]))
+    for c in range(3):
+        np.testing.assert_allclose(a.mean[c].numpy(), x[y == c].mean(0), atol=1e-12)
+        np.testing.assert_allclose(a.var[c].numpy(), x[y == c].var(0), atol=1e-12)
+        np.testing.assert_allclose(b.mean[c].numpy(), a.mean[c].numpy(), atol=1e-12)
+        np.testing.assert_allclose(b.var[c].numpy(), a.var[c].numpy(), atol=1e-12)
+    assert a.count.tolist() == [float((y == c).sum()) for c in range(3)]
+
+
+def test_js_distance_matrix_hand_value():
+    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.0, 1.0], [0.5, 0.5]], [[1.0, 0.0], [0.5, 0.5]]])
+    d = js_distance_matrix(p)
+    # row 0 disjoint -> ln 2, row 1 identical -> 0: mean ln2 / 2
+    assert d[0, 1] == pytest.approx(math.log(2) / 2, abs=1e-12)
+    assert d[0, 2] == pytest.approx(0.0, abs=1e-12)
+    np.testing.assert_allclose(d, d.T)
+
+
+# ----------------------------------------------------------------------------- padding
+def test_padding_never_enters_the_grid():
+    torch.manual_seed(0)
+    lengths = [5, 3, 4]
+    t = 6
+    real = [torch.softmax(torch.randn(2, n, n), -1) for n in lengths]
+    # right-padded batch whose padding cells hold garbage; one left-padded copy of input 1
+    attn = torch.full((3, 2, t, t), 7.0)
+    mask = torch.zeros(3, t, dtype=torch.long)
+    for i, (m, n) in enumerate(zip(real, lengths)):
+        if i == 1:  # left padding
+            attn[i, :, t - n :, t - n :] = m
+            mask[i, t - n :] = 1
+        else:
+            attn[i, :, :n, :n] = m
+            mask[i, :n] = 1
+    layers = [attn[:, :1], attn[:, 1:]]  # two layers of one head each
+    maps = real_token_maps(layers, mask)
+    for m, r in zip(maps, real):
+        torch.testing.assert_close(m, r)
+    batch = {"attention_mask": mask, "labels": torch.tensor([0, 1, 1])}
+    sig = collect_signatures(lambda b: layers, [batch], [1, 1], n_classes=2, grid=4, progress=False)
+    want = resize_maps(real, 4).double()
+    torch.testing.assert_close(sig.mean[0], want[0])
+    torch.testing.assert_close(sig.mean[1], want[1:].mean(0))
+    assert float(sig.mean.max()) <= 1.0  # the 7.0 padding never leaked
+
+
+def test_resize_identity_at_same_size():
+    m = torch.softmax(torch.randn(2, 4, 4), -1)
+    torch.testing.assert_close(resize_maps([m], 4)[0], m)
+
+
+# ----------------------------------------------------------------------------- MSS and knee
+PTS = np.array([[0.0], [1.0], [10.0], [12.0], [20.0]])
+
+
+def test_mss_mean_and_nearest_variants_hand_values():
+    labels, medoids = [0, 0, 1, 1, 2], [0, 2, 4]
+    # point 1: a=1, others 9 and 19; point 3: a=2, others 12 and 8
+    mean_v = ((14 - 1) / 14 + (10 - 2) / 10) / 2
+    nearest_v = ((9 - 1) / 9 + (8 - 2) / 8) / 2
+    assert mean_simplified_silhouette(PTS, labels, medoids) == pytest.approx(mean_v, abs=1e-12)
+    assert mean_simplified_silhouette(PTS, labels, medoids, "nearest") == pytest.approx(nearest_v, abs=1e-12)
+    with pytest.raises(ValueError, match="unknown MSS variant"):
+        mean_simplified_silhouette(PTS, labels, medoids, "max")
+
+
+def test_cluster_sweep_finds_obvious_groups():
+    rng = np.random.default_rng(1)
+    pts = np.concatenate([rng.normal(c * 10, 0.1, (5, 2)) for c in range(3)])
+    sweep = cluster_sweep(pts, seed=0)
+    assert [c.k for c in sweep] == list(range(2, 15))
+    three = sweep[1]
+    assert [three.labels[i * 5] for i in range(3)] == [three.labels[i * 5 + 4] for i in range(3)]
+    assert len(set(three.labels.tolist())) == 3
+    # the published "mean" variant keeps rising after the true k (hence the knee) ...
+    assert sweep[0].mss < 0.7 < 0.99 < three.mss <= sweep[-1].mss
+    # ... the textbook nearest-medoid variant peaks at the true k
+    nearest = cluster_sweep(pts, seed=0, variant="nearest")
+    assert max(nearest, key=lambda c: c.mss).k == 3
+
+
+def test_knee_on_synthetic_curve_and_degree_effect():
+    x = list(range(2, 31))
+    y = [min(k, 10) / 10 for k in x]
+    assert find_knee(x, y, 6) == 11.0
+    assert find_knee(x, y, 3) == 11.0
+    assert find_knee(x, y, 2) == 14.0  # a lower degree keeps more heads
+    assert find_knee([1, 2], [0, 1]) is None
+
+
+# ----------------------------------------------------------------------------- selection rules
+def test_representatives_are_most_salient_not_medoid():
+    assert representatives([0, 0, 1, 1, 1], [0.1, 0.2, 0.9, 0.3, 0.95]) == [1, 4]
+
+
+def test_at_least_one_head_per_layer_rescue():
+    heads = head_list([3, 2, 2])
+    kept, rescued = ensure_one_per_layer([0, 1], heads, [0.5, 0.1, 0.2, 0.3, 0.8, 0.6, 0.6])
+    assert rescued == [4, 5]  # layer 1: head 1 (0.8); layer 2: tie -> lower index
+    assert kept_by_layer(kept, heads) == {0: [0, 1], 1: [1], 2: [0]}
+
+
+def test_select_top_exact_count_and_one_per_layer():
+    scores = [np.array([0.9, 0.8, 0.7]), np.array([0.1, 0.05]), np.array([0.6, 0.95])]
+    kept = select_top(scores, 4)
+    assert kept == [0, 1, 3, 6]
+    assert prune_spec(kept, [3, 2, 2]) == {0: [2], 1: [1], 2: [0]}
+    with pytest.raises(ValueError, match="one per layer"):
+        select_top(scores, 2)
+
+
+def test_select_heads_seeded_and_forced_keep():
+    rng = np.random.default_rng(0)
+    feats = np.concatenate([rng.normal(c, 0.05, (6, 8)) for c in range(4)])
+    heads = head_list([6, 6, 6, 6])
+    sal = rng.random(24)
+    a = select_heads(feats, heads, sal, seed=3)
+    b = select_heads(feats, heads, sal, seed=3)
+    assert a.kept == b.kept and a.knee_k == b.knee_k
+    np.testing.assert_allclose(a.embedding, b.embedding)
+    forced = select_heads(feats, heads, sal, keep=7, seed=0)
+    assert forced.knee_source == "keep" and len(forced.kept) == 7
+    assert forced.knee_k == 7 - len(forced.rescued)
+    assert all(forced.kept_by_layer[layer] for layer in range(4))
+    for c in range(forced.knee_k):  # each kept head is its cluster's most salient
+        members = np.flatnonzero(forced.labels == c)
+        assert int(members[np.argmax(sal[members])]) in forced.kept
+    with pytest.raises(ValueError, match="--keep must be between 4 and 23"):
+        select_heads(feats, heads, sal, keep=24)
+
+
+class _FakeGateAdapter:
+    """Loss = sum_h w_h * gate_h^2 per layer: gradient 2 w_h g_h, zero once a gate is 0."""
+
+    def __init__(self, weights):
+        self.w = [torch.tensor(w, dtype=torch.float64) for w in weights]
+        self.model = torch.nn.Linear(1, 1)
+
+    def head_counts(self):
+        return [len(w) for w in self.w]
+
+    def gates(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            self.g = [torch.ones(len(w), dtype=torch.float64, requires_grad=True) for w in self.w]
+            yield self.g
+
+        return cm()
+
+
+def test_michel_iterative_recomputes_with_gates_zeroed():
+    from headbudget.pruning.importance import ImportanceContext
+
+    ad = _FakeGateAdapter([[1.0, 2.0, 3.0, 4.0], [5.0, 0.5]])
+    loss = lambda model, batch: sum((w * g**2).sum() for w, g in zip(ad.w, ad.g))  # noqa: E731
+    ctx = ImportanceContext(ad, ad.model, [{}], loss, progress=False)
+    kept = michel_iterative(ctx, 3, step_fraction=0.2)
+    # layer-normalised: layer 0 -> [1,2,3,4]/sqrt(30); layer 1 -> [5, .5]/sqrt(25.25)
+    # round 1 removes (1,1) (0.0995) then head (0,0) (0.18) ; round 2 removes (0,1)
+    assert kept == [2, 3, 4]

@@ -1,0 +1,227 @@
+"""CAHP and the baselines end to end on tiny random BERT / GPT-2 classifiers (fixture data)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "cahp"
+DATA = FIX / "sst5"
+
+
+def _tokenizer():
+    from transformers import BertTokenizerFast
+
+    return BertTokenizerFast(vocab_file=str(FIX / "vocab.txt"), do_lower_case=True)
+
+
+def _save_tiny(tmp: Path, family: str) -> Path:
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+    )
+
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    if family == "bert":
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64, num_labels=5)
+        model = BertForSequenceClassification(cfg)
+    else:
+        cfg = GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=5,
+                         pad_token_id=tok.pad_token_id)
+        model = GPT2ForSequenceClassification(cfg)
+    out = tmp / f"tiny-{family}"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("models"), "bert")
+
+
+def _job(model, out, **kw):
+    from headbudget.cli.prune_cmd import PruneJob
+
+    base = dict(model=str(model), task="sst5", data_dir=str(DATA), out=str(out), pool_size=8, batch_size=16,
+                finetune_epochs=0, progress=False, lr=1e-3)
+    base.update(kw)
+    return PruneJob(**base)
+
+
+def test_signatures_from_model_ignore_padding(tiny_bert):
+    """A batch padded to a longer length gives the same signature as unpadded inputs."""
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.cahp import model_signatures
+    from headbudget.pruning.finetune import load_classifier
+
+    model = load_classifier(tiny_bert, 5).eval()
+    ad = get_adapter(model)
+    tok = _tokenizer()
+    texts = ["the movie was superb", "awful plot", "a very dull story and plain acting"]
+    padded = dict(tok(texts, padding=True, return_tensors="pt"), labels=torch.tensor([4, 0, 1]))
+    singles = [dict(tok([t], return_tensors="pt"), labels=torch.tensor([y])) for t, y in zip(texts, [4, 0, 1])]
+    a = model_signatures(ad, [padded], 5, grid=8, progress=False)
+    b = model_signatures(ad, singles, 5, grid=8, progress=False)
+    torch.testing.assert_close(a.mean, b.mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.var, b.var, atol=1e-6, rtol=0)
+    assert a.count.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_prune_cahp_cli_end_to_end(tiny_bert, tmp_path):
+    from headbudget.cli.main import main
+    from headbudget.pruning.finetune import load_classifier
+
+    out = tmp_path / "cahp"
+    rc = main(["prune", str(tiny_bert), "--task", "sst5", "--data-dir", str(DATA), "--method", "cahp",
+               "--pool-size", "8", "--batch-size", "16", "--finetune-epochs", "1", "--lr", "1e-3",
+               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert list(rep) == ["method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds"]
+    assert rep["method"] == "cahp" and rep["heads_total"] == 8
+    assert [k for k, _ in rep["mss"]] == list(range(2, 8))
+    assert set(rep["metric"]) == {"dense", "pruned", "finetuned"}
+    assert all(isinstance(v, float) for v in rep["metric"].values())
+    assert set(rep["kept"]) == {"0", "1"} and all(rep["kept"][k] for k in rep["kept"])  # >= 1 head per layer
+    assert rep["heads_kept"] == sum(len(v) for v in rep["kept"].values()) < 8
+    for name in ("report.md", "details.json", "mss.png", "embedding.png", "heads_per_layer.png",
+                 "accuracy_vs_heads.png", "model/kept_heads.json"):
+        assert (out / name).exists(), name
+    # the saved model is physically pruned and reloads with the kept heads
+    model = load_classifier(out / "model", 5)
+    from headbudget.pruning.adapters import get_adapter
+
+    ad = get_adapter(model)
+    assert {str(k): v for k, v in ad.original_heads().items()} == rep["kept"]
+    assert ad.head_counts() == [len(rep["kept"]["0"]), len(rep["kept"]["1"])]
+
+
+def test_cahp_forced_keep_and_removed_equals_gated(tiny_bert, tmp_path):
+    """--keep gives exactly that many heads and the pruned model's dev accuracy equals the gated dense one."""
+    from headbudget.cli.prune_cmd import run_prune
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.finetune import evaluate_accuracy, load_classifier, predict
+    from headbudget.pruning.importance import gate_mask
+    from headbudget.pruning.tasks import load_task
+
+    res = run_prune(_job(tiny_bert, tmp_path / "k5", keep=5))
+    rep = res["report"]
+    assert rep["heads_kept"] == 5
+    dense = load_classifier(tiny_bert, 5).eval()
+    pruned = load_classifier(tmp_path / "k5" / "model", 5).eval()
+    ad = get_adapter(dense)
+    kept_flat = [layer * 4 + h for layer, hs in rep["kept"].items() for h in hs for layer in [int(layer)]]
+    dev = load_task("sst5", DATA).splits["dev"]
+    tok = _tokenizer()
+    with ad.set_gate_values(gate_mask(kept_flat, [4, 4])):
+        gated = predict(dense, tok, dev)
+    assert torch.equal(gated, predict(pruned, tok, dev))
+    assert rep["metric"]["pruned"] == pytest.approx(evaluate_accuracy(pruned, tok, dev))
+
+
+@pytest.mark.parametrize("method", ["michel", "fisher", "magnitude", "random"])
+def test_baselines_forced_head_count(tiny_bert, tmp_path, method):
+    from headbudget.cli.prune_cmd import run_prune
+
+    rep = run_prune(_job(tiny_bert, tmp_path / method, method=method, keep=6, save_model=False,
+                         limit_train=32))["report"]
+    assert rep["heads_kept"] == 6 and rep["knee_k"] is None and rep["mss"] == []
+    assert all(len(v) >= 1 for v in rep["kept"].values())
+
+
+def test_baseline_without_head_count_is_a_one_line_error(tiny_bert, tmp_path, capsys):
+    from headbudget.cli.main import main
+
+    rc = main(["prune", str(tiny_bert), "--task", "sst5", "--data-dir", str(DATA), "--method", "fisher",
+               "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "--method fisher needs --keep N or --keep-ratio r" in capsys.readouterr().err
+    rc = main(["prune", str(tiny_bert), "--task", "sst5", "--data-dir", str(DATA), "--keep", "9",
+               "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "cannot keep 9 heads: this model has 8 heads in 2 layers" in capsys.readouterr().err
+
+
+def test_reproducible_with_seed(tiny_bert, tmp_path):
+    from headbudget.cli.prune_cmd import run_prune
+
+    a = run_prune(_job(tiny_bert, tmp_path / "a", save_model=False, seed=3, limit_train=40))
+    b = run_prune(_job(tiny_bert, tmp_path / "b", save_model=False, seed=3, limit_train=40))
+    assert a["report"]["kept"] == b["report"]["kept"]
+    assert a["report"]["mss"] == b["report"]["mss"]
+    np.testing.assert_array_equal(a["details"]["salience"], b["details"]["salience"])
+    r1 = run_prune(_job(tiny_bert, tmp_path / "r1", method="random", keep=4, save_model=False, seed=1, limit_train=16))
+    r2 = run_prune(_job(tiny_bert, tmp_path / "r2", method="random", keep=4, save_model=False, seed=1, limit_train=16))
+    r3 = run_prune(_job(tiny_bert, tmp_path / "r3", method="random", keep=4, save_model=False, seed=2, limit_train=16))
+    assert r1["report"]["kept"] == r2["report"]["kept"] != r3["report"]["kept"]
+
+
+def test_gpt2_decoder_family_pipeline(tmp_path):
+    from headbudget.cli.prune_cmd import run_prune
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.finetune import load_classifier
+
+    model_dir = _save_tiny(tmp_path, "gpt2")
+    rep = run_prune(_job(model_dir, tmp_path / "g", keep=4, finetune_epochs=1))["report"]
+    assert rep["heads_kept"] == 4 and rep["metric"]["finetuned"] is not None
+    model = load_classifier(tmp_path / "g" / "model", 5)
+    ad = get_adapter(model)
+    assert ad.family == "gpt2" and sum(ad.head_counts()) == 4
+
+
+def test_prune_compare_same_head_count(tiny_bert, tmp_path):
+    from headbudget.cli.prune_cmd import parse_methods, run_compare
+
+    assert parse_methods("cahp@2, michel") == [("cahp-d2", "cahp", 2), ("michel", "michel", None)]
+    with pytest.raises(ValueError, match="unknown method 'foo'"):
+        parse_methods("cahp,foo")
+    summary = run_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False), "cahp@2,magnitude,random")
+    counts = {r["label"]: r["heads_kept"] for r in summary["rows"]}
+    assert len(set(counts.values())) == 1, counts
+    assert (tmp_path / "cmp" / "compare.md").read_text().count("\n| ") >= 3
+    assert (tmp_path / "cmp" / "heads_per_layer.png").exists()
+
+
+def test_label_free_lm_mode_on_tiny_gpt2():
+    """Label-free CAHP: JS-divergence signatures + LM-loss salience on a tiny causal LM."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.cahp import cahp_select
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32)).eval()
+    ad = get_adapter(model)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, 50, (4, 12), generator=g)
+        batches.append({"input_ids": ids, "labels": ids})
+    sel, secs = cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=4, seed=0, progress=False)
+    assert len(sel.kept) == 4 and set(secs) == {"signatures", "salience", "cluster"}
+    assert {sel.heads[i][0] for i in sel.kept} == {0, 1}  # at least one head per layer
+    sel2, _ = cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=4, seed=0, progress=False)
+    assert sel2.kept == sel.kept
+
+
+def test_accuracy_curve_knee(tiny_bert, tmp_path):
+    from headbudget.cli.prune_cmd import run_prune
+
+    res = run_prune(_job(tiny_bert, tmp_path / "acc", curve="accuracy", curve_step=2, save_model=False))
+    curve = res["details"]["accuracy_curve"]
+    assert [c[0] for c in curve] == [2, 4, 6]
+    assert res["details"]["knee_source"] in ("accuracy", "fallback-max-accuracy")
+    assert res["report"]["knee_k"] in (2, 4, 6)
+    # the curve's point at the chosen k is the accuracy of the gated model == the pruned one
+    at_k = {c[0]: c for c in curve}[res["report"]["knee_k"]]
+    assert at_k[1] == res["report"]["heads_kept"]
+    assert at_k[2] == pytest.approx(res["report"]["metric"]["pruned"])
