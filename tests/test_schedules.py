@@ -13,7 +13,6 @@ from headbudget.schedules import (
     prism,
     reverse,
     schedule_from_spec,
-    uniform,
 )
 
 
