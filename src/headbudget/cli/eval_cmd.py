@@ -13,22 +13,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-
-def _write_json_atomic(obj: Any, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2)
-    os.replace(tmp, path)
+from headbudget.io import atomic_write_json
 
 
 def _clean_nan(obj: Any) -> Any:
@@ -101,7 +91,7 @@ def run_eval(args: argparse.Namespace) -> int:
                "seconds": report["seconds"],
                "details": {"model": str(args.model), "task_seconds": report["task_seconds"],
                            "forward_passes": report["forward_passes"], "limit": args.limit}}
-        _write_json_atomic(_clean_nan(out), args.json)
+        atomic_write_json(args.json, _clean_nan(out))
         print(f"wrote {args.json}")
     return 0
 
@@ -117,7 +107,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
           f"{res['tokens_total']:,} tokens scored, {res['windows']} windows of {res['context']}, "
           f"stride {res['stride']}, {res['seconds']:.1f}s)")
     if args.json:
-        _write_json_atomic(dict(res, model=str(args.model), data=str(args.data)), args.json)
+        atomic_write_json(args.json, dict(res, model=str(args.model), data=str(args.data)))
         print(f"wrote {args.json}")
     return 0
 

@@ -30,6 +30,7 @@ from torch import nn
 from headbudget.compression.allocation import ALLOCATIONS, allocate, divisors
 from headbudget.compression.grouping import adjacent_groups, check_groups, group_heads
 from headbudget.compression.svd import CompressionError, rotary_reason, svd_compress
+from headbudget.io import atomic_write_json
 
 METHODS = ("svd", "group")
 
@@ -227,15 +228,11 @@ def save_model_atomic(model: nn.Module, out_dir: Path, tokenizer_src: Path | Non
     return out_dir
 
 
-def _atomic_json(path: Path, data: Any) -> None:
-    from headbudget.experiments._common import atomic_write_json
-
-    atomic_write_json(path, data)
 
 
 def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
     """Perplexity vs kept fraction, one line per allocation, the uncompressed model dashed."""
-    from headbudget.experiments._common import new_figure, save_figure
+    from headbudget.io import new_figure, save_figure
 
     fig, ax = new_figure(figsize=(6.4, 4.4))
     for alloc in ALLOCATIONS:
@@ -341,10 +338,10 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
         sw = {"method": method, "baseline_ppl": before["ppl"], "runs": runs,
               "best_by_keep": {str(k): min((r for r in runs if r["keep"] == k), key=lambda r: r["ppl"])["allocation"]
                                for k in sweep}}
-        _atomic_json(out_dir / "sweep.json", sw)
+        atomic_write_json(out_dir / "sweep.json", sw)
         plot_sweep(sw, out_dir / "sweep.png")
         report["sweep"] = sw
-    _atomic_json(out_dir / "report.json", report)
+    atomic_write_json(out_dir / "report.json", report)
     return report
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from headbudget.io import atomic_write_text
 
 #: Default folder of the offline GPT-2 BPE files (relative to the project root / current directory).
 DEFAULT_GPT2_DIR = "../shared/data/tokenizers/gpt2"
@@ -48,7 +49,7 @@ class Tokenizer:
         """Write what :func:`load_tokenizer` needs into ``directory``; returns the directory."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(d / SPEC_FILE, json.dumps(self._spec_dict(), indent=2))
+        atomic_write_text(d / SPEC_FILE, json.dumps(self._spec_dict(), indent=2))
         return d
 
     def _spec_dict(self) -> dict[str, Any]:
@@ -59,11 +60,6 @@ class Tokenizer:
         return self.spec
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class ByteTokenizer(Tokenizer):

@@ -1,61 +1,16 @@
-"""Small helpers shared by the synthetic experiments: atomic JSON/PNG writes and timing."""
+"""Small helpers shared by the synthetic experiments: thread control and flag parsing.
+
+Atomic JSON/PNG writes come from :mod:`headbudget.io` (re-exported here for the experiment modules).
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
+from headbudget.io import atomic_write_json, atomic_write_text, new_figure, save_figure
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
-    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """``plt.subplots`` on the Agg backend without touching the global backend setting."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(*args, **kwargs)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    return fig, ax
-
-
-def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
-    """Save a :func:`new_figure` figure atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix or ".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=(path.suffix or ".png")[1:])
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+__all__ = ["atomic_write_json", "atomic_write_text", "new_figure", "parse_int_list", "save_figure", "torch_threads"]
 
 
 @contextmanager

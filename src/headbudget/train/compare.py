@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from headbudget.data.prepare import PreparedData, prepare_data
+from headbudget.io import atomic_write_text
 from headbudget.train.config import RunConfig
 from headbudget.train.trainer import Trainer, TrainResult, build_schedule
 
@@ -122,17 +123,13 @@ def run_compare(
         "curves": {s: [[{k: rec[k] for k in ("step", "tokens", "train_loss", "val_loss")} for rec in h]
                        for h in hs] for s, hs in histories.items()},
     }
-    _write(out / "compare.json", json.dumps(summary, indent=2))
-    _write(out / "report.md", render_report(summary))
+    atomic_write_text(out / "compare.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "report.md", render_report(summary))
     if plot:
         plot_curves(summary, out / "loss_curves.png")
     return summary
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _pm(mean: float, std: float, n: int, digits: int = 4) -> str:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from headbudget.data.loader import train_batch, val_batches
 from headbudget.data.prepare import PreparedData, prepare_data
+from headbudget.io import atomic_write_text
 from headbudget.schedules import HeadSchedule, ModelPreset, get_preset, schedule_from_spec
 from headbudget.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from headbudget.train.config import RunConfig
@@ -202,10 +203,6 @@ def _set_rng_state(s: dict[str, Any]) -> None:
     random.setstate(s["python"])
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def cpu_threads(requested: int = 0, world_size: int = 1) -> int:
@@ -374,7 +371,7 @@ class Trainer:
                 print(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0", flush=True)
         if is_main:
             self._trim_metrics(metrics_path, start_step)
-            _atomic_write(self.out / "config.yaml", cfg.to_yaml())
+            atomic_write_text(self.out / "config.yaml", cfg.to_yaml())
             data.tokenizer.save(self.out / "tokenizer")
 
         fwd_model = torch.compile(model) if t.compile else model
@@ -524,7 +521,7 @@ class Trainer:
             summary = result.to_dict()
             summary.update(name=cfg.name, seed=cfg.seed, schedule_spec=cfg.model.schedule,
                            world_size=self.world, data=data.meta)
-            _atomic_write(self.out / "summary.json", json.dumps(summary, indent=2))
+            atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2))
         self.model = raw_model
         return result
 
@@ -571,7 +568,7 @@ class Trainer:
                     keep.append(line)
             except (json.JSONDecodeError, KeyError):
                 continue
-        _atomic_write(path, "".join(k + "\n" for k in keep))
+        atomic_write_text(path, "".join(k + "\n" for k in keep))
 
     def _full_state_dict(self, model, raw_model, fsdp: bool) -> dict[str, torch.Tensor]:
         if not fsdp:
