@@ -22,11 +22,11 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("n, ctx, stride", [(50, 16, 8), (50, 16, 16), (17, 16, 5), (10, 64, 32)])
+@pytest.mark.parametrize("n, ctx, stride", [(50, 16, 8), (50, 16, 15), (17, 16, 5), (10, 64, 32)])
 def test_every_token_after_the_first_is_scored_once(n, ctx, stride):
     scored = []
     for begin, end, trg in window_plan(n, ctx, stride):
-        assert end - begin <= ctx and trg <= end - begin - (1 if begin == 0 else 0)
+        assert end - begin <= ctx and trg <= end - begin - 1
         scored.extend(range(end - trg, end))
     assert scored == list(range(1, n))
 
@@ -64,3 +64,13 @@ def test_bad_arguments(tmp_path):
         window_plan(10, 8, 9)
     with pytest.raises(FileNotFoundError, match="no file"):
         read_text(str(tmp_path / "missing.txt"))
+
+
+def test_window_plan_with_stride_equal_to_context_never_asks_for_more_targets_than_predictions():
+    from headbudget.evaluation.perplexity import window_plan
+
+    plan = window_plan(100, 32, 32)
+    assert plan[0] == (0, 32, 31)
+    assert all(trg <= end - begin - 1 for begin, end, trg in plan)
+    assert [b for b, _, _ in plan] == [0, 32, 64, 96]
+    assert sum(t for _, _, t in plan) == 100 - 4  # each window's first token has no in-window context

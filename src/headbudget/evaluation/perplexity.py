@@ -55,9 +55,9 @@ def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int
     plan, prev_end, begin = [], 0, 0
     while begin < n_tokens:
         end = min(begin + context, n_tokens)
-        trg = end - prev_end
-        if begin == 0:
-            trg = end - 1
+        # A window's first token has no context inside the window, so at most end-begin-1 targets;
+        # with stride == context the first token of each later window goes unscored (as in HF's guide).
+        trg = min(end - prev_end, end - begin - 1)
         if trg > 0:
             plan.append((begin, end, trg))
         prev_end = end
