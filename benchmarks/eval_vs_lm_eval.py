@@ -174,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{t:<12}{n:>5}{same:>10}{dll:>10.2e}{ref['seconds'][t]:>11.2f}"
               f"{ref['model_seconds'][t]:>10.2f}{ours['seconds'][t]:>8.2f}{speed:>8.2f}x"
               f"{speed_model:>7.2f}x{ours['forward_passes'][t]:>8}")
+    tot_ref = sum(r["lm_eval_seconds"] for r in rows)
+    tot_ref_model = sum(r["lm_eval_loglikelihood_seconds"] for r in rows)
+    tot_ours = sum(r["ours_seconds"] for r in rows)
+    n_all, same_all = sum(r["n"] for r in rows), sum(r["same_predictions"] for r in rows)
+    print(f"{'total':<12}{n_all:>5}{same_all:>10}{'':>10}{tot_ref:>11.2f}{tot_ref_model:>10.2f}"
+          f"{tot_ours:>8.2f}{tot_ref / tot_ours:>8.2f}x{tot_ref_model / tot_ours:>7.2f}x"
+          f"{sum(r['forward_passes'] for r in rows):>8}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0 if ok else 1

@@ -107,6 +107,83 @@ def test_batching_equals_one_by_one(gpt2, tok):
     assert prefix.stats.forward_passes <= 2 * len(exs) + 1
 
 
+def tiny_headbudget(seed: int = 1):
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.schedules import prism
+
+    torch.manual_seed(seed)
+    return HeadBudgetForCausalLM(HeadBudgetConfig(schedule=prism(3, 32, 32, 8), vocab_size=257,
+                                                  n_positions=256, dropout=0.0)).eval()
+
+
+def tiny_llama(seed: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, hidden_size=32,
+                                        intermediate_size=64, vocab_size=257,
+                                        max_position_embeddings=256)).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_headbudget, tiny_llama],
+                         ids=["gpt2", "headbudget", "llama"])
+def test_cross_item_prefix_batching_equals_one_by_one(make, tok):
+    """Prefixes of many items in one padded pass, the cache expanded per choice: same scores as
+    every choice scored alone, no fallback, and far fewer than two passes per item."""
+    model = make()
+    exs = [e for t in TASKS4 for e in load_examples(t, FIXTURES)]
+    exs = exs + exs[::-1]  # more items than one batch; prefixes of many lengths
+    one = [[hand_score(model, tok, c, k) for c, k in zip(e.contexts, e.continuations)]
+           for e in exs]
+    passes = {}
+    for bs in (6, 2):  # 2: several windows of prefix caches
+        fast = Scorer(model, tok, batch_size=bs, progress=False)
+        rows_seen: list[int] = []
+        inner = fast._forward
+
+        def spy(ids, _inner=inner, _seen=rows_seen, **kw):
+            _seen.append(ids.shape[0])
+            return _inner(ids, **kw)
+
+        fast._forward = spy
+        got = fast.score(exs)
+        assert fast.stats.fallbacks == [] and fast.strategy == "prefix"
+        for a, b in zip(got, one, strict=True):
+            assert a == pytest.approx(b, abs=1e-4)
+        assert max(rows_seen) <= bs and len(rows_seen) == fast.stats.forward_passes
+        passes[bs] = fast.stats.forward_passes
+    # bs=6: well under one pass per item (the per-item cache needed two); fewer than with bs=2
+    assert passes[6] < len(exs) and passes[6] < passes[2]
+    # a batch size of one row still works (continuations chunked one by one)
+    small = Scorer(model, tok, batch_size=1, progress=False)
+    for a, b in zip(small.score(exs[:3]), one[:3], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert small.stats.fallbacks == []
+
+
+def test_cache_mismatch_falls_back_to_full(gpt2, tok):
+    """A model whose cached path is wrong (it ignores the cache) is caught by the self-check."""
+    class NoCache(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False,
+                    past_key_values=None):
+            out = self.inner(input_ids=input_ids, use_cache=use_cache)
+            return out
+
+    exs = load_examples("piqa", FIXTURES)
+    sc = Scorer(NoCache(gpt2), tok, progress=False)
+    with pytest.warns(UserWarning, match="scoring every choice in full"):
+        got = sc.score(exs)
+    assert sc.strategy == "full" and len(sc.stats.fallbacks) == 1
+    ref = Scorer(gpt2, tok, strategy="full", progress=False).score(exs)
+    for a, b in zip(got, ref, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
 def test_trailing_space_moves_to_continuation(tok):
     enc = HarnessEncoder(tok)
     assert enc.pair("Answer: ", "yes") == enc.pair("Answer:", " yes")

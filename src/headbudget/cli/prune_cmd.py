@@ -6,8 +6,13 @@
     headbudget prune-compare runs/ft --task sst5 --data-dir ../shared/data/classification/sst5 \\
         --methods cahp@2,cahp@6,michel,fisher,magnitude,random --out runs/compare
 
+    # causal LMs, label-free (metric: held-out perplexity, lower is better)
+    headbudget prune runs/prism --task lm --data ../shared/data/text/tinyshakespeare.txt \
+        --method cahp --keep 12 --out runs/cahp-lm
+
 ``prune`` writes ``OUT/model`` (the physically pruned model, loadable with
-``headbudget.pruning.finetune.load_classifier``), ``OUT/report.json`` (fixed schema, see
+``headbudget.pruning.finetune.load_classifier``, or for ``--task lm`` with
+``headbudget.pruning.adapters.load_pruned``), ``OUT/report.json`` (fixed schema, see
 :mod:`headbudget.pruning.report`), ``OUT/details.json``, ``OUT/report.md`` and plots.
 """
 
@@ -33,7 +38,7 @@ class PruneJob:
 
     model: str
     task: str
-    data_dir: str
+    data_dir: str | None
     out: str
     method: str = "cahp"
     keep: int | None = None
@@ -58,10 +63,29 @@ class PruneJob:
     device: str | None = None
     progress: bool = True
     save_model: bool = True
+    # --task lm
+    data: str | None = None
+    tokenizer: str | None = None
+    context: int = 128
+    calib_windows: int = 32
+    heldout_fraction: float = 0.1
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _check_job(job: PruneJob) -> None:
+    if job.task == "lm":
+        if not job.data:
+            raise ValueError("--task lm needs --data TEXT_FILE (calibration windows and held-out perplexity)")
+        if job.curve == "accuracy":
+            raise ValueError("--curve accuracy is for classification tasks; with --task lm use --curve mss or --keep")
+        if job.context < 2:
+            raise ValueError(f"--context must be >= 2, got {job.context}")
+        if job.calib_windows < 1:
+            raise ValueError(f"--calib-windows must be >= 1, got {job.calib_windows}")
+        if not 0 < job.heldout_fraction < 1:
+            raise ValueError(f"--heldout-fraction must be in (0, 1), got {job.heldout_fraction}")
+    elif not job.data_dir:
+        raise ValueError(f"--task {job.task} needs --data-dir DIR (the task's files)")
     if job.method not in METHODS:
         raise ValueError(f"--method: unknown method {job.method!r}; choose from {', '.join(METHODS)}")
     if job.keep is not None and job.keep_ratio is not None:
@@ -90,7 +114,10 @@ def _check_job(job: PruneJob) -> None:
 
 
 class _Loaded:
-    """Model, tokenizer and data of a job (loaded once, shared by prune-compare's methods)."""
+    """Model, tokenizer and data of a classification job (loaded once, shared by prune-compare's methods)."""
+
+    metric_name = "accuracy"
+    n_classes: int | None
 
     def __init__(self, job: PruneJob) -> None:
         import torch
@@ -114,12 +141,118 @@ class _Loaded:
         self.heads_total = sum(_adapter(model).head_counts())
         self.load_seconds = time.perf_counter() - t0
         self.dense_acc: dict[str, float] | None = None
+        self.n_classes = self.spec.num_labels
 
     def fresh_model(self, job: PruneJob) -> Any:
         from headbudget.pruning.finetune import load_classifier
 
         model = load_classifier(self.model_path, self.spec.num_labels, self.spec.label_names, seed=job.seed)
         return model.to(self.device).eval()
+
+    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
+        from headbudget.pruning.finetune import evaluate_accuracy
+
+        return {
+            s: evaluate_accuracy(model, self.tokenizer, ex, 64, job.max_length, job.progress, f"{stage} {s}")
+            for s, ex in self.evals.items()
+        }
+
+    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
+        from headbudget.pruning.tasks import make_loader
+
+        return list(make_loader(self.train, self.tokenizer, job.batch_size, shuffle, job.seed, job.max_length))
+
+    def describe(self, job: PruneJob) -> dict[str, Any]:
+        return {"model": str(job.model), "task": job.task, "primary_split": self.primary,
+                "train_examples": len(self.train), "eval_examples": {s: len(v) for s, v in self.evals.items()}}
+
+    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
+        from headbudget.pruning.finetune import finetune
+
+        hist = finetune(model, self.tokenizer, {"train": self.train, **self.evals}, epochs=job.finetune_epochs,
+                        lr=job.lr, warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay,
+                        batch_size=job.batch_size, seed=job.seed, max_length=job.max_length, progress=job.progress)
+        return dict(hist["final"]), hist["epochs"]
+
+    def save(self, model: Any, out: Path) -> None:
+        from headbudget.pruning.adapters import save_pruned
+
+        save_pruned(model, out, self.tokenizer)
+
+
+class _LoadedLM:
+    """A causal LM, its tokenizer and the tokenized text of a ``--task lm`` job (label-free CAHP;
+    metric: held-out perplexity, lower is better)."""
+
+    metric_name = "perplexity"
+    n_classes = None
+
+    def __init__(self, job: PruneJob) -> None:
+        import torch
+
+        from headbudget.pruning.lm import lm_data, load_lm
+
+        t0 = time.perf_counter()
+        self.device = torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model, self.tokenizer, self.model_dir = load_lm(job.model, job.tokenizer)
+        cfg = model.config
+        n_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        if n_pos is not None and job.context > int(n_pos):
+            raise ValueError(f"--context {job.context} exceeds the model's {n_pos} positions")
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.data = lm_data(self.tokenizer, str(job.data), context=job.context, calib_windows=job.calib_windows,
+                            heldout_fraction=job.heldout_fraction, vocab_size=vocab)
+        self.evals = {"heldout": self.data.heldout}
+        self.primary = "heldout"
+        self._first: Any = model.to(self.device).eval()
+        self.heads_total = sum(_adapter(model).head_counts())
+        self.load_seconds = time.perf_counter() - t0
+        self.dense_acc: dict[str, float] | None = None
+        self.last_eval: dict[str, Any] = {}
+
+    def fresh_model(self, job: PruneJob) -> Any:
+        from headbudget.pruning.lm import load_lm
+
+        if self._first is not None:
+            model, self._first = self._first, None
+            return model
+        model, _, _ = load_lm(self.model_dir, job.tokenizer)
+        return model.to(self.device).eval()
+
+    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
+        from headbudget.pruning.lm import lm_perplexity
+
+        res = lm_perplexity(model, self.data, max_windows=job.limit_eval, progress=job.progress)
+        self.last_eval[stage] = res
+        return {"heldout": float(res["ppl"])}
+
+    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
+        from headbudget.pruning.lm import lm_batches
+
+        return lm_batches(self.data, job.batch_size, shuffle, job.seed)
+
+    def describe(self, job: PruneJob) -> dict[str, Any]:
+        return {"model": str(job.model), "task": "lm", "data": str(job.data), "primary_split": "heldout",
+                "tokenizer": getattr(self.tokenizer, "spec", type(self.tokenizer).__name__),
+                "context": self.data.context, "tokens_total": self.data.tokens_total,
+                "calib_windows": len(self.data.calib), "heldout_tokens": len(self.data.heldout)}
+
+    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
+        from headbudget.pruning.lm import finetune_lm
+
+        hist = finetune_lm(model, self.data, epochs=job.finetune_epochs, lr=job.lr, warmup_ratio=job.warmup_ratio,
+                           weight_decay=job.weight_decay, batch_size=job.batch_size, seed=job.seed,
+                           progress=job.progress)
+        return self.evaluate(model, job, "finetuned"), hist
+
+    def save(self, model: Any, out: Path) -> None:
+        from headbudget.pruning.lm import save_lm
+
+        save_lm(model, self.tokenizer, out)
+
+
+def _load(job: PruneJob) -> _Loaded | _LoadedLM:
+    return _LoadedLM(job) if job.task == "lm" else _Loaded(job)
 
 
 def _adapter(model: Any) -> Any:
@@ -128,13 +261,8 @@ def _adapter(model: Any) -> Any:
     return get_adapter(model)
 
 
-def _evaluate(model: Any, loaded: _Loaded, job: PruneJob, stage: str) -> dict[str, float]:
-    from headbudget.pruning.finetune import evaluate_accuracy
-
-    return {
-        s: evaluate_accuracy(model, loaded.tokenizer, ex, 64, job.max_length, job.progress, f"{stage} {s}")
-        for s, ex in loaded.evals.items()
-    }
+def _evaluate(model: Any, loaded: _Loaded | _LoadedLM, job: PruneJob, stage: str) -> dict[str, float]:
+    return loaded.evaluate(model, job, stage)
 
 
 def _target_heads(job: PruneJob, heads_total: int) -> int | None:
@@ -145,21 +273,19 @@ def _target_heads(job: PruneJob, heads_total: int) -> int | None:
     return None
 
 
-def run_prune(job: PruneJob, loaded: _Loaded | None = None) -> dict[str, Any]:
+def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[str, Any]:
     """Select, remove, fine-tune and report one method; returns ``{"report", "details"}``."""
 
     from headbudget.pruning import report as rpt
-    from headbudget.pruning.adapters import save_pruned
     from headbudget.pruning.cahp import cahp_select, kept_by_layer
-    from headbudget.pruning.finetune import evaluate_accuracy, finetune
+    from headbudget.pruning.finetune import evaluate_accuracy
     from headbudget.pruning.importance import ImportanceContext, gate_mask, prune_spec, select_by_method
-    from headbudget.pruning.tasks import make_loader
 
     _check_job(job)
     t_start = time.perf_counter()
     seconds: dict[str, float] = {}
     if loaded is None:
-        loaded = _Loaded(job)
+        loaded = _load(job)
         seconds["load"] = loaded.load_seconds
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,17 +307,16 @@ def run_prune(job: PruneJob, loaded: _Loaded | None = None) -> dict[str, Any]:
             f"cannot keep {target} heads: this model has {n_total} heads in {len(counts)} layers "
             f"(keep between {len(counts)} and {n_total - 1})"
         )
-    sig_batches = list(make_loader(loaded.train, loaded.tokenizer, job.batch_size, False, job.seed, job.max_length))
-    imp_batches = list(make_loader(loaded.train, loaded.tokenizer, job.batch_size, True, job.seed, job.max_length))
-    details: dict[str, Any] = {"model": str(job.model), "task": job.task, "primary_split": loaded.primary,
-                               "train_examples": len(loaded.train),
-                               "eval_examples": {s: len(v) for s, v in loaded.evals.items()}}
+    sig_batches = loaded.batches(job, False)
+    imp_batches = loaded.batches(job, True)
+    details: dict[str, Any] = loaded.describe(job)
+    mname = loaded.metric_name
     knee_k, mss = None, []
     plots: list[str] = []
     t = time.perf_counter()
     if job.method == "cahp":
         accuracy_fn = accuracy_ks = None
-        if job.curve == "accuracy" and target is None:
+        if job.curve == "accuracy" and target is None and isinstance(loaded, _Loaded):
             curve_examples = loaded.evals[loaded.primary]
 
             def accuracy_fn(kept: list[int]) -> float:
@@ -200,7 +325,7 @@ def run_prune(job: PruneJob, loaded: _Loaded | None = None) -> dict[str, Any]:
 
             accuracy_ks = list(range(2, n_total, max(1, job.curve_step)))
         sel, secs = cahp_select(
-            adapter, sig_batches, imp_batches, n_classes=loaded.spec.num_labels, grid=job.pool_size,
+            adapter, sig_batches, imp_batches, n_classes=loaded.n_classes, grid=job.pool_size,
             keep=target, poly_degree=job.poly_degree, perplexity=job.perplexity, mss_variant=job.mss,
             seed=job.seed, salience_fraction=job.salience_fraction, accuracy_fn=accuracy_fn,
             accuracy_ks=accuracy_ks, progress=job.progress,
@@ -237,20 +362,21 @@ def run_prune(job: PruneJob, loaded: _Loaded | None = None) -> dict[str, Any]:
     finetuned: dict[str, float | None] = {s: None for s in loaded.evals}
     if job.finetune_epochs > 0:
         t = time.perf_counter()
-        hist = finetune(model, loaded.tokenizer, {"train": loaded.train, **loaded.evals}, epochs=job.finetune_epochs,
-                        lr=job.lr, warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay,
-                        batch_size=job.batch_size, seed=job.seed, max_length=job.max_length, progress=job.progress)
+        final, history = loaded.finetune(model, job)
         seconds["finetune"] = time.perf_counter() - t
-        finetuned = dict(hist["final"])
-        details["finetune_history"] = hist["epochs"]
+        finetuned = dict(final)
+        details["finetune_history"] = history
     if job.save_model:
         t = time.perf_counter()
-        save_pruned(model, out / "model", loaded.tokenizer)
+        loaded.save(model, out / "model")
         seconds["save"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t_start + seconds.get("load", 0.0)
 
     accuracy = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
-    details["accuracy"] = accuracy
+    details["metric_name"] = mname
+    details[mname] = accuracy
+    if isinstance(loaded, _LoadedLM):
+        details["perplexity_runs"] = {k: v for k, v in loaded.last_eval.items()}
     details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
     p = loaded.primary
     report = rpt.build_report(job.method, n_total, kept_layers, knee_k, mss,
@@ -261,7 +387,8 @@ def run_prune(job: PruneJob, loaded: _Loaded | None = None) -> dict[str, Any]:
         points[f"{job.method} fine-tuned"] = [(report["heads_kept"], float(finetuned[p]))]  # type: ignore[arg-type]
     curve = [(c[1], c[2]) for c in details.get("accuracy_curve") or []]
     plots.append(str(rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png", dense=(n_total, dense[p]),
-                                                curve=curve or None, ylabel=f"{p} accuracy")))
+                                                curve=curve or None, ylabel=f"{p} {mname}",
+                                                title=f"{mname.capitalize()} vs heads kept")))
     rpt.write_json(out / "report.json", report)
     rpt.write_json(out / "details.json", details)
     rpt.atomic_write_text(out / "report.md", rpt.report_markdown(report, details, plots))
@@ -302,7 +429,7 @@ def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
     if job.keep is None and job.keep_ratio is None and entries[0][1] != "cahp":
         raise ValueError("prune-compare: without --keep/--keep-ratio the first method must be cahp (it sets the head count)")
     _check_job(replace(job, method="cahp"))
-    loaded = _Loaded(job)
+    loaded = _load(job)
     out = Path(job.out)
     rows: list[dict[str, Any]] = []
     target_keep, target_ratio = job.keep, job.keep_ratio
@@ -313,8 +440,11 @@ def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
         rep = res["report"]
         if target_keep is None and target_ratio is None:
             target_keep = rep["heads_kept"]
-        rows.append({"label": label, "method": label, "heads_kept": rep["heads_kept"], "kept": rep["kept"],
-                     "knee_k": rep["knee_k"], "accuracy": res["details"]["accuracy"], "seconds": rep["seconds"]})
+        row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "kept": rep["kept"],
+               "knee_k": rep["knee_k"], "metric": res["details"][loaded.metric_name], "seconds": rep["seconds"]}
+        if loaded.metric_name == "accuracy":
+            row["accuracy"] = row["metric"]
+        rows.append(row)
     splits = list(loaded.evals)
     n_layers = len(rows[0]["kept"])
     table = rpt.compare_markdown(rows, splits)
@@ -322,16 +452,19 @@ def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
     p = loaded.primary
     points = {}
     for r in rows:
-        points[f"{r['label']} pruned"] = [(r["heads_kept"], r["accuracy"][p]["pruned"])]
-        if r["accuracy"][p]["finetuned"] is not None:
-            points[f"{r['label']} fine-tuned"] = [(r["heads_kept"], r["accuracy"][p]["finetuned"])]
+        points[f"{r['label']} pruned"] = [(r["heads_kept"], r["metric"][p]["pruned"])]
+        if r["metric"][p]["finetuned"] is not None:
+            points[f"{r['label']} fine-tuned"] = [(r["heads_kept"], r["metric"][p]["finetuned"])]
+    mname = loaded.metric_name
     rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png",
                                dense=(loaded.heads_total, loaded.dense_acc[p]) if loaded.dense_acc else None,
-                               ylabel=f"{p} accuracy")
+                               ylabel=f"{p} {mname}", title=f"{mname.capitalize()} vs heads kept")
     md = (f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads)\n\n{table}\n"
           "![heads per layer](heads_per_layer.png)\n\n![accuracy vs heads](accuracy_vs_heads.png)\n")
+    if mname == "perplexity":
+        md += "\nMetric: held-out perplexity (lower is better).\n"
     rpt.atomic_write_text(out / "compare.md", md)
-    summary = {"task": job.task, "model": job.model, "heads_total": loaded.heads_total,
+    summary = {"task": job.task, "model": job.model, "metric_name": mname, "heads_total": loaded.heads_total,
                "load_seconds": loaded.load_seconds, "rows": rows}
     rpt.write_json(out / "compare.json", summary)
     return summary
@@ -339,9 +472,19 @@ def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- argparse
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="fine-tuned classifier folder (or wheel / pruned model)")
-    p.add_argument("--task", required=True, choices=("sst5", "mnli"))
-    p.add_argument("--data-dir", required=True, help="folder with the task's files")
+    p.add_argument("model", metavar="MODEL",
+                   help="fine-tuned classifier folder (or wheel / pruned model); with --task lm a causal LM "
+                        "folder or a `headbudget train` run folder")
+    p.add_argument("--task", required=True, choices=("sst5", "mnli", "lm"),
+                   help="classification task, or lm: label-free pruning of a causal LM (metric: perplexity)")
+    p.add_argument("--data-dir", default=None, help="sst5/mnli: folder with the task's files")
+    p.add_argument("--data", default=None, help="lm: text file (calibration windows + held-out tail)")
+    p.add_argument("--tokenizer", default=None,
+                   help="lm: tokenizer when the model folder has none (byte, gpt2[:DIR], hf:PATH, or a saved folder)")
+    p.add_argument("--context", type=int, default=128, help="lm: window length in tokens")
+    p.add_argument("--calib-windows", type=int, default=32, help="lm: calibration windows (signatures, salience)")
+    p.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="lm: share of the text's tokens (its end) held out for perplexity")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--keep", type=int, default=None, help="force the number of heads kept (skips the knee)")
     p.add_argument("--keep-ratio", type=float, default=None, help="force the fraction of heads kept")
@@ -356,7 +499,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--salience-fraction", type=float, default=0.25, help="share of training batches for salience")
     p.add_argument("--importance-batches", type=int, default=None,
                    help="baselines: training batches their gradient importance uses (default all)")
-    p.add_argument("--finetune-epochs", type=int, default=3)
+    p.add_argument("--finetune-epochs", type=int, default=None,
+                   help="recovery fine-tuning epochs (default 3; 0 for --task lm, where an epoch is one pass "
+                        "over the calibration windows)")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--warmup-ratio", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -364,7 +509,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit-train", type=int, default=None, help="seeded subsample of the training split")
-    p.add_argument("--limit-eval", type=int, default=None, help="seeded subsample of each eval split")
+    p.add_argument("--limit-eval", type=int, default=None,
+                   help="seeded subsample of each eval split (lm: at most N held-out windows)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -375,10 +521,12 @@ def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
         keep_ratio=args.keep_ratio, poly_degree=args.poly_degree, pool_size=args.pool_size,
         perplexity=args.perplexity, mss=args.mss, curve=args.curve, curve_step=args.curve_step,
         salience_fraction=args.salience_fraction, importance_batches=args.importance_batches,
-        finetune_epochs=args.finetune_epochs, lr=args.lr,
+        finetune_epochs=(args.finetune_epochs if args.finetune_epochs is not None
+                         else (0 if args.task == "lm" else 3)), lr=args.lr,
         warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, batch_size=args.batch_size,
         seed=args.seed, limit_train=args.limit_train, limit_eval=args.limit_eval, max_length=args.max_length,
-        device=args.device, progress=not args.no_progress,
+        device=args.device, progress=not args.no_progress, data=args.data, tokenizer=args.tokenizer,
+        context=args.context, calib_windows=args.calib_windows, heldout_fraction=args.heldout_fraction,
     )
 
 
@@ -398,7 +546,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_report(rep: dict[str, Any], out: str) -> None:
+def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy") -> None:
     m = rep["metric"]
 
     def f(v: Any) -> str:
@@ -406,13 +554,13 @@ def _print_report(rep: dict[str, Any], out: str) -> None:
 
     print(f"{rep['method']}: kept {rep['heads_kept']}/{rep['heads_total']} heads"
           + (f" (knee k={rep['knee_k']})" if rep["knee_k"] is not None else "")
-          + f"; accuracy dense {f(m['dense'])}, pruned {f(m['pruned'])}, fine-tuned {f(m['finetuned'])}; "
+          + f"; {metric_name} dense {f(m['dense'])}, pruned {f(m['pruned'])}, fine-tuned {f(m['finetuned'])}; "
           f"report in {out}/report.md")
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
     res = run_prune(_job(args, args.method))
-    _print_report(res["report"], args.out)
+    _print_report(res["report"], args.out, res["details"].get("metric_name", "accuracy"))
     return 0
 
 
@@ -421,7 +569,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for r in summary["rows"]:
         print(f"{r['label']}: {r['heads_kept']} heads; " + ", ".join(
             f"{s} pruned {a['pruned']:.4f} fine-tuned {'-' if a['finetuned'] is None else format(a['finetuned'], '.4f')}"
-            for s, a in r["accuracy"].items()))
+            for s, a in r["metric"].items()))
     print(f"table in {args.out}/compare.md")
     return 0
 

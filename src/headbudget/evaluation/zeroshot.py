@@ -9,11 +9,15 @@ special tokens (none when the text already starts with the BOS string), and over
 from the left to ``max_length + 1`` tokens.
 
 Speed: the choices of one item share a token prefix (the context; for winogrande the sentence up to
-the blank).  ``strategy="prefix"`` runs that prefix once with the KV cache and scores all choices'
-remaining tokens in one right-padded batch (two forward passes per item, no repeated context); the
-first item is checked against the plain computation and the scorer falls back to
-``strategy="full"`` (every choice's full sequence, batched across items sorted by length) when a
-model's cache cannot be reused.
+the blank).  ``strategy="prefix"`` batches across items: items sorted by prefix length run their
+prefixes ``batch_size`` at a time in right-padded passes with the KV cache (exact for a causal model);
+the keys/values of a window of ``PREFIX_WINDOW_GROUPS * batch_size`` items are kept, expanded to one
+row per choice, and all the window's choices (sorted by length) are scored in padded passes of at
+most ``batch_size`` rows, positions continuing each row's own prefix and an attention mask hiding the
+padding.  A window of ``w`` items with ``k`` choices each costs about ``(1 + k) * w / batch_size``
+passes instead of ``2 * w``.  After the first window one padded item is checked against the plain
+computation and the scorer falls back to ``strategy="full"`` (every choice's full sequence, batched
+across items sorted by length) when a model's cache cannot be reused.
 
     >>> from headbudget.evaluation import evaluate_tasks
     >>> report = evaluate_tasks(model, tokenizer, ["piqa"], data_dir="../shared/data/zeroshot",
@@ -27,7 +31,7 @@ import inspect
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +42,12 @@ from tqdm.auto import tqdm
 from headbudget.evaluation.tasks import MCExample, get_task, load_examples
 
 DEFAULT_MAX_LENGTH = 2048  # the harness's default when neither config nor tokenizer says
+# strategy="prefix": items whose prefix caches are kept together (in units of batch_size), so that
+# their choices can be sorted by length across prefix passes (less padding, bounded memory).
+PREFIX_WINDOW_GROUPS = 4
+# A forward pass's fixed cost (reading every weight once) in tokens' worth of compute, roughly, for
+# a small model on one CPU thread: padding a pass by more than this is worse than one more pass.
+PASS_COST_TOKENS = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,17 +143,40 @@ def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def _repeat_cache(past: Any, n: int) -> Any:
-    """``past`` (a transformers Cache or a tuple of per-layer (k, v)) with its batch repeated n times."""
-    if n == 1:
-        return past
-    if hasattr(past, "batch_repeat_interleave"):
-        past.batch_repeat_interleave(n)
-        return past
+class _CacheMismatch(RuntimeError):
+    """The cached scores of the self-check differ from the plain ones."""
+
+
+def _cache_tensors(past: Any, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` of shape (batch, heads, ``length``, dim) from a KV cache.
+
+    Accepts a transformers ``DynamicCache`` made of plain (non-sliding) ``DynamicLayer``s, or the
+    legacy tuple of per-layer ``(k, v)``; anything else raises TypeError (the caller falls back).
+    """
+    if past is None:
+        raise TypeError("the model returned no KV cache")
     if isinstance(past, (tuple, list)):
-        return type(past)(_repeat_cache(p, n) if not torch.is_tensor(p)
-                          else p.expand(n, *p.shape[1:]) for p in past)
-    raise TypeError(f"cannot repeat a KV cache of type {type(past).__name__}")
+        kv = [(layer[0], layer[1]) for layer in past]
+    else:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        if type(past) is not DynamicCache or any(type(layer) is not DynamicLayer
+                                                  for layer in past.layers):
+            raise TypeError(f"cannot expand a KV cache of type {type(past).__name__} "
+                            f"({sorted({type(x).__name__ for x in getattr(past, 'layers', [])})})")
+        kv = [(layer.keys, layer.values) for layer in past.layers]
+    for i, (k, v) in enumerate(kv):
+        if k.dim() != 4 or k.shape[-2] != length or v.shape[-2] != length:
+            raise TypeError(f"KV cache layer {i} has shape {tuple(k.shape)}, expected length "
+                            f"{length} on dim -2")
+    return kv
+
+
+def _build_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A fresh ``DynamicCache`` holding ``kv`` (the forward appends to it; ``kv`` is not changed)."""
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(ddp_cache_data=kv)
 
 
 def _forward_params(model: torch.nn.Module) -> set[str]:
@@ -156,8 +189,9 @@ def _forward_params(model: torch.nn.Module) -> set[str]:
 class Scorer:
     """Log-likelihood of continuations for a causal LM.
 
-    ``strategy``: ``"prefix"`` (shared prefix once through the KV cache, then all choices' remaining
-    tokens in one padded batch) or ``"full"`` (every choice's whole sequence, batched across items,
+    ``strategy``: ``"prefix"`` (up to ``batch_size`` items' shared prefixes in one pass through the
+    KV cache, then all their choices' remaining tokens in padded passes of ``batch_size`` rows) or
+    ``"full"`` (every choice's whole sequence, batched across items,
     sorted by length so that padding is minimal).  ``batch_size`` bounds the rows of one forward pass.
     """
 
@@ -210,46 +244,136 @@ class Scorer:
         t = torch.tensor(targets, dtype=torch.long, device=logp.device)
         return float(logp.gather(-1, t[:, None]).sum())
 
-    def _score_prefix(self, seqs: list[tuple[list[int], int]]) -> list[float] | None:
-        """Scores of one item's choices through the shared prefix; None when there is none."""
-        inputs = [s[:-1] for s, _ in seqs]
-        p = _common_prefix_len(inputs)
-        if p == 0:
-            return None
-        first_needed = min(len(s) - c - 1 for s, c in seqs)
-        lo = min(first_needed, p)
-        extra = {"logits_to_keep": p - lo} if self._can_trim_logits and p > lo else {}
-        out = self._forward(torch.tensor([inputs[0][:p]]), use_cache=True, **extra)
-        past = getattr(out, "cache", None)
-        if past is None:
-            past = getattr(out, "past_key_values", None)
-        if past is None:
-            raise TypeError("the model returned no KV cache")
-        logits = out.logits[0, -(p - lo):] if p > lo else out.logits[0, :0]
-        pre_lp = torch.log_softmax(logits.float(), dim=-1)
-        suffixes = [x[p:] for x in inputs]
-        ls = max(len(x) for x in suffixes)
-        suf_lp = None
-        if ls > 0:
-            n = len(suffixes)
-            batch = torch.zeros((n, ls), dtype=torch.long)
-            for i, x in enumerate(suffixes):
-                batch[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-            self.stats.tokens += sum(len(x) for x in suffixes)
-            out2 = self._forward(batch, use_cache=True, **{self._cache_kw: _repeat_cache(past, n)})
-            suf_lp = torch.log_softmax(out2.logits.float(), dim=-1)
-        self.stats.tokens += p
-        scores = []
-        for i, (s, c) in enumerate(seqs):
-            start, end = len(s) - c - 1, len(s) - 1  # logits positions predicting the continuation
-            parts = []
-            if start < p:
-                parts.append(pre_lp[start - lo: min(end, p) - lo])
-            if end > p:
-                assert suf_lp is not None
-                parts.append(suf_lp[i, max(start, p) - p: end - p])
-            scores.append(self._gather(torch.cat(parts), s[len(s) - c:]))
+    @staticmethod
+    def _prefix_plan(item: list[tuple[list[int], int]]) -> int:
+        """Length of the prefix run once for ``item``: the choices' common input tokens, cut where
+        the first scored logit is needed (so every scored logit comes from the continuation pass)."""
+        inputs = [s[:-1] for s, _ in item]
+        first_needed = min(len(s) - c - 1 for s, c in item)
+        return min(_common_prefix_len(inputs), first_needed)
+
+    def _score_prefix_groups(self, items: list[list[tuple[list[int], int]]],
+                             check: bool = False, desc: str = "scoring") -> list[list[float]]:
+        """Scores of many items through their shared prefixes, batched across items.
+
+        Items (each with a non-empty prefix, see :meth:`_prefix_plan`) are sorted by prefix length
+        and taken in windows of ``PREFIX_WINDOW_GROUPS * batch_size``.  In a window, passes of
+        ``batch_size`` items run the prefixes right-padded with the KV cache (right padding is
+        exact for a causal model: real positions never attend to later pads) and their keys and
+        values are kept; then all the window's choices, sorted by continuation length, are scored
+        in passes of at most ``batch_size`` rows on that cache (expanded to one row per choice),
+        with ``position_ids = prefix_len + j`` and a ``(rows, past + T)`` attention mask hiding
+        each row's prefix and continuation padding.  ``check``: after the first window, compare
+        the item with prefix padding and the fewest tokens with :meth:`_score_full` and raise
+        :class:`_CacheMismatch` if they differ.
+        """
+        plans = [self._prefix_plan(item) for item in items]
+        order = sorted(range(len(items)), key=lambda i: -plans[i])
+        scores: list[list[float]] = [[0.0] * len(item) for item in items]
+        bar = tqdm(total=len(items), desc=desc, disable=not self.progress, leave=False)
+        step = self.batch_size * PREFIX_WINDOW_GROUPS
+        extra = {"logits_to_keep": 1} if self._can_trim_logits else {}
+        for w in range(0, len(order), step):
+            win = order[w: w + step]
+            qs = [plans[i] for i in win]  # descending
+            kv_win: list[tuple[torch.Tensor, torch.Tensor]] = []
+            starts = [c[0] for c in self._chunks(list(range(len(win))), lambda r: 0,
+                                                 lambda r, qs=qs: qs[r])]
+            for g, g_end in zip(starts, [*starts[1:], len(win)], strict=True):
+                group = win[g: g_end]
+                width = qs[g]
+                batch = torch.zeros((len(group), width), dtype=torch.long)
+                for r, i in enumerate(group):
+                    batch[r, : qs[g + r]] = torch.tensor(items[i][0][0][: qs[g + r]], dtype=torch.long)
+                    self.stats.tokens += qs[g + r]
+                out = self._forward(batch, use_cache=True, **extra)
+                past = getattr(out, "cache", None)
+                if past is None:
+                    past = getattr(out, "past_key_values", None)
+                kv = _cache_tensors(past, width)
+                del out, past
+                if not kv_win:  # the first group has the window's longest prefix
+                    kv_win = [(k.new_zeros((len(win), *k.shape[1:])),
+                               v.new_zeros((len(win), *v.shape[1:]))) for k, v in kv]
+                for (kw, vw), (k, v) in zip(kv_win, kv, strict=True):
+                    kw[g: g + len(group), :, :width] = k
+                    vw[g: g + len(group), :, :width] = v
+                del kv
+            # one row per (item, choice), longest continuation first, chunked to bound the rows
+            rows = [(r, j) for r, i in enumerate(win) for j in range(len(items[i]))]
+            suf_len = {(r, j): len(items[win[r]][j][0]) - 1 - qs[r] for r, j in rows}
+            rows.sort(key=lambda rj: -suf_len[rj])
+            for chunk in self._chunks(rows, lambda rj, qs=qs: qs[rj[0]],
+                                      suf_len.__getitem__):
+                self._score_chunk(items, win, qs, kv_win, chunk, suf_len, scores)
+            del kv_win
+            if check and w == 0:
+                padded = [r for r in range(len(win)) if qs[r] < qs[0]] or list(range(len(win)))
+                r = min(padded, key=lambda r: sum(len(s) for s, _ in items[win[r]]))
+                ref = self._score_full(items[win[r]])
+                if not np.allclose(scores[win[r]], ref, rtol=1e-4, atol=1e-3):
+                    bar.close()
+                    raise _CacheMismatch(f"KV-cache scores differ from plain scores "
+                                         f"({scores[win[r]]} vs {ref})")
+            bar.update(len(win))
+        bar.close()
         return scores
+
+    def _chunks(self, rows: list[Any], prefix: Callable[[Any], int],
+                length: Callable[[Any], int]) -> list[list[Any]]:
+        """Split ``rows`` (sorted by ``length``, longest first) into passes of at most
+        ``batch_size`` rows whose padded length (longest ``prefix`` + longest ``length``) fits the
+        model's context.  A row starts a new pass early when the padding that this saves for the
+        rows that would still join the pass exceeds :data:`PASS_COST_TOKENS` (on a CPU a pad costs
+        as much as a token; a pass costs a fixed read of all the weights on top)."""
+        chunks: list[list[Any]] = []
+        cur: list[Any] = []
+        q_max = t_max = 0
+        for n, row in enumerate(rows):
+            q, t = max(q_max, prefix(row)), max(t_max, length(row))
+            room = min(self.batch_size - len(cur), len(rows) - n)
+            if cur and (len(cur) >= self.batch_size or q + t > self.max_length
+                        or (t - length(row)) * room > PASS_COST_TOKENS):
+                chunks.append(cur)
+                cur, q, t = [], prefix(row), length(row)
+            cur.append(row)
+            q_max, t_max = q, t
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _score_chunk(self, items: list[list[tuple[list[int], int]]], group: list[int],
+                     qs: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]],
+                     chunk: list[tuple[int, int]], suf_len: dict[tuple[int, int], int],
+                     scores: list[list[float]]) -> None:
+        """One continuation pass: ``chunk`` rows (group row, choice) on the prefix cache ``kv``."""
+        n = len(chunk)
+        past_len = max(qs[r] for r, _ in chunk)
+        width = max(suf_len[rj] for rj in chunk)
+        ids = torch.zeros((n, width), dtype=torch.long)
+        pos = torch.zeros((n, width), dtype=torch.long)
+        mask = torch.zeros((n, past_len + width), dtype=torch.long)
+        for k, (r, j) in enumerate(chunk):
+            s = items[group[r]][j][0]
+            q, t = qs[r], suf_len[(r, j)]
+            ids[k, :t] = torch.tensor(s[q: q + t], dtype=torch.long)
+            # pads repeat the last real position (never beyond the model's context)
+            pos[k] = q + torch.arange(width).clamp(max=t - 1)
+            mask[k, :q] = 1
+            mask[k, past_len: past_len + t] = 1
+            self.stats.tokens += t
+        index = torch.tensor([r for r, _ in chunk], dtype=torch.long, device=kv[0][0].device)
+        cache = _build_cache([(k[index, :, :past_len], v[index, :, :past_len]) for k, v in kv])
+        dev = self.device
+        out = self._forward(ids, attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                            use_cache=True, **{self._cache_kw: cache})
+        logits = out.logits
+        for k, (r, j) in enumerate(chunk):
+            s, c = items[group[r]][j]
+            q = qs[r]
+            start, end = len(s) - c - 1, len(s) - 1  # input positions predicting the continuation
+            lp = torch.log_softmax(logits[k, start - q: end - q].float(), dim=-1)
+            scores[group[r]][j] = self._gather(lp, s[len(s) - c:])
 
     def _score_full(self, rows: list[tuple[list[int], int]]) -> list[float]:
         """Scores of many (sequence, n_cont) rows, batched by length (longest first), right-padded."""
@@ -285,13 +409,14 @@ class Scorer:
                     out.append(flat_scores[k: k + len(item)])
                     k += len(item)
                 return out
-            results: list[list[float] | None] = []
-            pending: list[int] = []
-            for i, item in enumerate(tqdm(seqs, desc=desc, disable=not self.progress, leave=False)):
-                got = self._try_prefix(item)
-                results.append(got)
-                if got is None:
-                    pending.append(i)
+            results: list[list[float] | None] = [None] * len(seqs)
+            cached = [i for i, item in enumerate(seqs) if self._prefix_plan(item) > 0]
+            if self.strategy == "prefix" and cached:
+                got = self._try_prefix([seqs[i] for i in cached], desc)
+                if got is not None:
+                    for i, sc in zip(cached, got, strict=True):
+                        results[i] = sc
+            pending = [i for i, r in enumerate(results) if r is None]
             if pending:  # no shared prefix (or no usable cache): score them in length-sorted batches
                 flat = [row for i in pending for row in seqs[i]]
                 flat_scores = self._score_full(flat)
@@ -303,24 +428,21 @@ class Scorer:
         finally:
             self.model.train(was_training)
 
-    def _try_prefix(self, item: list[tuple[list[int], int]]) -> list[float] | None:
-        if self.strategy != "prefix":
-            return None
-        if not self._prefix_checked:
-            # First item: check the cached path against the plain one; fall back if they disagree.
-            self._prefix_checked = True
-            try:
-                got = self._score_prefix(item)
-            except (TypeError, AttributeError, RuntimeError, ValueError) as exc:
-                self._fall_back(f"KV-cache scoring failed ({type(exc).__name__}: {exc})")
-                return None
-            if got is not None:
-                ref = self._score_full(item)
-                if not np.allclose(got, ref, rtol=1e-4, atol=1e-3):
-                    self._fall_back(f"KV-cache scores differ from plain scores ({got} vs {ref})")
-                    return None
-            return got
-        return self._score_prefix(item)
+    def _try_prefix(self, items: list[list[tuple[list[int], int]]],
+                    desc: str = "scoring") -> list[list[float]] | None:
+        """Cross-item prefix scoring; None (after switching to ``full``) when the first window's
+        cache cannot be used or its scores differ from the plain computation."""
+        check = not self._prefix_checked
+        self._prefix_checked = True
+        if not check:
+            return self._score_prefix_groups(items, desc=desc)
+        try:
+            return self._score_prefix_groups(items, check=True, desc=desc)
+        except _CacheMismatch as exc:
+            self._fall_back(str(exc))
+        except (TypeError, AttributeError, RuntimeError, ValueError, IndexError) as exc:
+            self._fall_back(f"KV-cache scoring failed ({type(exc).__name__}: {exc})")
+        return None
 
     def _fall_back(self, why: str) -> None:
         warnings.warn(f"{why}; scoring every choice in full instead", stacklevel=3)

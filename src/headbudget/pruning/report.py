@@ -5,7 +5,8 @@
     {"method", "heads_total", "heads_kept", "kept": {"<layer>": [heads]}, "knee_k",
      "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...}}
 
-(``metric`` holds the primary dev-split accuracy; ``null`` where a stage did not run).  Everything
+(``metric`` holds the primary dev-split accuracy -- for ``--task lm`` the held-out perplexity, lower
+is better; ``null`` where a stage did not run).  Everything
 else (every split's accuracy, salience, clusters, embedding) goes to ``details.json``.
 
     >>> rep = build_report("cahp", 72, {0: [1, 4], 1: [0]}, knee_k=3, mss=[(2, 0.5), (3, 0.7)],
@@ -117,8 +118,10 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
         lines.append(f"Head count from: {details['knee_source']}.")
     if details.get("rescued"):
         lines.append(f"Rescued (at least one head per layer): {details['rescued']}.")
-    lines += ["", "## Accuracy", "", "| split | dense | pruned | fine-tuned |", "| --- | --- | --- | --- |"]
-    acc = details.get("accuracy") or {}
+    mname = str(details.get("metric_name", "accuracy"))
+    lines += ["", f"## {mname.capitalize()}" + (" (lower is better)" if mname == "perplexity" else ""), "",
+              "| split | dense | pruned | fine-tuned |", "| --- | --- | --- | --- |"]
+    acc = details.get(mname) or {}
     if acc:
         for split, row in acc.items():
             lines.append(f"| {split} | {_fmt(row.get('dense'))} | {_fmt(row.get('pruned'))} | {_fmt(row.get('finetuned'))} |")
@@ -151,13 +154,13 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
     for r in rows:
         cells = [str(r["method"]), str(r["heads_kept"])]
         for s in splits:
-            a = (r.get("accuracy") or {}).get(s, {})
+            a = (r.get("accuracy") or r.get("metric") or {}).get(s, {})
             cells += [_fmt(a.get("pruned")), _fmt(a.get("finetuned"))]
         sec = r.get("seconds") or {}
         cells += [_fmt(sec.get("select")), _fmt(sec.get("finetune"))]
         lines.append("| " + " | ".join(cells) + " |")
     if rows:
-        dense = (rows[0].get("accuracy") or {})
+        dense = (rows[0].get("accuracy") or rows[0].get("metric") or {})
         lines += ["", "Dense: " + ", ".join(f"{s} {_fmt(dense.get(s, {}).get('dense'))}" for s in splits)]
     return "\n".join(lines) + "\n"
 
@@ -261,7 +264,8 @@ def plot_heads_per_layer(kept_by_method: Mapping[str, Mapping[Any, Sequence[int]
 
 def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], path: str | os.PathLike[str],
                            dense: tuple[int, float] | None = None,
-                           curve: Sequence[tuple[int, float]] | None = None, ylabel: str = "dev accuracy") -> Path:
+                           curve: Sequence[tuple[int, float]] | None = None, ylabel: str = "dev accuracy",
+                           title: str = "Accuracy vs heads kept") -> Path:
     """Accuracy vs heads kept: one marker series per label (e.g. "cahp pruned"), the dense model
     as a star, and an optional measured curve (``--curve accuracy``)."""
     plt = _plt()
@@ -279,5 +283,5 @@ def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], pa
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Accuracy vs heads kept")
+    ax.set_title(title)
     return _save(fig, path)
