@@ -39,13 +39,14 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from headbudget.io import atomic_write_text
 
 KEPT_HEADS_FILE = "kept_heads.json"
 _STATE_ATTR = "_headbudget_prune_state"
@@ -59,19 +60,6 @@ def _layer_key(layer: Any, num_layers: int) -> int:
     if not 0 <= idx < num_layers:
         raise ValueError(f"layer {idx} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
     return idx
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _slice_linear_out(lin: nn.Linear, rows: torch.Tensor) -> None:
@@ -619,7 +607,7 @@ def save_pruned(model: nn.Module, out_dir: str | os.PathLike[str], tokenizer: An
     if isinstance(adapter, LlamaAdapter):
         record["query_to_kv"] = {str(li): v for li, v in adapter.query_to_kv().items()}
         record["kv_head_counts"] = adapter.kv_head_counts()
-    _atomic_write_text(out / KEPT_HEADS_FILE, json.dumps(record, indent=1) + "\n")
+    atomic_write_text(out / KEPT_HEADS_FILE, json.dumps(record, indent=1) + "\n")
     return out
 
 

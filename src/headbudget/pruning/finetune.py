@@ -19,7 +19,6 @@ written by :func:`headbudget.pruning.adapters.save_pruned`, or a hub name alread
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from headbudget.io import atomic_write_json
 from headbudget.pruning.adapters import KEPT_HEADS_FILE, get_adapter, load_pruned, save_pruned
 from headbudget.pruning.tasks import Example, TaskData, get_task, load_task, make_loader, subsample
 
@@ -344,20 +344,6 @@ def finetune(
 
 
 # --------------------------------------------------------------------------- command body
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Path:
     """Accuracy per epoch for every evaluated split, saved as a PNG (atomic write)."""
     import matplotlib
@@ -471,7 +457,7 @@ def run_finetune(
         "device": str(dev),
         **history,
     }
-    _atomic_write_json(out_dir / "finetune.json", summary)
+    atomic_write_json(out_dir / "finetune.json", summary, indent=1)
     if history["epochs"]:
         plot_history(history, out_dir / "finetune.png", f"{Path(str(model_path)).name} on {task}")
     return summary

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from headbudget.io import atomic_write_text  # re-exported for the CLI
+
 __all__ = [
     "REPORT_KEYS",
     "atomic_write_text",
@@ -41,22 +43,6 @@ __all__ = [
 
 REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds")
 METRIC_KEYS = ("dense", "pruned", "finetuned")
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and ``os.replace`` it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def _jsonable(obj: Any) -> Any:
