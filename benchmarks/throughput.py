@@ -80,7 +80,7 @@ def run_config(preset: str, batch: int, context: int, kinds: list[str], steps: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="cpu-small:8:256,gpt2-124m:1:128",
+    ap.add_argument("--configs", default="cpu-small:8:256,gpt2-124m:1:128,gpt2-124m:4:128",
                     help="comma list of PRESET:BATCH:CONTEXT")
     ap.add_argument("--kinds", default="uniform,prism,hf-gpt2")
     ap.add_argument("--steps", type=int, default=10)

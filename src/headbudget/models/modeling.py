@@ -315,9 +315,9 @@ class HeadBudgetForCausalLM(HeadBudgetPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100
-            )
+            # Shift the labels, not the logits: slicing the (B, T, V) logits would copy them.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, attentions=attentions, **{_CACHE_FIELD: cache})
 
     @property
