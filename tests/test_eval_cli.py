@@ -81,3 +81,17 @@ def test_perplexity_and_attention_commands(model_dir, tmp_path, capsys):
     assert "distance_comparison.png" in names and len([n for n in names if n.endswith(".json")]) == 2
     s = json.loads((out / f"attention_{model_dir.name}.json").read_text())
     assert len(s["layers"]) == 2 and s["n_sequences"] == 2 and s["n_tokens"] == 32
+
+
+def test_tokenizer_saved_by_training_is_found_with_the_same_ids(tmp_path):
+    from headbudget.data.tokenizers import make_tokenizer
+    from headbudget.evaluation.loading import load_tokenizer
+
+    text = "the dogs that the cat chases run . = end marco = " * 20
+    bpe = make_tokenizer("bpe:300", [text])
+    model_dir = tmp_path / "run" / "model"
+    bpe.save(model_dir / "tokenizer")
+    hf = load_tokenizer(model_dir)
+    sample = "the cat chases the dogs . = end marco ="
+    assert hf.encode(sample, add_special_tokens=False) == bpe.encode(sample)
+    assert hf.eos_token_id == bpe.eos_id

@@ -34,11 +34,45 @@ def gpt2_tokenizer_from_files(directory: str | Path) -> Any:
     return tok
 
 
+def headbudget_saved_tokenizer(directory: str | Path) -> Any | None:
+    """The Hugging Face form of a tokenizer saved by ``headbudget train`` (``MODEL/tokenizer/``, the folder
+    itself, or the run folder's ``tokenizer/``), with the same ids; None when there is none."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from headbudget.data.tokenizers import SPEC_FILE
+
+    p = Path(directory)
+    for d in (p / "tokenizer", p, p.parent / "tokenizer"):
+        if not (d / SPEC_FILE).is_file():
+            continue
+        spec = json.loads((d / SPEC_FILE).read_text())["spec"]
+        kind, _, arg = spec.partition(":")
+        if kind == "bpe":
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), eos_token="<|endoftext|>")
+        elif kind == "gpt2":
+            tok = gpt2_tokenizer_from_files(d if (d / "encoder.json").is_file() else arg)
+        elif kind == "hf":
+            tok = AutoTokenizer.from_pretrained(str(d))
+        else:
+            raise ValueError(f"{d}: the model's {spec!r} tokenizer has no Hugging Face form; evaluation needs "
+                             "a bpe:N, gpt2 or hf: tokenizer (pass --tokenizer)")
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    return None
+
+
 def load_tokenizer(spec: str | Path, gguf_file: str | None = None) -> Any:
     """A tokenizer from a directory, hub name, GGUF model directory or GPT-2 BPE files."""
     from transformers import AutoTokenizer
 
     p = Path(spec)
+    if p.is_dir():
+        saved = headbudget_saved_tokenizer(p)
+        if saved is not None:
+            return saved
     if p.is_dir() and (p / "encoder.json").is_file() and (p / "vocab.bpe").is_file() \
             and not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
         return gpt2_tokenizer_from_files(p)
