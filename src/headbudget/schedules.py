@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -81,7 +81,6 @@ class HeadSchedule:
     neutral: bool = True
     head_dim_multiple: int = 8
     name: str = "custom"
-    n_layers_expected: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         layers = tuple(
@@ -98,10 +97,6 @@ class HeadSchedule:
             raise ScheduleError(f"head_dim_multiple must be positive, got {self.head_dim_multiple}")
         if not self.layers:
             raise ScheduleError("a schedule needs at least one layer")
-        if self.n_layers_expected is not None and len(self.layers) != self.n_layers_expected:
-            raise ScheduleError(
-                f"schedule has {len(self.layers)} layers but the model has {self.n_layers_expected}"
-            )
         for i, s in enumerate(self.layers):
             for name in ("n_heads", "head_dim", "n_kv_heads", "qk_head_dim", "v_head_dim"):
                 value = getattr(s, name)

@@ -5,12 +5,18 @@ Atomic JSON/PNG writes come from :mod:`headbudget.io` (re-exported here for the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 from headbudget.io import atomic_write_json, atomic_write_text, new_figure, save_figure
 
-__all__ = ["atomic_write_json", "atomic_write_text", "new_figure", "parse_int_list", "save_figure", "torch_threads"]
+__all__ = [
+    "atomic_write_json", "atomic_write_text", "new_figure", "parse_int_list", "save_figure", "torch_threads",
+    "write_result",
+]
 
 
 @contextmanager
@@ -44,3 +50,13 @@ def parse_int_list(text: str | list[int] | tuple[int, ...], flag: str) -> list[i
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"{flag}: expected positive integers, got {text!r}")
     return values
+
+
+def write_result(result: dict[str, Any], out_dir: str | os.PathLike, name: str,
+                 plot: Callable[[dict[str, Any], str], Any]) -> tuple[str, str]:
+    """Write ``NAME.json`` and ``NAME.png`` (drawn by ``plot``) into ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    json_path = atomic_write_json(out / f"{name}.json", result)
+    png_path = out / f"{name}.png"
+    plot(result, str(png_path))
+    return str(json_path), str(png_path)

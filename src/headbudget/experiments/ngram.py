@@ -25,13 +25,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from headbudget.experiments._common import atomic_write_json, new_figure, save_figure, torch_threads
+from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
 
 
 @dataclass
@@ -220,8 +219,4 @@ def format_ngram(result: dict[str, Any]) -> str:
 
 def write_ngram(result: dict[str, Any], out_dir: str) -> tuple[str, str]:
     """Write ``ngram.json`` and ``ngram.png`` into ``out_dir``; returns their paths."""
-    out = Path(out_dir)
-    json_path = atomic_write_json(out / "ngram.json", result)
-    png_path = out / "ngram.png"
-    plot_ngram(result, str(png_path))
-    return str(json_path), str(png_path)
+    return write_result(result, out_dir, "ngram", plot_ngram)

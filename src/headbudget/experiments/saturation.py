@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from headbudget.experiments._common import atomic_write_json, new_figure, save_figure, torch_threads
+from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
 
 
 @dataclass
@@ -269,10 +269,4 @@ def format_saturation(result: dict[str, Any]) -> str:
 
 def write_saturation(result: dict[str, Any], out_dir: str) -> tuple[str, str]:
     """Write ``saturation.json`` and ``saturation.png`` into ``out_dir``; returns their paths."""
-    from pathlib import Path
-
-    out = Path(out_dir)
-    json_path = atomic_write_json(out / "saturation.json", result)
-    png_path = out / "saturation.png"
-    plot_saturation(result, str(png_path))
-    return str(json_path), str(png_path)
+    return write_result(result, out_dir, "saturation", plot_saturation)
