@@ -134,7 +134,7 @@ def test_budgeted_schedule_builds_a_model_with_exact_parameter_count():
     for strategy in ("late_dim_decay", "front_loaded_heads"):
         s = budgeted_schedule("cpu-tiny", 0.5, strategy)
         m = HeadBudgetForCausalLM(HeadBudgetConfig(schedule=s, vocab_size=64, n_positions=32))
-        assert m.transformer.h[-1].attn.q_proj.out_features == s[-1].width
+        assert m.transformer.h[-1].attn.projections()["q"][0].shape[0] == s[-1].width
         assert m.num_parameters() == count_parameters(s, 64, 32).total
         out = m(torch.randint(0, 64, (1, 8)), labels=torch.randint(0, 64, (1, 8)))
         assert out.logits.shape == (1, 8, 64) and torch.isfinite(out.loss)

@@ -69,13 +69,13 @@ def test_compressed_layer_realises_truncated_form():
     attn = m.transformer.h[1].attn
     f = layer_factors(attn, 1)
     dq = attn.qk_head_dim
-    W = attn.q_proj.weight.double()
-    full = torch.cat([W[:dq], attn.q_proj.bias.double()[:dq, None]], 1).T @ torch.cat(
-        [attn.k_proj.weight.double()[:dq], torch.zeros(dq, 1, dtype=torch.float64)], 1)
+    W = attn.projections()["q"][0].double()
+    full = torch.cat([W[:dq], attn.projections()["q"][1].double()[:dq, None]], 1).T @ torch.cat(
+        [attn.projections()["k"][0].double()[:dq], torch.zeros(dq, 1, dtype=torch.float64)], 1)
     svd_compress(m, [32, 5, 32, 32])
     a = m.transformer.h[1].attn
-    qa = torch.cat([a.q_proj.weight.double()[:5], a.q_proj.bias.double()[:5, None]], 1)
-    ka = torch.cat([a.k_proj.weight.double()[:5], a.k_proj.bias.double()[:5, None]], 1)
+    qa = torch.cat([a.projections()["q"][0].double()[:5], a.projections()["q"][1].double()[:5, None]], 1)
+    ka = torch.cat([a.projections()["k"][0].double()[:5], a.projections()["k"][1].double()[:5, None]], 1)
     err = torch.linalg.matrix_norm(full - qa.T @ ka).item()
     assert err == pytest.approx(f["qk"][0].tail_norm(5), rel=1e-4)
     assert m.config.head_schedule[1] == LayerSpec(4, 32, 4, 5, 5)
@@ -112,17 +112,35 @@ def test_grouping_mean_pools_kv_and_permutes_queries():
     info = group_heads(c, [[[0, 3], [1, 2]], None, None, None])
     a0, b0 = m.transformer.h[0].attn, c.transformer.h[0].attn
     assert info["per_layer"][0]["head_order"] == [0, 3, 1, 2]
-    assert b0.n_kv_heads == 2 and b0.k_proj.out_features == 64
-    expect_k = (a0.k_proj.weight[0:32] + a0.k_proj.weight[96:128]) / 2
-    assert torch.allclose(b0.k_proj.weight[0:32], expect_k)
-    expect_v_b = (a0.v_proj.bias[32:64] + a0.v_proj.bias[64:96]) / 2
-    assert torch.allclose(b0.v_proj.bias[32:64], expect_v_b)
-    assert torch.equal(b0.q_proj.weight[32:64], a0.q_proj.weight[96:128])
+    assert b0.n_kv_heads == 2 and b0.projections()["k"][0].shape[0] == 64
+    expect_k = (a0.projections()["k"][0][0:32] + a0.projections()["k"][0][96:128]) / 2
+    assert torch.allclose(b0.projections()["k"][0][0:32], expect_k)
+    expect_v_b = (a0.projections()["v"][1][32:64] + a0.projections()["v"][1][64:96]) / 2
+    assert torch.allclose(b0.projections()["v"][1][32:64], expect_v_b)
+    assert torch.equal(b0.projections()["q"][0][32:64], a0.projections()["q"][0][96:128])
     assert torch.equal(b0.o_proj.weight[:, 32:64], a0.o_proj.weight[:, 96:128])
     assert c.config.head_schedule[0].n_kv_heads == 2
     assert groups_from_labels([0, 1, 0, 1]) == [[0, 2], [1, 3]]
-    with pytest.raises(CompressionError, match="layer 0: groups have unequal sizes"):
-        group_heads(copy.deepcopy(m), [[[0, 1, 2], [3]], None, None, None])
+    # Unequal groups are kept as an index map: grouping heads {0, 1, 3} and {2} equals averaging their k/v.
+    u = copy.deepcopy(m)
+    group_heads(u, [[[0, 1, 3], [2]], None, None, None])
+    assert u.transformer.h[0].attn.kv_groups == [3, 1] and u.config.head_schedule[0].kv_groups == (3, 1)
+    ref = copy.deepcopy(m)
+    with torch.no_grad():  # the same model built by hand: k/v rows of heads 0, 1, 3 replaced by their mean
+        w = ref.transformer.h[0].attn.qkv_proj.weight
+        d = 32
+        for off in (128, 256):  # k rows start at 128, v rows at 256 (4 heads x 32)
+            rows = [w[off + h * d: off + (h + 1) * d] for h in (0, 1, 3)]
+            mean = sum(rows) / 3
+            for h in (0, 1, 3):
+                w[off + h * d: off + (h + 1) * d] = mean
+        b = ref.transformer.h[0].attn.qkv_proj.bias
+        for off in (128, 256):
+            mean = sum(b[off + h * d: off + (h + 1) * d] for h in (0, 1, 3)) / 3
+            for h in (0, 1, 3):
+                b[off + h * d: off + (h + 1) * d] = mean
+    x = torch.randint(0, 64, (2, 12))
+    assert (u(x).logits - ref(x).logits).abs().max() <= 1e-5
     with pytest.raises(CompressionError, match=r"layer 2: groups must cover every head exactly once"):
         group_heads(copy.deepcopy(m), [None, None, [[0, 1], [1, 2]], None])
 
@@ -161,7 +179,7 @@ def test_gpt2_conversion_and_rotary_refusal():
 
     reason = rotary_reason(Fake())
     assert reason and "rotary" in reason and "llama" in reason
-    m.config.rope_theta = 10000.0  # pretend: SVD must refuse, grouping still allowed
+    m.config.position = "rotary"  # pretend: SVD must refuse, grouping still allowed
     with pytest.raises(CompressionError, match="rotary position embeddings"):
         compress_model(m, "svd", 0.5)
     compress_model(m, "group", 0.5)
@@ -223,5 +241,5 @@ def test_compress_cli_on_hf_gpt2_directory(tmp_path):
     x = torch.randint(0, 100, (1, 12))
     # query/output of layer 0 are the permuted originals; K is the mean of heads 0 and 2
     a, b = ref.transformer.h[0].attn, back.transformer.h[0].attn
-    assert torch.allclose(b.k_proj.weight[:16], (a.k_proj.weight[:16] + a.k_proj.weight[32:48]) / 2, atol=1e-6)
+    assert torch.allclose(b.projections()["k"][0][:16], (a.projections()["k"][0][:16] + a.projections()["k"][0][32:48]) / 2, atol=1e-6)
     assert torch.isfinite(back(x).logits).all()

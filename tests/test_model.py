@@ -78,9 +78,34 @@ def test_gqa_pruning_removes_kv_head_only_with_its_whole_group():
     m = gqa_model()
     m.prune_heads({0: [2, 3]})  # layer 0: 4 query heads over 2 kv heads; heads 2,3 are kv group 1
     assert m.transformer.h[0].attn.n_kv_heads == 1
-    assert m.transformer.h[0].attn.k_proj.out_features == 16
-    with pytest.raises(ValueError, match="layer 1: removing heads \\[0\\] leaves key/value groups of unequal size"):
-        m.prune_heads({1: [0]})
+    assert m.transformer.h[0].attn.projections()["k"][0].shape[0] == 16
+
+
+def test_unequal_groups_after_pruning_are_an_index_map_not_copies(tmp_path):
+    m = gqa_model()  # layer 1: 8 query heads over 2 kv heads (4 + 4)
+    x = torch.randint(0, 50, (2, 12))
+    gates = [torch.ones(h) for h in m.head_counts]
+    gates[1][[0, 1, 5]] = 0.0
+    gated = m(x, head_mask=gates).logits
+    m.prune_heads({1: [0, 1, 5]})
+    attn = m.transformer.h[1].attn
+    assert attn.kv_groups == [2, 3] and attn.kv_index == [0, 0, 1, 1, 1]
+    assert attn.projections()["k"][0].shape[0] == 2 * 8  # still two kv heads, nothing duplicated
+    assert (m(x).logits - gated).abs().max() <= 1e-5
+    assert (m(x, output_attentions=True).logits - gated).abs().max() <= 1e-5
+    assert m.config.head_schedule[1].kv_groups == (2, 3)
+    # A second round indexes the current heads: remove current head 2 (original 3) from kv group 1.
+    gates2 = [torch.ones(h) for h in m.head_counts]
+    gates2[1][2] = 0.0
+    gated2 = m(x, head_mask=gates2).logits
+    m.prune_heads({1: [2]})
+    assert attn.kv_groups is None and attn.n_kv_heads == 2  # 2 + 2: equal again
+    assert (m(x).logits - gated2).abs().max() <= 1e-5
+    m.prune_heads({1: [0]})
+    m.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.transformer.h[1].attn.kv_groups == [1, 2]
+    assert torch.equal(loaded(x).logits, m(x).logits)
 
 
 def test_refuses_to_remove_last_head_and_changes_nothing():
@@ -165,7 +190,8 @@ def test_low_rank_widths_keep_scale_and_shapes():
     sched = base.with_layers(layers, neutral=False)
     m = HeadBudgetForCausalLM(HeadBudgetConfig(schedule=sched, vocab_size=40, n_positions=32))
     attn = m.transformer.h[0].attn
-    assert attn.q_proj.out_features == 64 and attn.v_proj.out_features == 32 and attn.o_proj.in_features == 32
+    p = attn.projections()
+    assert p["q"][0].shape[0] == 64 and p["v"][0].shape[0] == 32 and attn.o_proj.in_features == 32
     assert attn.scale == pytest.approx(128 ** -0.5)
     x = torch.randint(0, 40, (1, 8))
     assert (m(x).logits - m(x, output_attentions=True).logits).abs().max() <= 1e-5

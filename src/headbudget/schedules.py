@@ -38,8 +38,14 @@ class LayerSpec:
     n_kv_heads: int | None = None
     qk_head_dim: int | None = None
     v_head_dim: int | None = None
+    kv_groups: tuple[int, ...] | None = None  # query heads per kv head, only when unequal (after pruning)
 
     def __post_init__(self) -> None:
+        if self.kv_groups is not None:
+            groups = tuple(int(g) for g in self.kv_groups)
+            object.__setattr__(self, "kv_groups", None if len(set(groups)) == 1 else groups)
+            if self.n_kv_heads is None:
+                object.__setattr__(self, "n_kv_heads", len(groups))
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.qk_head_dim is None:
@@ -64,6 +70,8 @@ class LayerSpec:
             d["qk_head_dim"] = self.qk_head_dim
         if self.v_head_dim != self.head_dim:
             d["v_head_dim"] = self.v_head_dim
+        if self.kv_groups is not None:
+            d["kv_groups"] = list(self.kv_groups)
         return d
 
 
@@ -102,7 +110,13 @@ class HeadSchedule:
                 value = getattr(s, name)
                 if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                     raise ScheduleError(f"layer {i}: {name} must be a positive integer, got {value!r}")
-            if s.n_heads % s.n_kv_heads:
+            if s.kv_groups is not None:
+                if len(s.kv_groups) != s.n_kv_heads or sum(s.kv_groups) != s.n_heads or min(s.kv_groups) < 1:
+                    raise ScheduleError(
+                        f"layer {i}: kv_groups {list(s.kv_groups)} must list {s.n_kv_heads} positive sizes "
+                        f"summing to n_heads={s.n_heads}"
+                    )
+            elif s.n_heads % s.n_kv_heads:
                 raise ScheduleError(
                     f"layer {i}: n_heads={s.n_heads} is not divisible by n_kv_heads={s.n_kv_heads}"
                 )

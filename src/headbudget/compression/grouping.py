@@ -1,18 +1,19 @@
 """Head grouping: merge heads into groups that share one key/value head (MHA -> GQA).
 
 Within a group the key and value projections (weights and biases) of the member heads are replaced by
-their mean; query and output projections are untouched.  The model's layout requires query head h to use
-kv head ``h // group_size`` with equal, contiguous groups, so the query heads are permuted to make every
+their mean; query and output projections are untouched.  The model stores query heads contiguously by
+group, so the query heads are permuted to make every
 group contiguous (the matching output-projection columns are permuted too, which is exact); the
 permutation is returned so head indices can be mapped back.
 
 Groups come from adjacency (``adjacent_groups``: heads 0..g-1, g..2g-1, ...) or from an explicit list,
-e.g. CAHP's clusters of similar heads (``groups=[[0, 3], [1, 2]]``); groups in a layer must have equal size.
+e.g. CAHP's clusters of similar heads (``groups=[[0, 3], [1, 2]]``); groups may differ in size (the model
+keeps a query-head -> kv-head index for unequal groups).
 
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
     >>> info = group_heads(m, [adjacent_groups(4, 2)] * 4)
-    >>> m.transformer.h[0].attn.n_kv_heads, m.transformer.h[0].attn.k_proj.out_features
+    >>> m.transformer.h[0].attn.n_kv_heads, m.transformer.h[0].attn.projections()["k"][0].shape[0]
     (2, 64)
 """
 
@@ -24,8 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headbudget.compression.svd import CompressionError, _new_linear
-from headbudget.schedules import LayerSpec
+from headbudget.compression.svd import CompressionError
 
 
 def adjacent_groups(n_heads: int, n_groups: int) -> list[list[int]]:
@@ -50,10 +50,6 @@ def check_groups(groups: Sequence[Sequence[int]], n_heads: int, layer: int) -> l
         missing = sorted(set(range(n_heads)) - set(flat))
         raise CompressionError(f"layer {layer}: groups must cover every head exactly once "
                                f"(repeated {dup}, missing {missing})")
-    sizes = sorted({len(g) for g in gs})
-    if len(sizes) > 1:
-        raise CompressionError(f"layer {layer}: groups have unequal sizes {sizes}; the model needs "
-                               "equal groups (n_heads divisible by n_kv_heads)")
     return gs
 
 
@@ -75,23 +71,23 @@ def group_layer(attn: nn.Module, groups: Sequence[Sequence[int]], layer: int = 0
     gs = check_groups(groups, H, layer)
     order = [h for g in gs for h in g]
     dq, dv = attn.qk_head_dim, attn.v_head_dim
-    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
 
     def rows(idx: Sequence[int], width: int) -> torch.Tensor:
         return torch.cat([torch.arange(i * width, (i + 1) * width) for i in idx])
 
-    def pooled(lin: nn.Linear, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w = torch.cat([lin.weight[rows(g, width)].view(len(g), width, -1).mean(0) for g in gs])
-        b = None if lin.bias is None else torch.cat([lin.bias[rows(g, width)].view(len(g), width).mean(0)
-                                                     for g in gs])
+    p = attn.projections()
+
+    def pooled(wb: tuple[torch.Tensor, torch.Tensor | None], width: int):
+        w, b = wb
+        w = torch.cat([w[rows(g, width)].view(len(g), width, -1).mean(0) for g in gs])
+        b = None if b is None else torch.cat([b[rows(g, width)].view(len(g), width).mean(0) for g in gs])
         return w, b
 
     qi = rows(order, dq)
-    attn.q_proj = _new_linear(q.weight[qi], None if q.bias is None else q.bias[qi], q)
-    attn.k_proj = _new_linear(*pooled(k, dq), k)
-    attn.v_proj = _new_linear(*pooled(v, dv), v)
-    attn.o_proj = _new_linear(o.weight[:, rows(order, dv)], o.bias, o)
-    attn._set_spec(LayerSpec(H, attn.head_dim, len(gs), dq, dv))
+    q = (p["q"][0][qi], None if p["q"][1] is None else p["q"][1][qi])
+    sizes = [len(g) for g in gs]
+    spec = dict(attn.spec, n_kv_heads=len(gs), kv_groups=sizes if len(set(sizes)) > 1 else None)
+    attn.set_projections(spec, q, pooled(p["k"], dq), pooled(p["v"], dv), (p["o"][0][:, rows(order, dv)], p["o"][1]))
     return {"groups": gs, "head_order": order}
 
 
@@ -109,6 +105,5 @@ def group_heads(model: nn.Module, groups: Sequence[Sequence[Sequence[int]] | Non
     per_layer = []
     for i, (block, g) in enumerate(zip(blocks, groups)):
         per_layer.append(None if g is None else group_layer(block.attn, g, i))
-    sched = model.config.head_schedule
-    model.config.set_schedule(sched.with_layers([b.attn.spec for b in blocks], neutral=False))
+    model.sync_schedule()
     return {"per_layer": per_layer}

@@ -27,7 +27,7 @@ so only an ``r x r`` SVD per head is needed.
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
     >>> info = svd_compress(m, qk_ranks=[8, 8, 4, 4], v_ranks=[8, 8, 4, 4])
-    >>> m.config.head_schedule[3].qk_head_dim, m.transformer.h[3].attn.q_proj.out_features
+    >>> m.config.head_schedule[3].qk_head_dim, m.transformer.h[3].attn.projections()["q"][0].shape[0]
     (4, 16)
 """
 
@@ -39,8 +39,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from headbudget.schedules import LayerSpec
 
 ROTARY_HINTS = ("rope_theta", "rotary_dim", "rotary_pct", "rope_scaling", "rotary_emb_base")
 
@@ -54,8 +52,12 @@ def rotary_reason(model: Any) -> str | None:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return None
-    pos_type = str(getattr(cfg, "position_embedding_type", "") or "")
-    hints = [h for h in ROTARY_HINTS if getattr(cfg, h, None) is not None]
+    if getattr(cfg, "model_type", None) == "headbudget":  # the config says it directly
+        pos_type = "rotary" if cfg.position == "rotary" else ""
+        hints = []
+    else:
+        pos_type = str(getattr(cfg, "position_embedding_type", "") or "")
+        hints = [h for h in ROTARY_HINTS if getattr(cfg, h, None) is not None]
     if "rot" in pos_type.lower() or "rope" in pos_type.lower() or hints:
         what = f"position_embedding_type={pos_type!r}" if pos_type else ", ".join(hints)
         return (f"model_type {getattr(cfg, 'model_type', '?')!r} uses rotary position embeddings ({what}): "
@@ -114,15 +116,16 @@ def layer_factors(attn: nn.Module, layer: int = 0) -> dict[str, list[HeadFactors
             f"{H} query heads sharing {KV} key/value heads (run SVD before grouping)"
         )
     dq, dv = attn.qk_head_dim, attn.v_head_dim
-    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-    fold_v_bias = o.bias is not None
+    p = attn.projections()
+    (qw, qb), (kw, kb), (vw, vb), (ow, ob) = p["q"], p["k"], p["v"], p["o"]
+    fold_v_bias = ob is not None
     qk, vo = [], []
     for h in range(H):
-        a = _head_rows(q.weight, q.bias, h, dq, True)  # query bias kept exactly
-        b = _head_rows(k.weight, k.bias, h, dq, False)  # key bias is softmax-invariant: dropped
+        a = _head_rows(qw, qb, h, dq, True)  # query bias kept exactly
+        b = _head_rows(kw, kb, h, dq, False)  # key bias is softmax-invariant: dropped
         qk.append(factor_product(a.T, b.T))
-        av = _head_rows(v.weight, v.bias, h, dv, not fold_v_bias)
-        wo_h = o.weight[:, h * dv:(h + 1) * dv].double()  # (d, dv)
+        av = _head_rows(vw, vb, h, dv, not fold_v_bias)
+        wo_h = ow[:, h * dv:(h + 1) * dv].double()  # (d, dv)
         vo.append(factor_product(av.T, wo_h))
     return {"qk": qk, "vo": vo}
 
@@ -134,16 +137,6 @@ def singular_values(model: nn.Module) -> list[dict[str, list[list[float]]]]:
         f = layer_factors(block.attn, i)
         out.append({key: [hf.sigma.tolist() for hf in f[key]] for key in ("qk", "vo")})
     return out
-
-
-def _new_linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Linear) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    lin = lin.to(device=like.weight.device, dtype=like.weight.dtype)
-    with torch.no_grad():
-        lin.weight.copy_(weight.to(lin.weight.dtype))
-        if bias is not None:
-            lin.bias.copy_(bias.to(lin.bias.dtype))
-    return lin
 
 
 @torch.no_grad()
@@ -159,11 +152,12 @@ def compress_layer(attn: nn.Module, qk_rank: int, v_rank: int, layer: int = 0,
         if not isinstance(r, int) or not 1 <= r <= full:
             raise CompressionError(f"layer {layer}: {name} rank must be an integer in [1, {full}], got {r!r}")
     f = factors or layer_factors(attn, layer)
-    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-    d = q.in_features
-    has_bias = q.bias is not None
+    p = attn.projections()
+    (qw, qb), vb, (ow, ob) = p["q"], p["v"][1], p["o"]
+    d = qw.shape[1]
+    has_bias = qb is not None
     q_rows, k_rows, v_rows, o_cols = [], [], [], []
-    o_bias = o.bias.double().clone() if o.bias is not None else None
+    o_bias = ob.double().clone() if ob is not None else None
     qk_err, vo_err, qk_rel, vo_rel = [], [], [], []
     for h in range(H):
         fq, fv = f["qk"][h], f["vo"][h]
@@ -171,19 +165,23 @@ def compress_layer(attn: nn.Module, qk_rank: int, v_rank: int, layer: int = 0,
         k_rows.append(fq.right[:qk_rank])
         v_rows.append(fv.left[:v_rank])
         o_cols.append(fv.right[:v_rank])
-        if o_bias is not None and v.bias is not None:
-            o_bias += o.weight[:, h * dv:(h + 1) * dv].double() @ v.bias[h * dv:(h + 1) * dv].double()
+        if o_bias is not None and vb is not None:
+            o_bias += ow[:, h * dv:(h + 1) * dv].double() @ vb[h * dv:(h + 1) * dv].double()
         for sig, r, err, rel in ((fq.sigma, qk_rank, qk_err, qk_rel), (fv.sigma, v_rank, vo_err, vo_rel)):
             tail = float(sig[r:].pow(2).sum().sqrt())
             err.append(tail)
             rel.append(tail / max(float(sig.pow(2).sum().sqrt()), 1e-30))
     qa, ka, va = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
-    attn.q_proj = _new_linear(qa[:, :d], qa[:, d] if has_bias else None, q)
-    attn.k_proj = _new_linear(ka[:, :d], ka[:, d] if has_bias else None, k)
-    attn.v_proj = _new_linear(va[:, :d], va[:, d] if (has_bias and o_bias is None) else
-                              (torch.zeros(va.shape[0], dtype=va.dtype) if has_bias else None), v)
-    attn.o_proj = _new_linear(torch.cat(o_cols).T, o_bias, o)
-    attn._set_spec(LayerSpec(H, attn.head_dim, attn.n_kv_heads, qk_rank, v_rank))
+    dtype = qw.dtype
+
+    def part(w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return w.to(dtype), None if b is None else b.to(dtype)
+
+    v_bias = va[:, d] if (has_bias and o_bias is None) else (va.new_zeros(va.shape[0]) if has_bias else None)
+    spec = dict(attn.spec, qk_head_dim=qk_rank, v_head_dim=v_rank)
+    attn.set_projections(spec, part(qa[:, :d], qa[:, d] if has_bias else None),
+                         part(ka[:, :d], ka[:, d] if has_bias else None), part(va[:, :d], v_bias),
+                         part(torch.cat(o_cols).T, o_bias))
     return {"qk_error": qk_err, "vo_error": vo_err, "qk_rel_error": qk_rel, "vo_rel_error": vo_rel}
 
 
@@ -209,6 +207,5 @@ def svd_compress(model: nn.Module, qk_ranks: Sequence[int], v_ranks: Sequence[in
     for i, block in enumerate(tqdm(blocks, desc="svd", disable=not progress, leave=False)):
         info = compress_layer(block.attn, int(qk_ranks[i]), int(v_ranks[i]), i)
         per_layer.append(info)
-    sched = model.config.head_schedule
-    model.config.set_schedule(sched.with_layers([b.attn.spec for b in blocks], neutral=False))
+    model.sync_schedule()
     return {"per_layer": per_layer}

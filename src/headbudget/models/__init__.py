@@ -1,9 +1,16 @@
-"""headbudget models: the config, the decoder, and GPT-2 weight compatibility."""
+"""headbudget models: one decoder family for every scheduled, pruned or compressed model.
+
+``modeling_headbudget.py``/``configuration_headbudget.py`` are the model (torch + transformers only,
+copied next to every checkpoint); ``convert`` maps GPT-2/Llama/Mistral/Qwen2 in and out.  Importing
+this module registers the ``headbudget`` model type with ``AutoConfig``/``AutoModelForCausalLM``.
+"""
 
 from headbudget.models.config import HeadBudgetConfig
+from headbudget.models.convert import ConversionError, to_headbudget, to_hf
 from headbudget.models.modeling import HeadBudgetForCausalLM, HeadBudgetModel
 
-__all__ = ["HeadBudgetConfig", "HeadBudgetForCausalLM", "HeadBudgetModel", "register_auto_classes"]
+__all__ = ["ConversionError", "HeadBudgetConfig", "HeadBudgetForCausalLM", "HeadBudgetModel",
+           "register_auto_classes", "to_headbudget", "to_hf"]
 
 
 def register_auto_classes() -> None:
@@ -11,10 +18,19 @@ def register_auto_classes() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        AutoConfig.register(HeadBudgetConfig.model_type, HeadBudgetConfig)
-    except ValueError:  # already registered
-        pass
+        AutoConfig.register(HeadBudgetConfig.model_type, HeadBudgetConfig, exist_ok=True)
+    except TypeError:  # older transformers without exist_ok
+        try:
+            AutoConfig.register(HeadBudgetConfig.model_type, HeadBudgetConfig)
+        except ValueError:
+            pass
     try:
-        AutoModelForCausalLM.register(HeadBudgetConfig, HeadBudgetForCausalLM)
-    except ValueError:
-        pass
+        AutoModelForCausalLM.register(HeadBudgetConfig, HeadBudgetForCausalLM, exist_ok=True)
+    except TypeError:
+        try:
+            AutoModelForCausalLM.register(HeadBudgetConfig, HeadBudgetForCausalLM)
+        except ValueError:
+            pass
+
+
+register_auto_classes()
