@@ -89,7 +89,7 @@ def test_errors_are_specific():
 
 
 def test_fit_integer_total():
-    assert fit_integer_total([1.5, 1.5, 1.5], [1] * 3, [4] * 3, [1] * 3, 5) == [2, 2, 1]
+    assert fit_integer_total([1.5, 1.5, 1.5], [1] * 3, [4] * 3, [1] * 3, 5) == [1, 2, 2]
     v = fit_integer_total([2.4, 2.4, 2.4, 2.4], [1] * 4, [8] * 4, [3, 3, 3, 3], 30)
     assert sum(x * 3 for x in v) == 30 and max(v) - min(v) <= 1
 

@@ -103,3 +103,46 @@ def flops_per_token(
     per_layer = [attention_flops_per_token(s, d, context) + mlp for s in schedule.layers]
     head = 2 * d * vocab_size
     return {"total": sum(per_layer) + head, "per_layer": per_layer, "lm_head": head}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Parameters (tied weights once) and forward FLOPs per token at ``context`` of a decoder config."""
+
+    params: int
+    flops_per_token: int
+    context: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def config_cost(config, context: int | None = None) -> ModelCost:
+    """Cost of any headbudget decoder config (GPT-2 or Llama-family blocks, pruned or compressed layouts).
+
+    Same conventions as :func:`count_parameters`/:func:`flops_per_token`, plus the block options:
+    gated MLPs have three matrices, RMSNorm has no bias, rotary models have no position table and an
+    untied output head counts its own parameters.
+
+        >>> from headbudget.models import HeadBudgetConfig
+        >>> cfg = HeadBudgetConfig.from_preset("gpt2-124m", "prism")
+        >>> config_cost(cfg).params
+        124439808
+    """
+    d, vocab = config.n_embd, config.vocab_size
+    context = config.n_positions if context is None else context
+    specs = [LayerSpec(**s) for s in config.layer_specs()]
+    gated = config.mlp == "gated_silu"
+    norm = d * (2 if (config.norm == "layernorm" and config.bias) else 1)
+    params = vocab * d + norm + (0 if config.tie_word_embeddings else vocab * d)
+    params += config.n_positions * d if config.position == "learned" else 0
+    flops = 2 * d * vocab
+    for spec, hidden in zip(specs, config.intermediate_sizes()):
+        q, kv_rows = spec.n_heads * spec.qk_head_dim, spec.n_kv_heads * (spec.qk_head_dim + spec.v_head_dim)
+        o_in = spec.n_heads * spec.v_head_dim
+        params += d * (q + kv_rows) + o_in * d + 2 * norm
+        params += (q + kv_rows) * config.qkv_bias + d * config.o_bias
+        n_mat = 3 if gated else 2
+        params += n_mat * d * hidden + config.mlp_bias * ((2 if gated else 1) * hidden + d)
+        flops += attention_flops_per_token(spec, d, context) + 2 * n_mat * d * hidden
+    return ModelCost(params=int(params), flops_per_token=int(flops), context=int(context))

@@ -76,34 +76,40 @@ def fit_integer_total(
 ) -> list[int]:
     """Integers ``v_i`` in ``[lower_i, upper_i]`` near ``targets`` with ``sum v_i*w_i`` close to ``total``.
 
-    Rounds the continuous targets, then moves one unit at a time (the move that most reduces the
-    total's error; ties go to the item whose rounding residual points that way) until no single move
-    helps.  The result is within half of the smallest free weight of ``total`` whenever the bounds allow.
+    Rounds the continuous targets, then takes the best single or paired one-unit move (ranked by the
+    total's error, then the largest and the summed squared deviation from the targets) until none helps.
+    Paired moves let the total be met by spreading the change instead of pushing one item far off.
 
     >>> fit_integer_total([1.5, 1.5, 1.5], [1, 1, 1], [4, 4, 4], [1, 1, 1], 5)
-    [2, 2, 1]
+    [1, 2, 2]
     """
     n = len(targets)
     v = [min(max(int(round(t)), lo), hi) for t, lo, hi in zip(targets, lower, upper)]
-    cur = sum(x * w for x, w in zip(v, weights))
+
+    def score(vals: list[int]) -> tuple[float, float, float]:
+        # Lexicographic: the total's error first, then the worst and the summed squared layer deviation,
+        # so hitting the total never pushes one layer far from its target when a spread-out fix exists.
+        err = abs(total - sum(x * w for x, w in zip(vals, weights)))
+        devs = [abs(x - t) for x, t in zip(vals, targets)]
+        return round(err, 9), round(max(devs), 9), round(sum(d * d for d in devs), 9)
+
+    moves = [((i, d),) for i in range(n) for d in (-1, 1)]
+    moves += [((i, di), (j, dj)) for i in range(n) for j in range(i + 1, n) for di in (-1, 1) for dj in (-1, 1)]
+    best = score(v)
     for _ in range(10_000):
-        err = total - cur
-        best = None
-        for i in range(n):
-            for delta in (-1, 1):
-                if not lower[i] <= v[i] + delta <= upper[i]:
-                    continue
-                new_err = abs(err - delta * weights[i])
-                if new_err >= abs(err) - 1e-9:
-                    continue
-                key = (new_err, -delta * (targets[i] - v[i]), -i if delta < 0 else i)
-                if best is None or key < best[0]:
-                    best = (key, i, delta)
-        if best is None:
+        found = None
+        for move in moves:
+            cand = list(v)
+            for i, d in move:
+                cand[i] += d
+            if any(not lower[i] <= cand[i] <= upper[i] for i, _ in move):
+                continue
+            sc = score(cand)
+            if sc < best and (found is None or sc < found[0]):
+                found = (sc, cand)
+        if found is None:
             break
-        _, i, delta = best
-        v[i] += delta
-        cur += delta * weights[i]
+        best, v = found
     return v
 
 
