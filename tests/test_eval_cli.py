@@ -39,12 +39,18 @@ def test_eval_json_schema(model_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "|piqa       |    2|acc     |" in printed and "forward passes" in printed
     r = json.loads(out.read_text())
-    assert set(r) == {"results", "predictions", "seconds", "details"}
+    # headbudget's keys and lm-eval's (results/configs/versions/n-shot) side by side
+    assert set(r) == {"results", "predictions", "seconds", "details", "configs", "versions", "n-shot",
+                      "higher_is_better", "n-samples"}
     assert isinstance(r["seconds"], float)
+    plain = {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}
     for task in ("piqa", "hellaswag", "arc_easy"):
-        assert set(r["results"][task]) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n"}
+        assert set(r["results"][task]) == plain | {f"{k},none" for k in plain} | {"n", "alias"}
         assert r["results"][task]["n"] == 2
-    assert set(r["results"]["winogrande"]) == {"acc", "acc_stderr", "n"}
+        assert r["results"][task]["acc,none"] == r["results"][task]["acc"]
+        assert r["n-shot"][task] == 0 and r["configs"][task]["output_type"] == "multiple_choice"
+    assert set(r["results"]["winogrande"]) == {"acc", "acc_stderr", "acc,none", "acc_stderr,none", "n",
+                                               "alias"}
     n_choices = {"piqa": [2, 2], "hellaswag": [4, 4], "arc_easy": [3, 4], "winogrande": [2, 2]}
     for task, sizes in n_choices.items():
         preds = r["predictions"][task]

@@ -18,6 +18,7 @@ def _register() -> None:
     except ImportError:  # torch/transformers missing: schedules and accounting still work
         return
     register_auto_classes()
+    import headbudget.evaluation  # noqa: F401  (registers the lm-eval model "headbudget" when installed)
 
 
 _register()

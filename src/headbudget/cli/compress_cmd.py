@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from headbudget.threads import add_threads_flag
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -42,8 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", default=None,
                    help="comma list of kept fractions: compare all three allocations at each (needs --data)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads while running (default: torch's; 1 is fastest for small models on a busy CPU)")
+    add_threads_flag(p)  # applied by cli.main (headbudget.threads)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -93,8 +94,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--sweep: expected a comma list of fractions, got {args.sweep!r}") from None
         for k in sweep:
             _fraction(k, "--sweep")
-    if args.threads is not None and args.threads <= 0:
-        raise ValueError(f"--threads must be positive, got {args.threads}")
     if args.context < 2:
         raise ValueError(f"--context must be >= 2, got {args.context}")
     groups = read_groups(args.groups) if args.groups else None

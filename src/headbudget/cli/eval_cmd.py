@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from headbudget.io import atomic_write_json
+from headbudget.threads import add_threads_flag
 
 
 def _clean_nan(obj: Any) -> Any:
@@ -37,8 +38,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "+ vocab.bpe (default: the model's own)")
     p.add_argument("--gguf-file", help="GGUF file name inside MODEL (a directory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads for this run (on a shared CPU, "
-                   "1 can be much faster than several)")
+    add_threads_flag(p)  # applied by cli.main (headbudget.threads), the same on every command
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -46,52 +46,35 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
     return load_model_and_tokenizer(args.model, tokenizer=args.tokenizer,
                                     gguf_file=args.gguf_file, device=args.device)
 
 
-def _load_threads(n: int) -> None:
-    if n < 1:
-        raise ValueError(f"--threads must be >= 1, got {n}")
-    import torch
-
-    torch.set_num_threads(n)
-
-
 def run_eval(args: argparse.Namespace) -> int:
-    from headbudget.evaluation.tasks import get_task
-    from headbudget.evaluation.zeroshot import evaluate_tasks, format_table
+    from headbudget.evaluation.suite import check_eval_args, evaluate_suite, format_report
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise ValueError("--tasks is empty")
-    for t in tasks:
-        get_task(t)
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    if args.data_dir is not None and not Path(args.data_dir).is_dir():
-        raise FileNotFoundError(f"--data-dir: no directory {args.data_dir}")
+    check_eval_args(tasks, data_dir=args.data_dir, include_path=args.include_path,
+                    num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit)
     model, tok = _load(args)
-    report = evaluate_tasks(model, tok, tasks, data_dir=args.data_dir, limit=args.limit,
+    report = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, include_path=args.include_path,
+                            num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
                             batch_size=args.batch_size, strategy=args.strategy, device=args.device,
+                            log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
                             progress=not args.quiet)
-    print(format_table(report))
-    for t in tasks:
-        print(f"{t}: {report['results'][t]['n']} examples, {report['forward_passes'][t]} forward "
-              f"passes, {report['task_seconds'][t]:.1f}s")
+    print(format_report(report))
+    d = report["details"]
+    for t, s in d["task_seconds"].items():
+        print(f"{t}: {report['results'][t]['n']} examples, {d['forward_passes'][t]} forward "
+              f"passes, {s:.1f}s")
+    if "lm_eval" in d:
+        h = d["lm_eval"]
+        print(f"lm-eval tasks {','.join(h['tasks'])}: {h['forward_passes']} forward passes, "
+              f"{h['seconds']:.1f}s ({h['model_seconds']:.1f}s scoring)")
     print(f"total: {report['seconds']:.1f}s")
     if args.json:
-        out = {"results": report["results"], "predictions": report["predictions"],
-               "seconds": report["seconds"],
-               "details": {"model": str(args.model), "task_seconds": report["task_seconds"],
-                           "forward_passes": report["forward_passes"], "limit": args.limit}}
-        atomic_write_json(args.json, _clean_nan(out))
+        report["details"]["model"] = str(args.model)
+        atomic_write_json(args.json, _clean_nan(report))
         print(f"wrote {args.json}")
     return 0
 
@@ -124,8 +107,6 @@ def run_attention(args: argparse.Namespace) -> int:
 
     text = read_text(args.data)
     out = Path(args.out)
-    if args.threads is not None:
-        _load_threads(args.threads)
     models = [args.model] + ([args.compare] if args.compare else [])
     summaries: dict[str, Any] = {}
     for i, name in enumerate(models):
@@ -154,8 +135,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "lm-evaluation-harness's prompts and metrics.")
     _add_model_args(p)
     p.add_argument("--tasks", default="piqa,hellaswag,arc_easy,winogrande",
-                   help="comma-separated: piqa,hellaswag,arc_easy,arc_challenge,openbookqa,"
-                   "winogrande,copa")
+                   help="comma-separated: built in (piqa,hellaswag,arc_easy,arc_challenge,openbookqa,"
+                   "winogrande,copa) or lm-eval task/group names and YAML files (pip install "
+                   "\"headbudget[lmeval]\")")
+    p.add_argument("--include-path", help="folder of lm-eval task YAML files of your own (as lm-eval's "
+                   "flag)")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks (as lm-eval; "
+                   "a built-in name with N > 0 runs lm-eval's task of that name)")
+    p.add_argument("--seed", default=None, help="lm-eval's seeds: one integer for all, or "
+                   "PYTHON,NUMPY,TORCH,FEWSHOT (default 0,1234,1234,1234)")
+    p.add_argument("--log-samples", action="store_true", help="per-document records in the JSON "
+                   "(lm-eval's `samples`)")
+    p.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="lm-eval's bootstrap resamples for non-mean stderrs (0: none)")
     p.add_argument("--data-dir", help="local JSONL files (e.g. ../shared/data/zeroshot); default: "
                    "the Hugging Face hub")
     p.add_argument("--limit", type=int, help="first N examples per task")
@@ -163,7 +155,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="prefix", choices=["prefix", "full"],
                    help="prefix: shared context once via the KV cache (default); full: every choice "
                    "in full, batched by length")
-    p.add_argument("--json", help="write results, predictions and seconds here")
+    p.add_argument("--json", help="write the report here (headbudget's keys and lm-eval's results, "
+                   "configs, versions, n-shot[, samples])")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_eval)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from headbudget.threads import add_threads_flag
+
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
     try:
@@ -51,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--lrs", help="comma list of learning rates; the best per student is kept (default 0.03,0.1)")
     s.add_argument("--tokens-per-step", type=int, help="tokens per training batch (default 2048)")
     s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--threads", type=int, default=None, help="torch threads while running (default 1)")
+    add_threads_flag(s)  # applied by cli.main (headbudget.threads); the experiment keeps it
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=run_saturation_cmd)
 
@@ -72,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--batch", type=int, help="sequences per step (default 64)")
     n.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     n.add_argument("--seeds", help="comma list of seeds (default 0,1)")
-    n.add_argument("--threads", type=int, default=None, help="torch threads while running (default 1)")
+    add_threads_flag(n)
     n.add_argument("--no-progress", action="store_true")
     n.set_defaults(func=run_ngram_cmd)
 
@@ -108,6 +110,7 @@ def run_saturation_cmd(args: argparse.Namespace) -> int:
         over["logit_scale"] = args.logit_scale
     if args.seed is not None:
         over["seed"] = args.seed
+    over.setdefault("threads", 0)  # 0: keep what cli.main's --threads policy chose
     cfg = replace(cfg, **over)
     result = run_saturation(cfg, progress=not args.no_progress)
     json_path, png_path = write_saturation(result, args.out)
@@ -142,6 +145,7 @@ def run_ngram_cmd(args: argparse.Namespace) -> int:
         over["lr"] = args.lr
     if "budget" in over and "head_counts" not in over and args.quick:
         over["head_counts"] = None
+    over.setdefault("threads", 0)  # 0: keep what cli.main's --threads policy chose
     cfg = replace(cfg, **over)
     result = run_ngram(cfg, progress=not args.no_progress)
     json_path, png_path = write_ngram(result, args.out)

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
         registered.update(sub.choices)
+    from headbudget.threads import add_threads_flag
+
+    for name, cmd in sub.choices.items():  # one --threads on every command (schedule needs none)
+        if name != "schedule" and cmd._subparsers is None \
+                and not any("--threads" in a.option_strings for a in cmd._actions):
+            add_threads_flag(cmd)
     return parser
 
 
@@ -63,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if "threads" in vars(args):  # the one thread policy (headbudget.threads), before any work
+            from headbudget.threads import configure_threads
+
+            configure_threads(args.threads)
         return int(args.func(args) or 0)
     except (CLIError, ValueError, FileNotFoundError, KeyError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

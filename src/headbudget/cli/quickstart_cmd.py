@@ -98,7 +98,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
     t_all = time.perf_counter()
     out = Path(args.out)
-    cfg = quickstart_config(args.overrides, tiny=args.tiny)
+    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over train.threads
+    cfg = quickstart_config(args.overrides + ([f"train.threads={threads}"] if threads else []), tiny=args.tiny)
     if args.cache_dir:
         cfg = cfg.replace(data={"cache_dir": args.cache_dir})
     elif cfg.data.cache_dir is None:

@@ -30,7 +30,8 @@ def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> Non
 
 def _load(args: argparse.Namespace) -> RunConfig:
     path = resolve_config_path(args.config) if args.config else None
-    return load_config(path, args.overrides)
+    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over the config's train.threads
+    return load_config(path, args.overrides + ([f"train.threads={threads}"] if threads else []))
 
 
 def _is_main() -> bool:

@@ -7,19 +7,26 @@
     ppl = perplexity(model, tok, open("../shared/data/text/wikitext2_valid.tokens").read(),
                      context=1024, stride=512)
 
-Heavy modules (transformers, datasets) are imported lazily.
+Heavy modules (transformers, datasets) are imported lazily.  Importing this package registers
+headbudget's scorer with lm-evaluation-harness (when it is installed) as the model ``headbudget``:
+
+    import headbudget.evaluation, lm_eval          # `import headbudget` does it too
+    lm_eval.simple_evaluate(model="headbudget", model_args="pretrained=runs/prism/model",
+                            tasks=["arc_easy"])
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["evaluate_tasks", "perplexity", "load_model_and_tokenizer", "TASKS", "get_task",
+__all__ = ["evaluate_tasks", "evaluate_suite", "evaluate_harness", "register_lm_eval_model", "perplexity", "load_model_and_tokenizer", "TASKS", "get_task",
            "load_examples", "Scorer", "DataError"]
 
 _LAZY = {
     "evaluate_tasks": "headbudget.evaluation.zeroshot",
     "Scorer": "headbudget.evaluation.zeroshot",
+    "evaluate_suite": "headbudget.evaluation.suite",
+    "evaluate_harness": "headbudget.evaluation.harness",
     "perplexity": "headbudget.evaluation.perplexity",
     "load_model_and_tokenizer": "headbudget.evaluation.loading",
     "TASKS": "headbudget.evaluation.tasks",
@@ -35,3 +42,26 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'headbudget.evaluation' has no attribute {name!r}")
+
+
+def register_lm_eval_model() -> bool:
+    """Register :class:`headbudget.evaluation.harness.HeadBudgetLM` with lm-eval as ``headbudget``,
+    as a ``"module:Class"`` placeholder (nothing heavy is imported until lm-eval asks for it).
+    False when lm-eval is not installed."""
+    from importlib.util import find_spec
+
+    if find_spec("lm_eval") is None:
+        return False
+    # lm-eval's own names first: its get_model() only fills an *empty* registry with them
+    try:
+        import lm_eval.models  # noqa: F401
+        from lm_eval.api.registry import model_registry
+    except ImportError:  # a broken lm-eval install must not break `import headbudget`
+        return False
+
+    if "headbudget" not in model_registry:
+        model_registry.register("headbudget", target="headbudget.evaluation.harness:HeadBudgetLM")
+    return True
+
+
+register_lm_eval_model()

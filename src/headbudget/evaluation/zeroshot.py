@@ -224,10 +224,11 @@ class Scorer:
         return self.model(input_ids=ids.to(self.device), **kwargs)
 
     # -- request building -----------------------------------------------------------------------
-    def _sequences(self, ex: MCExample) -> list[tuple[list[int], int]]:
-        """(input ids = (ctx + cont)[-(max_len+1):][:-1], number of continuation tokens) per choice."""
+    def _sequences(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], int]]:
+        """(input ids = (ctx + cont)[-(max_len+1):][:-1], number of continuation tokens) per
+        ``(context, continuation)`` pair."""
         out = []
-        for ctx_text, cont_text in zip(ex.contexts, ex.continuations, strict=True):
+        for ctx_text, cont_text in pairs:
             ctx, cont = self.encoder.pair(ctx_text, cont_text)
             if not cont:
                 raise ValueError(f"continuation {cont_text!r} encodes to no tokens")
@@ -240,9 +241,11 @@ class Scorer:
 
     # -- strategies -----------------------------------------------------------------------------
     @staticmethod
-    def _gather(logp: torch.Tensor, targets: list[int]) -> float:
+    def _gather(logp: torch.Tensor, targets: list[int]) -> tuple[float, bool]:
+        """Summed log-probability of ``targets`` and whether each is the argmax (the harness's
+        ``is_greedy``)."""
         t = torch.tensor(targets, dtype=torch.long, device=logp.device)
-        return float(logp.gather(-1, t[:, None]).sum())
+        return float(logp.gather(-1, t[:, None]).sum()), bool((logp.argmax(-1) == t).all())
 
     @staticmethod
     def _prefix_plan(item: list[tuple[list[int], int]]) -> int:
@@ -253,7 +256,8 @@ class Scorer:
         return min(_common_prefix_len(inputs), first_needed)
 
     def _score_prefix_groups(self, items: list[list[tuple[list[int], int]]],
-                             check: bool = False, desc: str = "scoring") -> list[list[float]]:
+                             check: bool = False,
+                             desc: str = "scoring") -> list[list[tuple[float, bool]]]:
         """Scores of many items through their shared prefixes, batched across items.
 
         Items (each with a non-empty prefix, see :meth:`_prefix_plan`) are sorted by prefix length
@@ -269,7 +273,7 @@ class Scorer:
         """
         plans = [self._prefix_plan(item) for item in items]
         order = sorted(range(len(items)), key=lambda i: -plans[i])
-        scores: list[list[float]] = [[0.0] * len(item) for item in items]
+        scores: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(item) for item in items]
         bar = tqdm(total=len(items), desc=desc, disable=not self.progress, leave=False)
         step = self.batch_size * PREFIX_WINDOW_GROUPS
         extra = {"logits_to_keep": 1} if self._can_trim_logits else {}
@@ -310,11 +314,12 @@ class Scorer:
             if check and w == 0:
                 padded = [r for r in range(len(win)) if qs[r] < qs[0]] or list(range(len(win)))
                 r = min(padded, key=lambda r: sum(len(s) for s, _ in items[win[r]]))
-                ref = self._score_full(items[win[r]])
-                if not np.allclose(scores[win[r]], ref, rtol=1e-4, atol=1e-3):
+                ref = [ll for ll, _ in self._score_full(items[win[r]])]
+                got = [ll for ll, _ in scores[win[r]]]
+                if not np.allclose(got, ref, rtol=1e-4, atol=1e-3):
                     bar.close()
                     raise _CacheMismatch(f"KV-cache scores differ from plain scores "
-                                         f"({scores[win[r]]} vs {ref})")
+                                         f"({got} vs {ref})")
             bar.update(len(win))
         bar.close()
         return scores
@@ -345,7 +350,7 @@ class Scorer:
     def _score_chunk(self, items: list[list[tuple[list[int], int]]], group: list[int],
                      qs: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]],
                      chunk: list[tuple[int, int]], suf_len: dict[tuple[int, int], int],
-                     scores: list[list[float]]) -> None:
+                     scores: list[list[tuple[float, bool]]]) -> None:
         """One continuation pass: ``chunk`` rows (group row, choice) on the prefix cache ``kv``."""
         n = len(chunk)
         past_len = max(qs[r] for r, _ in chunk)
@@ -375,10 +380,10 @@ class Scorer:
             lp = torch.log_softmax(logits[k, start - q: end - q].float(), dim=-1)
             scores[group[r]][j] = self._gather(lp, s[len(s) - c:])
 
-    def _score_full(self, rows: list[tuple[list[int], int]]) -> list[float]:
+    def _score_full(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         """Scores of many (sequence, n_cont) rows, batched by length (longest first), right-padded."""
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-        scores = [0.0] * len(rows)
+        scores: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         for b in range(0, len(order), self.batch_size):
             idx = order[b: b + self.batch_size]
             width = len(rows[idx[0]][0]) - 1
@@ -394,13 +399,34 @@ class Scorer:
                 scores[i] = self._gather(lp, s[len(s) - c:])
         return scores
 
-    @torch.inference_mode()
     def score(self, examples: Sequence[MCExample], desc: str = "scoring") -> list[list[float]]:
         """Summed log-likelihood of every choice of every example."""
+        items = [list(zip(ex.contexts, ex.continuations, strict=True)) for ex in examples]
+        return [[ll for ll, _ in row] for row in self.score_pairs(items, desc=desc)]
+
+    def score_pairs(self, items: Sequence[Sequence[tuple[str, str]]],
+                    desc: str = "scoring") -> list[list[tuple[float, bool]]]:
+        """``(log-likelihood, is_greedy)`` of every ``(context, continuation)`` pair; the pairs of
+        one item (an example's choices) are scored through their shared prefix.
+
+            >>> scorer.score_pairs([[("Q: 2+2\\nA:", " 4"), ("Q: 2+2\\nA:", " 5")]])  # doctest: +SKIP
+            [[(-3.1, True), (-7.4, False)]]
+        """
+        return self._score_items([self._sequences(pairs) for pairs in items], desc)
+
+    def score_rows(self, rows: Sequence[tuple[list[int], int]],
+                   desc: str = "scoring") -> list[tuple[float, bool]]:
+        """``(log-likelihood, is_greedy)`` of the last ``n`` tokens of each ``(token ids, n)`` row
+        (ids already cut to ``max_length + 1``), whole rows batched by length: for rolling
+        perplexity windows, which share no prefix."""
+        return [item[0] for item in self._score_items([[(list(s), n)] for s, n in rows], desc)]
+
+    @torch.inference_mode()
+    def _score_items(self, seqs: list[list[tuple[list[int], int]]],
+                     desc: str) -> list[list[tuple[float, bool]]]:
         was_training = self.model.training
         self.model.eval()
         try:
-            seqs = [self._sequences(ex) for ex in examples]
             if self.strategy == "full":
                 flat = [row for item in seqs for row in item]
                 flat_scores = self._score_full(flat)
@@ -409,8 +435,9 @@ class Scorer:
                     out.append(flat_scores[k: k + len(item)])
                     k += len(item)
                 return out
-            results: list[list[float] | None] = [None] * len(seqs)
-            cached = [i for i, item in enumerate(seqs) if self._prefix_plan(item) > 0]
+            results: list[list[tuple[float, bool]] | None] = [None] * len(seqs)
+            # a lone sequence has nothing to share: one full pass beats a prefix pass + a suffix pass
+            cached = [i for i, item in enumerate(seqs) if len(item) > 1 and self._prefix_plan(item) > 0]
             if self.strategy == "prefix" and cached:
                 got = self._try_prefix([seqs[i] for i in cached], desc)
                 if got is not None:
@@ -429,7 +456,7 @@ class Scorer:
             self.model.train(was_training)
 
     def _try_prefix(self, items: list[list[tuple[list[int], int]]],
-                    desc: str = "scoring") -> list[list[float]] | None:
+                    desc: str = "scoring") -> list[list[tuple[float, bool]]] | None:
         """Cross-item prefix scoring; None (after switching to ``full``) when the first window's
         cache cannot be used or its scores differ from the plain computation."""
         check = not self._prefix_checked

@@ -39,6 +39,7 @@ from headbudget.data.loader import train_batch, val_batches
 from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text
 from headbudget.schedules import HeadSchedule, ModelPreset, get_preset, schedule_from_spec
+from headbudget.threads import configure_threads
 from headbudget.train.checkpoint import load_latest_checkpoint, save_checkpoint
 from headbudget.train.config import RunConfig
 
@@ -205,18 +206,6 @@ def _set_rng_state(s: dict[str, Any]) -> None:
 
 
 
-def cpu_threads(requested: int = 0, world_size: int = 1) -> int:
-    """Threads to use on CPU: ``requested`` if positive, else the idle cores per process (>= 1)."""
-    if requested > 0:
-        return requested
-    n = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        busy = 0.0
-    return max(1, min(torch.get_num_threads(), int(n - busy + 0.5)) // max(1, world_size))
-
-
 def _dist_env() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
@@ -306,7 +295,7 @@ class Trainer:
         device = self._device()
         saved_threads = torch.get_num_threads()
         if device.type == "cpu":
-            torch.set_num_threads(cpu_threads(self.cfg.train.threads, self.world))
+            configure_threads(self.cfg.train.threads, self.world)  # 0: idle cores (headbudget.threads)
         try:
             return self._run(device)
         finally:

@@ -1,0 +1,302 @@
+"""lm-evaluation-harness's task library, scored by headbudget's shared-prefix engine.
+
+lm-eval (the optional extra, ``pip install "headbudget[lmeval]"``) builds the requests -- its task
+names, groups, YAML files of the user's own (``include_path``), few-shot contexts and seeds -- and
+computes the metrics; :class:`HeadBudgetLM` answers its ``loglikelihood`` and
+``loglikelihood_rolling`` requests with :class:`headbudget.evaluation.zeroshot.Scorer`: the
+requests of one document (its choices) share one prefix pass through the KV cache, batched across
+documents, so a few-shot context is run once per document instead of once per choice.
+
+    >>> from headbudget.evaluation.harness import evaluate_harness
+    >>> out = evaluate_harness(model, tok, ["arc_easy_local"], include_path="my_tasks/",
+    ...                        num_fewshot=5, limit=100)                    # doctest: +SKIP
+    >>> out["results"]["arc_easy_local"]["acc,none"], out["n-shot"]         # doctest: +SKIP
+
+From lm-eval's side the class is registered as ``headbudget`` by ``import headbudget`` (or
+``import headbudget.evaluation``, see :func:`headbudget.evaluation.register_lm_eval_model`)::
+
+    import headbudget, lm_eval
+    lm_eval.simple_evaluate(model="headbudget", model_args="pretrained=runs/prism/model",
+                            tasks=["arc_easy"], batch_size=16)
+
+Generation tasks (``generate_until``) are refused with one line naming them: the engine scores text,
+it does not generate.  Log-likelihoods equal the ``hf`` backend's (same tokenization, same
+truncation, same rolling windows) and do not depend on the batch size beyond float rounding.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lm_eval.api.model import LM
+
+from headbudget.evaluation.suite import parse_seed
+from headbudget.evaluation.zeroshot import Scorer
+
+SUPPORTED_OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
+DEFAULT_BATCH_SIZE = 16
+
+
+def _batch_size(value: Any) -> int:
+    """lm-eval passes ``batch_size`` as given on its command line: None, an int, "8" or "auto"."""
+    if value is None or value == "auto" or (isinstance(value, str) and value.startswith("auto")):
+        return DEFAULT_BATCH_SIZE  # no memory probing on CPU: the scorer bounds rows per pass
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch_size must be a positive integer or 'auto', got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {value!r}")
+    return n
+
+
+class HeadBudgetLM(LM):
+    """An lm-eval model whose log-likelihoods come from headbudget's shared-prefix scorer.
+
+    ``pretrained``: a model directory/hub name (loaded with headbudget's loader: headbudget
+    checkpoints, Hugging Face models, ``gguf_file=`` inside a directory) or a loaded
+    ``torch.nn.Module`` (then ``tokenizer`` must be the tokenizer object).
+
+        >>> lm = HeadBudgetLM(pretrained="runs/prism/model", batch_size=16)   # doctest: +SKIP
+        >>> lm_eval.simple_evaluate(model=lm, tasks=["piqa"])                 # doctest: +SKIP
+    """
+
+    def __init__(self, pretrained: Any = None, tokenizer: Any = None, gguf_file: str | None = None,
+                 batch_size: Any = DEFAULT_BATCH_SIZE, device: str | None = None,
+                 strategy: str = "prefix", add_bos_token: Any = None, max_length: Any = None,
+                 progress: Any = True, max_batch_size: Any = None, **unknown: Any) -> None:
+        super().__init__()
+        if unknown:
+            raise ValueError(f"model_args: unknown argument(s) {', '.join(sorted(unknown))} for the "
+                             "headbudget model (pretrained, tokenizer, gguf_file, batch_size, device, "
+                             "strategy, add_bos_token, max_length)")
+        if pretrained is None:
+            raise ValueError("model_args: pretrained=DIR is required for the headbudget model")
+        if isinstance(pretrained, torch.nn.Module):
+            if tokenizer is None or isinstance(tokenizer, (str, Path)):
+                raise ValueError("a loaded model needs its tokenizer object (tokenizer=...)")
+            model, tok = pretrained, tokenizer
+        else:
+            from headbudget.loading import load_model_and_tokenizer
+
+            model, tok = load_model_and_tokenizer(pretrained, tokenizer=tokenizer, gguf_file=gguf_file,
+                                                  device=device)
+        self.model_name = str(pretrained) if not isinstance(pretrained, torch.nn.Module) \
+            else type(pretrained).__name__
+        self.tokenizer = tok
+        self.scorer = Scorer(model, tok, batch_size=_batch_size(batch_size), strategy=strategy,
+                             max_length=int(max_length) if max_length else None,
+                             add_bos_token=_bool_or_none(add_bos_token), device=device,
+                             progress=bool(_bool_or_none(progress) is not False))
+        #: (task name, doc id, request idx) -> (log-likelihood, is_greedy): the predictions
+        self.records: dict[tuple[str, Any, int], tuple[float, bool]] = {}
+        #: seconds spent scoring (model time), summed over calls
+        self.seconds = 0.0
+
+    # -- lm-eval's model interface ------------------------------------------------------------------
+    def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``(log P(continuation | context), is_greedy)`` per request; the requests of one document
+        (its choices) form one item of the scorer, which runs their shared prefix once."""
+        t0 = time.perf_counter()
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for i, req in enumerate(requests):
+            key = (getattr(req, "task_name", None), getattr(req, "doc_id", None))
+            groups.setdefault(key if key != (None, None) else ("", -1 - i), []).append(i)
+        keys = list(groups)
+        progress, self.scorer.progress = self.scorer.progress, self.scorer.progress and not disable_tqdm
+        try:
+            scored = self.scorer.score_pairs([[tuple(requests[i].args) for i in groups[k]] for k in keys],
+                                             desc="loglikelihood")
+        finally:
+            self.scorer.progress = progress
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        for key, item in zip(keys, scored, strict=True):
+            for i, res in zip(groups[key], item, strict=True):
+                out[i] = res
+                req = requests[i]
+                self.records[(str(key[0]), key[1], getattr(req, "idx", 0))] = res
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def loglikelihood_rolling(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[float]:
+        """Total log-likelihood of each string under the ``hf`` backend's disjoint rolling windows
+        (``max_length`` tokens, one token of context, the prefix token first)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        t0 = time.perf_counter()
+        enc, max_len = self.scorer.encoder, self.scorer.max_length
+        rows: list[tuple[list[int], int]] = []
+        owner: list[int] = []
+        for i, req in enumerate(requests):
+            (string,) = req.args
+            windows = get_rolling_token_windows(token_list=enc.encode(string),
+                                                prefix_token=enc.prefix_token_id,
+                                                max_seq_len=max_len, context_len=1)
+            for ctx, cont in map(make_disjoint_window, windows):
+                rows.append(((ctx + cont)[-(max_len + 1):], len(cont)))
+                owner.append(i)
+        progress, self.scorer.progress = self.scorer.progress, self.scorer.progress and not disable_tqdm
+        try:
+            scored = self.scorer.score_rows(rows, desc="loglikelihood_rolling") if rows else []
+        finally:
+            self.scorer.progress = progress
+        per_request: list[list[float]] = [[] for _ in requests]
+        for i, (ll, _) in zip(owner, scored, strict=True):
+            per_request[i].append(ll)
+        self.seconds += time.perf_counter() - t0
+        return [sum(lls) for lls in per_request]  # summed in window order, as the hf backend
+
+    def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
+        raise NotImplementedError("generation (generate_until) is not supported by the headbudget "
+                                  "model: it scores log-likelihoods only; use lm-eval's hf backend")
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "name_or_path", "")).replace("/", "__")
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {"model_class": type(self.scorer.model).__name__, "strategy": self.scorer.strategy,
+                "batch_size": self.scorer.batch_size, "max_length": self.scorer.max_length}
+
+
+def _bool_or_none(value: Any) -> bool | None:
+    """model_args arrive as strings from lm-eval's ``key=value`` parser."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    if text in ("none", ""):
+        return None
+    raise ValueError(f"expected true/false, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation (what lm_eval.simple_evaluate does, minus model loading and environment probing)
+
+
+def task_manager(tasks: Sequence[str], include_path: str | Sequence[str] | None = None) -> Any:
+    """An lm-eval ``TaskManager`` that knows ``tasks``.  When every name is defined under
+    ``include_path`` only that folder is indexed: indexing lm-eval's own library of thousands of
+    YAML files takes ~10 s, more than scoring a few hundred documents."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
+    for p in paths:
+        if not Path(p).is_dir():
+            raise FileNotFoundError(f"--include-path: no directory {p}")
+    if paths:
+        local = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
+        if all(t in local.all_tasks or Path(t).is_file() for t in tasks):
+            return local
+    return TaskManager(include_path=[str(p) for p in paths] or None)
+
+
+def _unknown_task(name: str, tm: Any, include_path: Any) -> ValueError:
+    from headbudget.evaluation.tasks import TASKS
+
+    near = difflib.get_close_matches(name, [*TASKS, *tm.all_tasks], n=3)
+    where = "lm-eval's task library" + (f" or --include-path {include_path}" if include_path else "")
+    hint = f"; did you mean {', '.join(near)}?" if near else ""
+    return ValueError(f"unknown task {name!r}: not a built-in task ({', '.join(TASKS)}) and not in "
+                      f"{where}{hint}")
+
+
+def load_harness_tasks(tasks: Sequence[str], include_path: Any = None) -> tuple[Any, dict[str, Any]]:
+    """``(TaskManager, loaded)`` for lm-eval task names, groups, tags or YAML paths; unknown names
+    and generation tasks are ValueErrors naming them (before any model work)."""
+    tm = task_manager(tasks, include_path)
+    for name in tasks:
+        if name not in tm.all_tasks and not Path(name).is_file():
+            raise _unknown_task(name, tm, include_path)
+    try:
+        loaded = tm.load(list(tasks))
+    except (KeyError, FileNotFoundError) as exc:
+        msg = exc.args[0] if exc.args else exc
+        raise ValueError(f"cannot build lm-eval task(s) {', '.join(tasks)}: {msg}") from None
+    generation = sorted(f"{n} ({t.OUTPUT_TYPE})" for n, t in loaded["tasks"].items()
+                        if t.OUTPUT_TYPE not in SUPPORTED_OUTPUT_TYPES)
+    if generation:
+        raise ValueError(f"generation is not supported: {', '.join(generation)}; headbudget scores "
+                         f"{', '.join(SUPPORTED_OUTPUT_TYPES)} tasks (run generation tasks with "
+                         "lm-eval's hf backend)")
+    return tm, loaded
+
+
+def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
+                     include_path: str | Sequence[str] | None = None, num_fewshot: int | None = None,
+                     seed: str | int | Sequence[int | None] | None = None,
+                     limit: int | float | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+                     strategy: str = "prefix", device: str | None = None, log_samples: bool = False,
+                     bootstrap_iters: int = 100000, progress: bool = True,
+                     lm: HeadBudgetLM | None = None) -> dict[str, Any]:
+    """Evaluate ``model`` on lm-eval tasks as ``lm_eval.simple_evaluate`` does (same seeds, same
+    ``num_fewshot`` override rule, same ``evaluate``), scoring with :class:`HeadBudgetLM`.
+
+    Returns lm-eval's result dict (``results``, ``groups``, ``configs``, ``versions``, ``n-shot``,
+    ``higher_is_better``, ``n-samples``, ``samples`` when ``log_samples``, ``config``) plus
+    ``predictions`` (per multiple-choice task, the argmax choice of each document, by doc id),
+    ``seconds`` and ``model_seconds``.
+    """
+    from lm_eval import evaluator
+    from lm_eval.utils import set_torch_seed
+
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    t0 = time.perf_counter()
+    seeds = parse_seed(seed)
+    _, loaded = load_harness_tasks(tasks, include_path)
+    if lm is None:
+        lm = HeadBudgetLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                          strategy=strategy, device=device, progress=progress)
+    if seeds[0] is not None:
+        random.seed(seeds[0])
+    if seeds[1] is not None:
+        np.random.seed(seeds[1])
+    if seeds[2] is not None:
+        set_torch_seed(seeds[2])
+    for task in loaded["tasks"].values():
+        # simple_evaluate's rule: --num-fewshot overrides a task's default unless the task fixes 0
+        if num_fewshot is not None:
+            if task.get_config("num_fewshot") != 0:
+                task.set_config(key="num_fewshot", value=num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=seeds[3])
+    model_s0 = lm.seconds
+    res = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
+                             log_samples=log_samples, fewshot_as_multiturn=True)
+    out = dict(res)
+    if not log_samples:
+        out.pop("samples", None)
+    out["config"] = {"model": "headbudget", "model_args": lm.model_name, **lm.get_model_info(),
+                     "limit": limit, "bootstrap_iters": bootstrap_iters, "random_seed": seeds[0],
+                     "numpy_seed": seeds[1], "torch_seed": seeds[2], "fewshot_seed": seeds[3]}
+    out["predictions"] = harness_predictions(lm, loaded["tasks"])
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    out["model_seconds"] = round(lm.seconds - model_s0, 3)
+    out["forward_passes"] = lm.scorer.stats.forward_passes
+    return out
+
+
+def harness_predictions(lm: HeadBudgetLM, tasks: dict[str, Any]) -> dict[str, list[int]]:
+    """Per multiple-choice task, each document's argmax choice (first on ties), ordered by doc id."""
+    by_doc: dict[str, dict[Any, dict[int, float]]] = {}
+    for (task, doc, idx), (ll, _) in lm.records.items():
+        by_doc.setdefault(task, {}).setdefault(doc, {})[idx] = ll
+    out: dict[str, list[int]] = {}
+    for name, task in tasks.items():
+        if task.OUTPUT_TYPE != "multiple_choice" or name not in by_doc:
+            continue
+        docs = by_doc[name]
+        out[name] = [int(np.argmax([docs[d][i] for i in sorted(docs[d])])) for d in sorted(docs)]
+    return out

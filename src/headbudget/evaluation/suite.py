@@ -1,0 +1,226 @@
+"""One evaluation run over built-in and lm-eval tasks, reported in headbudget's JSON and lm-eval's.
+
+A task name is built in (:mod:`headbudget.evaluation.tasks`, rows from ``data_dir``, no lm-eval
+needed) when it is one of the seven declared there, zero-shot, and no ``include_path`` YAML
+defines the same name; any other name goes to lm-eval's task system
+(:func:`headbudget.evaluation.harness.evaluate_harness`).  Both are scored by the same
+shared-prefix :class:`~headbudget.evaluation.zeroshot.Scorer`.
+
+    >>> from headbudget.evaluation.suite import evaluate_suite
+    >>> rep = evaluate_suite(model, tok, ["piqa", "arc_easy_5shot"], data_dir="../shared/data/zeroshot",
+    ...                      include_path="benchmarks/lm_eval_tasks", limit=100)   # doctest: +SKIP
+    >>> rep["results"]["piqa"]["acc"] == rep["results"]["piqa"]["acc,none"]      # doctest: +SKIP
+    True
+
+The report holds headbudget's keys (``results[task]`` with ``acc``, ``acc_stderr``, ``acc_norm``,
+``acc_norm_stderr``, ``n``; ``predictions``; ``seconds``; ``details``) and lm-eval's
+(``results[task]`` also with ``alias`` and ``"acc,none"``-style keys; ``configs``, ``versions``,
+``n-shot``, ``higher_is_better``, ``n-samples``, ``groups``/``group_subtasks`` for groups, and
+``samples`` with ``log_samples``), so tools written for either read it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from headbudget.evaluation.tasks import TASKS, get_task, load_examples
+from headbudget.evaluation.zeroshot import evaluate_tasks, format_table
+
+DEFAULT_SEEDS = (0, 1234, 1234, 1234)  # lm-eval's --seed default: python, numpy, torch, few-shot
+
+# lm-eval's version of the task each built-in one reproduces (its YAML `metadata.version`)
+_LM_EVAL_VERSIONS = {"piqa": 1.0, "hellaswag": 1.0, "arc_easy": 1.0, "arc_challenge": 1.0,
+                     "openbookqa": 1.0, "winogrande": 1.0, "copa": 1.0}
+
+
+def parse_seed(value: str | int | Sequence[int | None] | None) -> tuple[int | None, ...]:
+    """lm-eval's ``--seed``: one integer for all four seeds (python, numpy, torch, few-shot), or
+    four comma-separated values where ``None`` leaves one unset.
+
+        >>> parse_seed("42"), parse_seed("0,None,8,52"), parse_seed(None)
+        ((42, 42, 42, 42), (0, None, 8, 52), (0, 1234, 1234, 1234))
+    """
+    if value is None:
+        return DEFAULT_SEEDS
+    if isinstance(value, int):
+        return (value,) * 4
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: list[int | None] = []
+    for item in items:
+        text = str(item).strip()
+        if text.lower() == "none":
+            out.append(None)
+            continue
+        try:
+            out.append(int(text))
+        except ValueError:
+            raise ValueError(f"--seed: {text!r} is not an integer or None (e.g. --seed 42 or "
+                             "--seed 0,1234,1234,1234)") from None
+    if len(out) == 1:
+        return (out[0],) * 4
+    if len(out) != 4:
+        raise ValueError(f"--seed: expected 1 or 4 comma-separated values, got {len(out)}")
+    return tuple(out)
+
+
+def check_eval_args(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
+                    num_fewshot: int | None = None, seed: Any = None, limit: int | None = None) -> None:
+    """The checks that need no model and no task building (one-line errors naming the flag)."""
+    if not tasks:
+        raise ValueError("--tasks is empty")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    parse_seed(seed)
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"--data-dir: no directory {data_dir}")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise FileNotFoundError(f"--include-path: no directory {include_path}")
+    builtin, harness = split_tasks(tasks, num_fewshot=num_fewshot, include_path=include_path)
+    for t in builtin:
+        get_task(t)
+    if harness and find_spec("lm_eval") is None:
+        raise ValueError(f"task {harness[0]!r} is not built in ({', '.join(TASKS)}); lm-eval tasks "
+                         "need the optional extra: pip install \"headbudget[lmeval]\"")
+
+
+def split_tasks(tasks: Sequence[str], *, num_fewshot: int | None = None,
+                include_path: Any = None) -> tuple[list[str], list[str]]:
+    """``(built-in names, lm-eval names)``, see the module docstring."""
+    local: set[str] = set()
+    if include_path is not None and any(t in TASKS for t in tasks) and find_spec("lm_eval"):
+        from headbudget.evaluation.harness import task_manager
+
+        local = set(task_manager([], include_path).all_tasks)
+    builtin = [t for t in tasks if t in TASKS and not num_fewshot and t not in local]
+    return builtin, [t for t in tasks if t not in builtin]
+
+
+def _lm_eval_keys(res: dict[str, Any], filt: str = "none") -> dict[str, Any]:
+    """headbudget's metric keys -> lm-eval's ``"metric,filter"`` keys (``n`` has no counterpart)."""
+    return {f"{k},{filt}": v for k, v in res.items() if k != "n"}
+
+
+def _plain_keys(res: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's ``"acc,none"`` -> ``"acc"`` (the ``none`` filter only; other filters keep theirs)."""
+    return {k[: -len(",none")]: v for k, v in res.items() if k.endswith(",none")}
+
+
+def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir: str | None = None,
+                   include_path: Any = None, num_fewshot: int | None = None, seed: Any = None,
+                   limit: int | None = None, batch_size: int = 16, strategy: str = "prefix",
+                   device: str | None = None, log_samples: bool = False,
+                   bootstrap_iters: int = 100000, progress: bool = True) -> dict[str, Any]:
+    """Evaluate ``tasks`` (built-in and lm-eval) and return the combined report (module docstring).
+
+    ``details`` holds ``model``-independent run facts: ``task_seconds`` and ``forward_passes`` per
+    built-in task, ``lm_eval`` (its tasks' seconds, model seconds and forward passes, scored
+    together), ``limit``, ``num_fewshot``, ``batch_size``.
+    """
+    check_eval_args(tasks, data_dir=data_dir, include_path=include_path, num_fewshot=num_fewshot,
+                    seed=seed, limit=limit)
+    builtin, harness = split_tasks(tasks, num_fewshot=num_fewshot, include_path=include_path)
+    t0 = time.perf_counter()
+    rep: dict[str, Any] = {"results": {}, "predictions": {}, "configs": {}, "versions": {},
+                           "n-shot": {}, "higher_is_better": {}, "n-samples": {}}
+    details: dict[str, Any] = {"task_seconds": {}, "forward_passes": {}, "limit": limit,
+                               "num_fewshot": num_fewshot, "batch_size": batch_size}
+    samples: dict[str, list[dict[str, Any]]] = {}
+    if harness:  # first: its task building fails fast on unknown or generation tasks
+        from headbudget.evaluation.harness import evaluate_harness
+
+        out = evaluate_harness(model, tokenizer, harness, include_path=include_path,
+                               num_fewshot=num_fewshot, seed=seed, limit=limit,
+                               batch_size=batch_size, strategy=strategy, device=device,
+                               log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+                               progress=progress)
+        for name, res in out["results"].items():
+            plain = _plain_keys(res)
+            n = out.get("n-samples", {}).get(name, {}).get("effective")
+            rep["results"][name] = {**plain, **({"n": n} if n is not None else {}), **res}
+        for key in ("configs", "versions", "n-shot", "higher_is_better", "n-samples"):
+            rep[key].update(out.get(key, {}))
+        for key in ("groups", "group_subtasks"):
+            if out.get(key):
+                rep[key] = out[key]
+        rep["predictions"].update(out["predictions"])
+        samples.update(out.get("samples") or {})
+        details["lm_eval"] = {"tasks": harness, "seconds": out["seconds"],
+                              "model_seconds": out["model_seconds"],
+                              "forward_passes": out["forward_passes"], "config": out["config"]}
+    if builtin:
+        scores: dict[str, list[list[float]]] = {}
+        got = evaluate_tasks(model, tokenizer, builtin, data_dir=data_dir, limit=limit,
+                             batch_size=batch_size, strategy=strategy, device=device,
+                             progress=progress, scores_out=scores)
+        for name in builtin:
+            res = got["results"][name]
+            spec = get_task(name)
+            rep["results"][name] = {**res, "alias": name, **_lm_eval_keys(res)}
+            rep["predictions"][name] = got["predictions"][name]
+            rep["versions"][name] = _LM_EVAL_VERSIONS.get(name, 1.0)
+            rep["n-shot"][name] = 0
+            rep["higher_is_better"][name] = {m: True for m in spec.metrics}
+            rep["n-samples"][name] = {"original": res["n"], "effective": res["n"]}
+            rep["configs"][name] = {
+                "task": name, "output_type": "multiple_choice", "num_fewshot": 0,
+                "target_delimiter": spec.target_delimiter, "metric_list": [
+                    {"metric": m, "aggregation": "mean", "higher_is_better": True} for m in spec.metrics],
+                "dataset_path": str(Path(data_dir) / spec.local_file) if data_dir else spec.hf_path,
+                "dataset_name": None if data_dir else spec.hf_name,
+                "test_split": None if data_dir else spec.hf_split,
+                "metadata": {"version": rep["versions"][name], "source": "headbudget built-in task"}}
+            details["task_seconds"][name] = got["task_seconds"][name]
+            details["forward_passes"][name] = got["forward_passes"][name]
+            if log_samples:
+                samples[name] = _builtin_samples(name, data_dir, limit, scores[name],
+                                                 got["predictions"][name])
+    rep["seconds"] = round(time.perf_counter() - t0, 3)
+    rep["details"] = details
+    if log_samples:
+        rep["samples"] = samples
+    return rep
+
+
+def _builtin_samples(name: str, data_dir: str | None, limit: int | None,
+                     scores: list[list[float]], preds: list[int]) -> list[dict[str, Any]]:
+    """lm-eval-style per-document records of a built-in task (``doc`` is omitted: the row is the
+    JSONL line ``doc_id + 1`` of the task's file)."""
+    import numpy as np
+
+    out = []
+    for i, (ex, lls, pred) in enumerate(zip(load_examples(name, data_dir, limit), scores, preds,
+                                            strict=True)):
+        norm = int(np.argmax(np.asarray(lls) / np.asarray(ex.norm_lengths)))
+        rec: dict[str, Any] = {
+            "doc_id": i, "target": ex.target,
+            "arguments": [[c, k] for c, k in zip(ex.contexts, ex.continuations, strict=True)],
+            "resps": [[[ll, False]] for ll in lls], "filtered_resps": [[ll, False] for ll in lls],
+            "filter": "none", "metrics": list(get_task(name).metrics),
+            "acc": float(pred == ex.target)}
+        if "acc_norm" in rec["metrics"]:
+            rec["acc_norm"] = float(norm == ex.target)
+        out.append(rec)
+    return out
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The built-in tasks' table, then lm-eval's own table for its tasks (and groups)."""
+    builtin = {k: v for k, v in rep["results"].items() if k in rep["details"]["task_seconds"]}
+    parts = [format_table({"results": builtin})] if builtin else []
+    if "lm_eval" in rep["details"]:
+        from lm_eval.utils import make_table
+
+        lm = {k: {kk: vv for kk, vv in v.items() if "," in kk or kk == "alias"}
+              for k, v in rep["results"].items() if k not in builtin}
+        sub = {"results": lm, "versions": rep["versions"], "n-shot": rep["n-shot"],
+               "higher_is_better": rep["higher_is_better"]}
+        parts.append(make_table(sub))
+        if rep.get("groups"):
+            parts.append(make_table({**sub, "groups": rep["groups"]}, "groups"))
+    return "\n".join(parts)
