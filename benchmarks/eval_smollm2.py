@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
 
-    from headbudget.evaluation.loading import load_model_and_tokenizer
     from headbudget.evaluation.perplexity import perplexity
     from headbudget.evaluation.zeroshot import evaluate_tasks, format_table
+    from headbudget.loading import load_model_and_tokenizer
 
     gguf = args.gguf or fetch_gguf(args.cache)
     t0 = time.perf_counter()

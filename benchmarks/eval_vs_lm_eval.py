@@ -75,10 +75,10 @@ def tiny_gpt2(directory: Path) -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.evaluation.loading import gpt2_tokenizer_from_files
+    from headbudget.data.tokenizers import gpt2_hf_tokenizer
 
     torch.manual_seed(0)
-    tok = gpt2_tokenizer_from_files(SHARED / "tokenizers" / "gpt2")
+    tok = gpt2_hf_tokenizer(SHARED / "tokenizers" / "gpt2")
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=512)).save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
@@ -120,8 +120,8 @@ def run_lm_eval(model_path: str, gguf_file: str | None, data_dir: Path, tasks: l
 
 def run_ours(model_path: str, gguf_file: str | None, data_dir: Path, tasks: list[str], limit: int,
              batch_size: int, strategy: str) -> dict:
-    from headbudget.evaluation.loading import load_model_and_tokenizer
     from headbudget.evaluation.zeroshot import evaluate_tasks
+    from headbudget.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(model_path, gguf_file=gguf_file)
     scores: dict = {}

@@ -20,9 +20,9 @@ import torch
 
 
 def _load(path: str, num_labels: int) -> Any:
-    from headbudget.pruning.finetune import load_classifier
+    from headbudget.loading import load_model
 
-    return load_classifier(path, num_labels).eval()
+    return load_model(path, "classifier", num_labels=num_labels)
 
 
 @torch.no_grad()

@@ -10,6 +10,12 @@ import pytest
 import torch
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cahp"
+
+
+def load_classifier(path, num_labels):
+    from headbudget.loading import load_model
+
+    return load_model(path, "classifier", num_labels=num_labels)
 DATA = FIX / "sst5"
 
 
@@ -49,7 +55,7 @@ def tiny_bert(tmp_path_factory):
 
 
 def _job(model, out, **kw):
-    from headbudget.cli.prune_cmd import PruneJob
+    from headbudget.pruning.pipeline import PruneJob
 
     base = dict(model=str(model), task="sst5", data_dir=str(DATA), out=str(out), pool_size=8, batch_size=16,
                 finetune_epochs=0, progress=False, lr=1e-3)
@@ -61,7 +67,6 @@ def test_signatures_from_model_ignore_padding(tiny_bert):
     """A batch padded to a longer length gives the same signature as unpadded inputs."""
     from headbudget.pruning.adapters import get_adapter
     from headbudget.pruning.cahp import model_signatures
-    from headbudget.pruning.finetune import load_classifier
 
     model = load_classifier(tiny_bert, 5).eval()
     ad = get_adapter(model)
@@ -78,7 +83,6 @@ def test_signatures_from_model_ignore_padding(tiny_bert):
 
 def test_prune_cahp_cli_end_to_end(tiny_bert, tmp_path):
     from headbudget.cli.main import main
-    from headbudget.pruning.finetune import load_classifier
 
     out = tmp_path / "cahp"
     rc = main(["prune", str(tiny_bert), "--task", "sst5", "--data-dir", str(DATA), "--method", "cahp",
@@ -86,8 +90,17 @@ def test_prune_cahp_cli_end_to_end(tiny_bert, tmp_path):
                "--no-progress", "--out", str(out)])
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
-    assert list(rep) == ["method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds"]
+    assert list(rep) == ["method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds", "cost"]
     assert rep["method"] == "cahp" and rep["heads_total"] == 8
+    # size before/after, from the shapes: a removed BERT head (hidden 32, head dim 8) takes q/k/v rows with
+    # biases (3 * (8*32 + 8)) and 8 o_proj columns (8*32) = 1048 parameters, and 2 * 1024 linear FLOPs plus
+    # 2 * 64 * (8 + 8) score/value FLOPs at the 64-position context
+    removed = 8 - rep["heads_kept"]
+    dense_params = sum(p.numel() for p in load_classifier(tiny_bert, 5).parameters())
+    assert rep["cost"]["params"] == {"before": dense_params, "after": dense_params - 1048 * removed}
+    fl = rep["cost"]["flops_per_token"]
+    assert rep["cost"]["context"] == 64 and fl["before"] - fl["after"] == (2048 + 2 * 64 * 16) * removed
+    assert "## Size" in (out / "report.md").read_text()
     assert [k for k, _ in rep["mss"]] == list(range(2, 8))
     assert set(rep["metric"]) == {"dense", "pruned", "finetuned"}
     assert all(isinstance(v, float) for v in rep["metric"].values())
@@ -107,10 +120,10 @@ def test_prune_cahp_cli_end_to_end(tiny_bert, tmp_path):
 
 def test_cahp_forced_keep_and_removed_equals_gated(tiny_bert, tmp_path):
     """--keep gives exactly that many heads and the pruned model's dev accuracy equals the gated dense one."""
-    from headbudget.cli.prune_cmd import run_prune
     from headbudget.pruning.adapters import get_adapter
-    from headbudget.pruning.finetune import evaluate_accuracy, load_classifier, predict
+    from headbudget.pruning.finetune import evaluate_accuracy, predict
     from headbudget.pruning.importance import gate_mask
+    from headbudget.pruning.pipeline import run_prune
     from headbudget.pruning.tasks import load_task
 
     res = run_prune(_job(tiny_bert, tmp_path / "k5", keep=5))
@@ -130,7 +143,7 @@ def test_cahp_forced_keep_and_removed_equals_gated(tiny_bert, tmp_path):
 
 @pytest.mark.parametrize("method", ["michel", "fisher", "magnitude", "random"])
 def test_baselines_forced_head_count(tiny_bert, tmp_path, method):
-    from headbudget.cli.prune_cmd import run_prune
+    from headbudget.pruning.pipeline import run_prune
 
     rep = run_prune(_job(tiny_bert, tmp_path / method, method=method, keep=6, save_model=False,
                          limit_train=32))["report"]
@@ -144,7 +157,7 @@ def test_baseline_without_head_count_is_a_one_line_error(tiny_bert, tmp_path, ca
     rc = main(["prune", str(tiny_bert), "--task", "sst5", "--data-dir", str(DATA), "--method", "fisher",
                "--out", str(tmp_path / "x")])
     assert rc == 2
-    assert "--method fisher needs --keep N or --keep-ratio r" in capsys.readouterr().err
+    assert "method fisher needs a head count (keep or keep_ratio)" in capsys.readouterr().err
     rc = main(["prune", str(tiny_bert), "--task", "sst5", "--data-dir", str(DATA), "--keep", "9",
                "--out", str(tmp_path / "x")])
     assert rc == 2
@@ -152,7 +165,7 @@ def test_baseline_without_head_count_is_a_one_line_error(tiny_bert, tmp_path, ca
 
 
 def test_reproducible_with_seed(tiny_bert, tmp_path):
-    from headbudget.cli.prune_cmd import run_prune
+    from headbudget.pruning.pipeline import run_prune
 
     a = run_prune(_job(tiny_bert, tmp_path / "a", save_model=False, seed=3, limit_train=40))
     b = run_prune(_job(tiny_bert, tmp_path / "b", save_model=False, seed=3, limit_train=40))
@@ -166,9 +179,8 @@ def test_reproducible_with_seed(tiny_bert, tmp_path):
 
 
 def test_gpt2_decoder_family_pipeline(tmp_path):
-    from headbudget.cli.prune_cmd import run_prune
     from headbudget.pruning.adapters import get_adapter
-    from headbudget.pruning.finetune import load_classifier
+    from headbudget.pruning.pipeline import run_prune
 
     model_dir = _save_tiny(tmp_path, "gpt2")
     rep = run_prune(_job(model_dir, tmp_path / "g", keep=4, finetune_epochs=1))["report"]
@@ -179,7 +191,7 @@ def test_gpt2_decoder_family_pipeline(tmp_path):
 
 
 def test_prune_compare_same_head_count(tiny_bert, tmp_path):
-    from headbudget.cli.prune_cmd import parse_methods, run_compare
+    from headbudget.pruning.pipeline import parse_methods, run_compare
 
     assert parse_methods("cahp@2, michel") == [("cahp-d2", "cahp", 2), ("michel", "michel", None)]
     with pytest.raises(ValueError, match="unknown method 'foo'"):
@@ -214,7 +226,7 @@ def test_label_free_lm_mode_on_tiny_gpt2():
 
 
 def test_accuracy_curve_knee(tiny_bert, tmp_path):
-    from headbudget.cli.prune_cmd import run_prune
+    from headbudget.pruning.pipeline import run_prune
 
     res = run_prune(_job(tiny_bert, tmp_path / "acc", curve="accuracy", curve_step=2, save_model=False))
     curve = res["details"]["accuracy_curve"]

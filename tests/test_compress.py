@@ -210,13 +210,24 @@ def test_compress_cli(tmp_path, capsys):
     assert all(r["ppl"] == pytest.approx(sweep["baseline_ppl"], rel=1e-4) for r in full)
     back = HeadBudgetForCausalLM.from_pretrained(out / "model")
     assert back.config.head_schedule[3].qk_head_dim == 8
-    assert (out / "model" / "tokenizer").is_dir()
+    # the source's (legacy model/tokenizer/) tokenizer is saved at the compressed model's root
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out / "model")("Hi", add_special_tokens=False)["input_ids"] == [72, 105]
+    # size before/after: real parameter counts, FLOPs from the schedule (headbudget.accounting)
+    from headbudget.accounting import flops_per_token
+
+    assert report["params_before"] == sum(p.numel() for p in m.parameters())
+    assert report["params_after"] == sum(p.numel() for p in back.parameters()) < report["params_before"]
+    for model, key in ((m, "flops_per_token_before"), (back, "flops_per_token_after")):
+        assert report[key] == flops_per_token(model.config.head_schedule, 257, model.config.n_positions)["total"]
+    assert report["flops_per_token_after"] < report["flops_per_token_before"]
     assert "perplexity" in capsys.readouterr().out
     # user errors: exit 2 with a one-line message
     assert main(["compress", str(tmp_path / "model"), "--keep", "1.5", "--out", str(out)]) == 2
     assert main(["compress", str(tmp_path / "nope"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "--keep must be in (0, 1]" in err and "no config.json" in err
+    assert "--keep must be in (0, 1]" in err and "nope: no such model file or folder" in err
 
 
 def test_compress_cli_on_hf_gpt2_directory(tmp_path):

@@ -90,14 +90,81 @@ def test_perplexity_and_attention_commands(model_dir, tmp_path, capsys):
 
 
 def test_tokenizer_saved_by_training_is_found_with_the_same_ids(tmp_path):
+    """An older checkpoint keeps its tokenizer in model/tokenizer/ (the legacy place): still found, same ids."""
     from headbudget.data.tokenizers import make_tokenizer
-    from headbudget.evaluation.loading import load_tokenizer
+    from headbudget.loading import load_tokenizer
 
     text = "the dogs that the cat chases run . = end marco = " * 20
     bpe = make_tokenizer("bpe:300", [text])
     model_dir = tmp_path / "run" / "model"
     bpe.save(model_dir / "tokenizer")
-    hf = load_tokenizer(model_dir)
+    hf = load_tokenizer(model_dir=model_dir)
     sample = "the cat chases the dogs . = end marco ="
     assert hf.encode(sample, add_special_tokens=False) == bpe.encode(sample)
     assert hf.eos_token_id == bpe.eos_id
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory) -> Path:
+    """A `headbudget train`-style run folder: a headbudget model trained with the default byte tokenizer,
+    the tokenizer saved at the model folder's root."""
+    import torch
+
+    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.schedules import prism
+
+    run = tmp_path_factory.mktemp("byte") / "run"
+    torch.manual_seed(0)
+    HeadBudgetForCausalLM(HeadBudgetConfig(schedule=prism(2, 32, 16, 8), vocab_size=320,
+                                           n_positions=64)).save_pretrained(run / "model")
+    ByteTokenizer().save(run / "model")
+    return run
+
+
+def test_eval_perplexity_attention_take_a_byte_tokenizer_run_folder(byte_run, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 4)
+    js = tmp_path / "p.json"
+    assert main(["perplexity", str(byte_run), "--data", str(text), "--context", "64", "--stride", "32",
+                 "--json", str(js), "--quiet"]) == 0, capsys.readouterr().err
+    p = json.loads(js.read_text())
+    assert p["tokens_total"] == len(text.read_bytes())  # one token per byte: the byte tokenizer's ids
+    assert main(["eval", str(byte_run), "--tasks", "piqa", "--data-dir", str(FIXTURES), "--limit", "2",
+                 "--quiet"]) == 0, capsys.readouterr().err
+    assert main(["attention", str(byte_run), "--data", str(text), "--out", str(tmp_path / "a"),
+                 "--seq-len", "16", "--n-seqs", "1"]) == 0, capsys.readouterr().err
+
+
+def _one_error_line(err: str, command: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith(f"headbudget {command}: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_a_one_line_error(byte_run, tmp_path, capsys):
+    """A 1000-token tokenizer on a 320-row model: named before any id can index past the embedding."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({f"w{i}": i for i in range(999)} | {"[UNK]": 999}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="[UNK]").save_pretrained(tmp_path / "tk")
+    text = tmp_path / "t.txt"
+    text.write_text("w1 w998 " * 20)
+    rc = main(["perplexity", str(byte_run), "--data", str(text), "--tokenizer", str(tmp_path / "tk"), "--quiet"])
+    assert rc == 2
+    line = _one_error_line(capsys.readouterr().err, "perplexity")
+    assert "the tokenizer has 1000 tokens but the model's vocabulary has 320" in line
+
+
+def test_classifier_given_to_perplexity_is_a_one_line_error(tmp_path, capsys):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=32)).save_pretrained(tmp_path / "b")
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 20)
+    assert main(["perplexity", str(tmp_path / "b"), "--data", str(text), "--tokenizer", "byte", "--quiet"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "perplexity")
+    assert "BertForSequenceClassification is a sequence classifier, not a causal language model" in line

@@ -12,20 +12,26 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizer
 
+from headbudget.loading import load_model, load_tokenizer, resolve_model
 from headbudget.pruning.adapters import get_adapter
 from headbudget.pruning.finetune import (
     evaluate_accuracy,
     finetune,
-    load_classifier,
-    load_tokenizer,
     predict,
-    resolve_model_dir,
     run_finetune,
     save_classifier,
 )
 from headbudget.pruning.tasks import Example
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
+
+
+def load_classifier(path, num_labels, label_names=None, seed=0):
+    return load_model(path, "classifier", num_labels=num_labels, label_names=label_names, seed=seed)
+
+
+def resolve_model_dir(path):
+    return resolve_model(path).where
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -98,11 +104,11 @@ def test_resolve_and_load_from_nested_folder_and_wheel(encoder_dir: Path, tmp_pa
         for f in inner.iterdir():
             zf.write(f, f"tiny_model/model/{f.name}")
     assert resolve_model_dir(whl) == tmp_path / "tiny_model-0.1.0-py3-none-any" / "tiny_model" / "model"
-    assert load_tokenizer(whl).convert_tokens_to_ids("good") == 10
-    with pytest.raises(FileNotFoundError, match="no such model directory"):
+    assert load_tokenizer(model_dir=whl).convert_tokens_to_ids("good") == 10
+    with pytest.raises(FileNotFoundError, match="no such model file or folder"):
         resolve_model_dir(tmp_path / "missing" / "dir")
     (tmp_path / "empty" / "a" / "b").mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match="no config.json in it or in its sub-folders"):
+    with pytest.raises(FileNotFoundError, match="no model in it"):
         resolve_model_dir(tmp_path / "empty")
 
 
@@ -197,7 +203,7 @@ def test_run_finetune_end_to_end(encoder_dir: Path, tmp_path: Path) -> None:
 
     data = load_task("sst5", FIX / "sst5")
     model = load_classifier(out, num_labels=5)
-    tok = load_tokenizer(out)
+    tok = load_tokenizer(model_dir=out)
     for split in ("dev", "test"):
         assert evaluate_accuracy(model, tok, data.splits[split]) == saved["final"][split]
     assert model.config.id2label[0] == "very negative"

@@ -57,12 +57,12 @@ def test_finetune_bad_flags(tiny, tmp_path, capsys, extra, message):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--keep", "2", "--keep-ratio", "0.5"], "give --keep or --keep-ratio, not both"),
-        (["--keep-ratio", "1.5"], "--keep-ratio must be in (0, 1), got 1.5"),
-        (["--pool-size", "1"], "--pool-size must be >= 2, got 1"),
-        (["--limit-train", "0"], "--limit-train must be >= 1, got 0"),
+        (["--keep", "2", "--keep-ratio", "0.5"], "give a head count (keep) or a ratio (keep_ratio), not both"),
+        (["--keep-ratio", "1.5"], "keep_ratio must be in (0, 1), got 1.5"),
+        (["--pool-size", "1"], "pool_size must be >= 2, got 1"),
+        (["--limit-train", "0"], "limit_train must be >= 1, got 0"),
         (["--keep", "4"], "cannot keep 4 heads: this model has 4 heads in 2 layers"),
-        (["--method", "random"], "--method random needs --keep N or --keep-ratio r"),
+        (["--method", "random"], "method random needs a head count (keep or keep_ratio)"),
     ],
 )
 def test_prune_bad_flags_one_line_errors(tiny, tmp_path, capsys, extra, message):

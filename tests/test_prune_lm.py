@@ -35,10 +35,11 @@ def run_dir(tmp_path_factory):
 
 
 def test_prune_lm_cahp_cli_end_to_end(run_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from headbudget.cli.main import main
-    from headbudget.data.tokenizers import ByteTokenizer
     from headbudget.models import HeadBudgetForCausalLM
-    from headbudget.pruning.lm import lm_data, lm_perplexity, resolve_lm_tokenizer
+    from headbudget.pruning.lm import lm_data, lm_perplexity
     from headbudget.pruning.report import METRIC_KEYS, REPORT_KEYS
 
     out = tmp_path / "cahp"
@@ -58,14 +59,14 @@ def test_prune_lm_cahp_cli_end_to_end(run_dir, tmp_path, capsys):
     assert details["metric_name"] == "perplexity" and details["calib_windows"] == 8
     assert "Perplexity (lower is better)" in (out / "report.md").read_text()
 
-    # the saved model reloads with the pruned head counts and reproduces the reported perplexity
-    model = HeadBudgetForCausalLM.from_pretrained(out / "model").eval()
-    assert [model.transformer.h[i].attn.n_heads for i in range(3)] == [len(rep["kept"][str(i)]) for i in range(3)]
+    # the saved model is a plain headbudget checkpoint (no sidecar) with its tokenizer at the root; it
+    # reloads with the pruned head counts and reproduces the reported perplexity
+    assert not (out / "model" / "kept_heads.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    assert isinstance(model, HeadBudgetForCausalLM)
     assert list(model.config.head_schedule.heads) == [len(rep["kept"][str(i)]) for i in range(3)]
-    kept_file = json.loads((out / "model" / "kept_heads.json").read_text())
-    assert kept_file["kept"] == rep["kept"]
-    tok, where = resolve_lm_tokenizer(out / "model")
-    assert isinstance(tok, ByteTokenizer) and where.endswith("tokenizer")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert tok("Hi", add_special_tokens=False)["input_ids"] == [72, 105]  # the byte tokenizer's ids
     data = lm_data(tok, TEXT, context=32, calib_windows=8, vocab_size=257)
     ppl = lm_perplexity(model, data)["ppl"]
     assert ppl == pytest.approx(rep["metric"]["pruned"], rel=1e-4)
@@ -87,15 +88,15 @@ def test_prune_lm_baseline_with_tokenizer_flag_and_finetuning(tmp_path, capsys):
     assert rep["heads_kept"] == 5 and rep["knee_k"] is None
     m = rep["metric"]
     assert m["finetuned"] is not None and m["finetuned"] < m["pruned"]
-    assert (out / "model" / "tokenizer" / "tokenizer_spec.json").is_file()
+    assert (out / "model" / "tokenizer.json").is_file()  # the --tokenizer given is saved with the model
 
 
 def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
-    """prune-compare with --task lm on a Hugging Face GPT-2: every method keeps CAHP's head count."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """prune-compare with --task lm on a Hugging Face GPT-2: every method keeps the same head count, and
+    the pruned GPT-2 is saved as a headbudget checkpoint whose schedule is what was kept."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from headbudget.cli.prune_cmd import PruneJob, run_compare
-    from headbudget.pruning.adapters import load_pruned
+    from headbudget.pruning.pipeline import PruneJob, run_compare
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=257, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(
@@ -106,17 +107,24 @@ def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
     summary = run_compare(job, "cahp,random")
     assert summary["metric_name"] == "perplexity"
     assert [r["heads_kept"] for r in summary["rows"]] == [4, 4]
-    model = load_pruned(tmp_path / "cmp" / "random" / "model")
-    assert sum(m.attn.num_heads for m in model.transformer.h) == 4
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "cmp" / "random" / "model")
+    assert model.config.model_type == "headbudget"
+    kept = summary["rows"][1]["kept"]
+    assert list(model.config.head_schedule.heads) == [len(kept["0"]), len(kept["1"])] and sum(
+        model.config.head_schedule.heads) == 4
+    cost = summary["rows"][1]["cost"]
+    # 4 of 8 GPT-2 heads (d 32, head dim 8) removed: 4 x (q/k/v rows with bias 3*(8*32+8) + 8*32 o columns)
+    assert cost["params"]["before"] - cost["params"]["after"] == 4 * 1048
+    assert cost["params"]["after"] == sum(p.numel() for p in model.parameters())
     assert "lower is better" in (tmp_path / "cmp" / "compare.md").read_text()
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ([], "--task lm needs --data TEXT_FILE"),
-        (["--data", str(TEXT), "--curve", "accuracy"], "--curve accuracy is for classification tasks"),
-        (["--data", str(TEXT), "--context", "999"], "--context 999 exceeds the model's 64 positions"),
+        ([], "task lm needs a text file (data)"),
+        (["--data", str(TEXT), "--curve", "accuracy"], "the accuracy curve is for classification tasks"),
+        (["--data", str(TEXT), "--context", "999"], "context 999 exceeds the model's 64 positions"),
     ],
 )
 def test_prune_lm_one_line_errors(run_dir, tmp_path, capsys, extra, message):
@@ -136,4 +144,4 @@ def test_prune_lm_model_without_tokenizer_needs_flag(tmp_path, capsys):
     rc = main(["prune", str(bare), "--task", "lm", "--data", str(TEXT), "--keep", "5", "--out", str(tmp_path / "o"),
                "--no-progress"])
     assert rc == 2
-    assert "the model folder has no tokenizer; give --tokenizer" in capsys.readouterr().err
+    assert f"{bare}: no tokenizer found" in capsys.readouterr().err

@@ -126,7 +126,7 @@ def test_final_model_loads_with_automodel_and_reproduces_logits(tmp_path):
     x = torch.randint(0, 257, (2, 16))
     assert torch.equal(loaded(x).logits, trainer.model(x).logits)
     assert loaded.config.head_schedule.heads == (2, 4, 8)
-    assert (result.model_dir / "tokenizer" / "tokenizer_spec.json").is_file()
+    assert (result.model_dir / "tokenizer_spec.json").is_file() and (result.model_dir / "tokenizer.json").is_file()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_val_loss"] == result.final_val_loss and summary["params"] == result.params
     rec = _metrics(tmp_path / "run")[-1]

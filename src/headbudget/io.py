@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,28 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, data: Any, indent: int = 2) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
+    """Fill a folder through ``write(tmp)`` in a temporary sibling, then move it to ``path`` (replacing it).
+
+    >>> atomic_write_dir("/tmp/headbudget-io-model", lambda d: (d / "config.json").write_text("{}"))
+    PosixPath('/tmp/headbudget-io-model')
+    """
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        write(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
 
 
 def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -437,13 +437,24 @@ def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> 
     """Build a schedule from its command-line name for a preset.
 
     ``spec`` is a registered kind (``uniform``, ``prism``, ``reverse``, ``linear``, ...),
-    ``uniform@HEAD_DIM`` (a uniform control at a given head width), or a comma list of head counts.
+    ``uniform@HEAD_DIM`` (a uniform control at a given head width), a comma list of head counts,
+    ``from:DIR`` (the layout of a saved headbudget model, e.g. a pruned one) or ``from:DIR:neutral``
+    (that head profile re-widened to the dense model's attention budget, see :func:`schedule_from_model`).
 
     >>> schedule_from_spec("uniform@128", "cpu-small").heads
     (2, 2, 2, 2, 2, 2)
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     spec = spec.strip()
+    if spec.startswith("from:"):
+        path, _, mode = spec[len("from:"):].partition(":")
+        if mode not in ("", "neutral"):
+            raise ScheduleError(f"bad schedule {spec!r}: expected from:DIR or from:DIR:neutral")
+        sched = schedule_from_model(path, neutral=mode == "neutral")
+        if sched.d_model != p.d_model or sched.n_layers != p.n_layers:
+            raise ScheduleError(f"{path}: its schedule is {sched.n_layers} layers x d_model {sched.d_model}, "
+                                f"preset {p.name} is {p.n_layers} x {p.d_model}")
+        return sched
     # Budgeted kinds (uniform_shrink, late_dim_decay, ...) live in headbudget.budget, which registers
     # them on import; ``KIND:FRACTION[:OPT=VAL]`` is their spec form.
     import headbudget.budget as budget
@@ -472,3 +483,45 @@ def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> 
         raise ScheduleError(f"schedule has {sched.n_layers} layers but preset {p.name} has {p.n_layers}")
     return sched
 
+
+
+def schedule_from_model(directory: str, neutral: bool = False) -> HeadSchedule:
+    """The schedule a saved headbudget model has (heads kept per layer, kv groups, widths).
+
+    ``neutral=True`` keeps every layer's head and kv-head counts but re-widens the heads, with one
+    head_dim for all layers as far as the multiple allows, so the attention budget D = sum(heads x
+    head_dim) equals the dense model's again (recorded at the first pruning as ``dense_budget``;
+    else layers x d_model).  For multi-head attention that makes the parameters equal the dense model's.
+
+        >>> schedule_from_model("runs/pruned/model").heads          # doctest: +SKIP
+        (2, 3, 3, 5, 6, 6)
+    """
+    from pathlib import Path
+
+    cfg_path = Path(directory) / "config.json"
+    if not cfg_path.is_file() and (Path(directory) / "model" / "config.json").is_file():
+        cfg_path = Path(directory) / "model" / "config.json"  # a run folder
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ScheduleError(f"{directory}: no config.json (from:DIR needs a saved headbudget model)") from None
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"{cfg_path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    if "schedule" not in raw:
+        raise ScheduleError(f"{cfg_path}: model_type {raw.get('model_type')!r} has no headbudget schedule "
+                            "(convert and save it with headbudget first, e.g. headbudget prune)")
+    sched = HeadSchedule.from_dict(dict(raw["schedule"], head_dim_multiple=1, neutral=False))
+    dense = int(raw["schedule"].get("dense_budget", sched.n_layers * sched.d_model))
+    if not neutral:
+        return replace(sched, name=f"from:{directory}")
+    from headbudget.budget import fit_integer_total
+
+    multiple = int(raw["schedule"].get("head_dim_multiple", 8))
+    heads = [s.n_heads for s in sched.layers]
+    unit = dense / (sum(heads) * multiple)  # one shared head_dim, in units of the multiple
+    units = fit_integer_total([unit] * len(heads), [1] * len(heads), [10 ** 6] * len(heads),
+                              [h * multiple for h in heads], dense)
+    layers = [LayerSpec(s.n_heads, u * multiple, s.n_kv_heads, kv_groups=s.kv_groups)
+              for s, u in zip(sched.layers, units)]
+    return HeadSchedule(sched.d_model, tuple(layers), neutral=False, head_dim_multiple=multiple,
+                        name=f"from:{directory}:neutral")

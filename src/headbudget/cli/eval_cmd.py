@@ -33,16 +33,16 @@ def _clean_nan(obj: Any) -> Any:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="headbudget checkpoint dir, HF model dir or hub name")
-    p.add_argument("--tokenizer", help="tokenizer dir / hub name, or a dir with GPT-2's encoder.json "
-                   "+ vocab.bpe (default: the model's own)")
-    p.add_argument("--gguf-file", help="GGUF file name inside MODEL (a directory)")
+    p.add_argument("model", help="model folder, `headbudget train` run folder, GGUF file or hub name")
+    p.add_argument("--tokenizer", help="tokenizer folder, byte, gpt2[:DIR], hf:NAME or hub name "
+                   "(default: the model's own, see headbudget.loading)")
+    p.add_argument("--gguf-file", help="GGUF file name inside MODEL (a folder with several)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     add_threads_flag(p)  # applied by cli.main (headbudget.threads), the same on every command
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    from headbudget.evaluation.loading import load_model_and_tokenizer
+    from headbudget.loading import load_model_and_tokenizer
 
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
@@ -102,7 +102,7 @@ def run_attention(args: argparse.Namespace) -> int:
         plot_distance_comparison,
         write_json,
     )
-    from headbudget.evaluation.loading import load_model_and_tokenizer
+    from headbudget.loading import load_model_and_tokenizer
     from headbudget.evaluation.perplexity import read_text
 
     text = read_text(args.data)

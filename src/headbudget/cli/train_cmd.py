@@ -52,6 +52,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from headbudget.train.trainer import Trainer, TrainingDivergedError
 
     cfg = _load(args)
+    if args.init:  # continue a saved model; its tokenizer unless data.tokenizer is set explicitly
+        explicit_tok = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in args.overrides)
+        cfg = cfg.replace(model={"init": args.init}, **({} if explicit_tok else {"data": {"tokenizer": "model"}}))
     if args.schedule:
         cfg = cfg.replace(model={"schedule": args.schedule})
     if args.seed is not None:
@@ -67,7 +70,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 3
     if _is_main():
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
-        print(f"trained {cfg.model.schedule} ({result.params:,} params) for {result.steps} steps in "
+        what = f"from {cfg.model.init}" if cfg.model.init else cfg.model.schedule
+        print(f"trained {what} ({result.params:,} params) for {result.steps} steps in "
               f"{time.perf_counter() - t0:.1f}s: val loss {val}, {result.tokens_per_s:,.0f} tokens/s, "
               f"peak {result.peak_memory_mb:,.0f} MB")
         print(f"model: {result.model_dir}   metrics: {out / 'metrics.jsonl'}")
@@ -123,6 +127,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="run directory (default: config 'out' or runs/NAME-SCHEDULE-sSEED)")
     p.add_argument("--seed", type=int, help="override the config's seed")
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
+    p.add_argument("--init", metavar="DIR",
+                   help="start from a saved model (pruned/compressed ones too): its layout, weights and tokenizer; "
+                        "fresh optimizer; data and training settings from CONFIG")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",

@@ -17,9 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,7 @@ from torch import nn
 from headbudget.compression.allocation import ALLOCATIONS, allocate, divisors
 from headbudget.compression.grouping import adjacent_groups, check_groups, group_heads
 from headbudget.compression.svd import CompressionError, rotary_reason, svd_compress
-from headbudget.io import atomic_write_json
+from headbudget.io import atomic_write_dir, atomic_write_json
 
 METHODS = ("svd", "group")
 
@@ -41,7 +38,7 @@ def attention_parameters(model: nn.Module) -> list[int]:
     out = []
     for block in model.transformer.h:
         a = block.attn
-        out.append(sum(p.numel() for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj) for p in lin.parameters()))
+        out.append(sum(p.numel() for lin in (a.qkv_proj, a.o_proj) for p in lin.parameters()))
     return out
 
 
@@ -59,10 +56,10 @@ def layer_table(model: nn.Module) -> list[dict[str, int]]:
 # ---------------------------------------------------------------------- compression
 def _require_headbudget(model: nn.Module) -> None:
     if not hasattr(model, "transformer") or not hasattr(model.transformer, "h") or \
-            not all(hasattr(b.attn, "q_proj") for b in model.transformer.h):
+            not all(hasattr(b.attn, "qkv_proj") for b in model.transformer.h):
         raise CompressionError(
-            f"{type(model).__name__} is not a headbudget model; convert GPT-2 with "
-            "headbudget.models.gpt2_compat.from_gpt2 (other architectures are not supported)"
+            f"{type(model).__name__} is not a headbudget model; open it with "
+            "headbudget.loading.load_model(path, as_headbudget=True)"
         )
 
 
@@ -87,16 +84,16 @@ def compress_model(
     """
     _require_headbudget(model)
     if method not in METHODS:
-        raise CompressionError(f"unknown --method {method!r}; choose from {', '.join(METHODS)}")
+        raise CompressionError(f"unknown compression method {method!r}; choose from {', '.join(METHODS)}")
     if allocation not in ALLOCATIONS:
-        raise CompressionError(f"unknown --allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+        raise CompressionError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
     blocks = model.transformer.h
     heads = [b.attn.n_heads for b in blocks]
     info: dict[str, Any] = {"method": method, "keep": keep, "allocation": allocation, "strength": strength}
     if method == "svd":
         reason = rotary_reason(model)
         if reason:
-            raise CompressionError(f"--method svd refused: {reason}")
+            raise CompressionError(f"SVD compression refused: {reason}")
         full = [b.attn.qk_head_dim for b in blocks]
         ranks = allocate(full, keep, allocation, weights=heads, strength=strength)
         out = copy.deepcopy(model)
@@ -109,16 +106,16 @@ def compress_model(
         return out, info
     # grouping
     if any(b.attn.n_kv_heads != b.attn.n_heads for b in blocks):
-        raise CompressionError("--method group needs multi-head attention in every layer (the model is already grouped)")
+        raise CompressionError("K/V grouping needs multi-head attention in every layer (the model is already grouped)")
     if isinstance(groups, dict):
         bad = [k for k in groups if not 0 <= int(k) < len(blocks)]
         if bad:
-            raise CompressionError(f"--groups names layer {bad[0]}, but the model has {len(blocks)} layers")
+            raise CompressionError(f"the head groups name layer {bad[0]}, but the model has {len(blocks)} layers")
         explicit = [groups.get(i, groups.get(str(i))) for i in range(len(blocks))]
     else:
         explicit = list(groups) if groups is not None else [None] * len(blocks)
     if len(explicit) != len(blocks):
-        raise CompressionError(f"--groups has {len(explicit)} layers but the model has {len(blocks)}")
+        raise CompressionError(f"the head groups cover {len(explicit)} layers but the model has {len(blocks)}")
     for i, g in enumerate(explicit):
         if g is not None:
             check_groups(g, heads[i], i)
@@ -133,72 +130,17 @@ def compress_model(
     return out, info
 
 
-# ---------------------------------------------------------------------- loading and data
-def load_model(path: str | os.PathLike) -> tuple[nn.Module, str]:
-    """A headbudget model from a headbudget or Hugging Face GPT-2 directory; returns (model, kind)."""
-    p = Path(path)
-    cfg_file = p / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"MODEL {path}: no config.json (expected a saved headbudget or GPT-2 model directory)")
+# ---------------------------------------------------------------------- data
+def _source_family(src: Any) -> str:
+    """The source checkpoint's ``model_type`` (``headbudget``, ``gpt2``, ...; ``gguf`` for a GGUF file)."""
+    if src.gguf_file:
+        return "gguf"
+    if not src.is_local:
+        return str(src.where)
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{cfg_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-    model_type = cfg.get("model_type")
-    if model_type == "headbudget":
-        from headbudget.models import HeadBudgetForCausalLM
-
-        return HeadBudgetForCausalLM.from_pretrained(str(p)).eval(), "headbudget"
-    if model_type == "gpt2":
-        from transformers import GPT2LMHeadModel
-
-        from headbudget.models.gpt2_compat import from_gpt2
-
-        return from_gpt2(GPT2LMHeadModel.from_pretrained(str(p))).float().eval(), "gpt2"
-    from transformers import AutoConfig
-
-    reason = None
-    try:
-        reason = rotary_reason(type("M", (), {"config": AutoConfig.from_pretrained(str(p))})())
-    except Exception:  # noqa: BLE001 - unknown architectures: the generic message below suffices
-        pass
-    extra = f"; QK SVD would be refused anyway: {reason}" if reason else ""
-    raise CompressionError(f"MODEL {path}: model_type {model_type!r} is not supported "
-                           f"(headbudget and GPT-2 only){extra}")
-
-
-def load_text_tokenizer(model_dir: str | os.PathLike, tokenizer: str | None = None) -> Any:
-    """The tokenizer for perplexity: ``tokenizer`` (headbudget tokenizer dir or spec, HF dir, GPT-2 BPE
-    files) or else the model directory's ``tokenizer/`` (what training saves) or the directory itself."""
-    from headbudget.data import tokenizers as hbtok
-
-    def headbudget_dir(d: Path) -> bool:
-        return (d / hbtok.SPEC_FILE).is_file()
-
-    if tokenizer:
-        t = Path(tokenizer)
-        if t.is_dir() and headbudget_dir(t):
-            return hbtok.load_tokenizer(t)
-        if not t.exists() and tokenizer.split(":")[0] in ("byte", "gpt2"):
-            return hbtok.make_tokenizer(tokenizer)
-        from headbudget.evaluation.loading import load_tokenizer
-
-        return load_tokenizer(tokenizer)
-    m = Path(model_dir)
-    if headbudget_dir(m / "tokenizer"):
-        return hbtok.load_tokenizer(m / "tokenizer")
-    if headbudget_dir(m):
-        return hbtok.load_tokenizer(m)
-    from headbudget.evaluation.loading import load_tokenizer
-
-    return load_tokenizer(str(m))
-
-
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids without special tokens, for headbudget and Hugging Face tokenizers alike."""
-    if hasattr(tokenizer, "eos_id") and not hasattr(tokenizer, "convert_tokens_to_ids"):
-        return list(tokenizer.encode(text))
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return str(json.loads((Path(src.where) / "config.json").read_text()).get("model_type"))
+    except (OSError, ValueError):
+        return "unknown"
 
 
 def evaluate_perplexity(model: nn.Module, ids: torch.Tensor, context: int, stride: int,
@@ -211,23 +153,16 @@ def evaluate_perplexity(model: nn.Module, ids: torch.Tensor, context: int, strid
 
 
 # ---------------------------------------------------------------------- atomic outputs
-def save_model_atomic(model: nn.Module, out_dir: Path, tokenizer_src: Path | None = None) -> Path:
-    """``save_pretrained`` into a temporary sibling folder, then move it into place."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+def save_model_atomic(model: nn.Module, out_dir: Path, tokenizer: Any = None) -> Path:
+    """``save_pretrained`` of the model (and the tokenizer, at the folder root) in a temporary sibling
+    folder, then moved into place."""
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp))
-        if tokenizer_src is not None and tokenizer_src.is_dir():
-            shutil.copytree(tokenizer_src, tmp / "tokenizer")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
 
-
+    return atomic_write_dir(out_dir, write)
 
 
 def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
@@ -286,19 +221,30 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
                   groups: Sequence[Sequence[Sequence[int]] | None] | None, context: int, stride: int | None,
                   max_windows: int | None, max_tokens: int | None, strength: float, progress: bool
                   ) -> dict[str, Any]:
-    model, kind = load_model(model_path)
+    from headbudget.evaluation.cost import model_cost
+    from headbudget.loading import check_vocab, load_model, load_tokenizer, resolve_model
+
+    src = resolve_model(model_path)
+    model = load_model(model_path, as_headbudget=True).float()
+    kind = _source_family(src)
     out_dir = Path(out)
+    try:  # the compressed model carries the source's tokenizer; perplexity needs one
+        tok = load_tokenizer(tokenizer, model_dir=None if tokenizer else model_path)
+        check_vocab(model, tok, model_path)
+    except ValueError:
+        if data or tokenizer:
+            raise
+        tok = None
     ids = None
     if data:
         from headbudget.evaluation.perplexity import read_text
 
         text = read_text(data)
-        tok = load_text_tokenizer(model_path, tokenizer)
-        ids = torch.tensor(encode(tok, text), dtype=torch.long)
+        ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         if max_tokens:
             ids = ids[:max_tokens]
         if len(ids) < 2:
-            raise ValueError(f"--data {data}: fewer than 2 tokens")
+            raise ValueError(f"{data}: fewer than 2 tokens")
     stride = stride or max(1, context // 2)
 
     def ppl(m: nn.Module) -> dict[str, Any] | None:
@@ -309,21 +255,22 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
                                       progress=progress)
     after = ppl(compressed)
     p_before, p_after = attention_parameters(model), attention_parameters(compressed)
+    cost_before, cost_after = model_cost(model), model_cost(compressed)
     report: dict[str, Any] = {
         "model": str(model_path), "model_kind": kind, **info,
         "attention_params_before": sum(p_before), "attention_params_after": sum(p_after),
         "attention_params_ratio": sum(p_after) / sum(p_before),
-        "total_params_before": sum(p.numel() for p in model.parameters()),
-        "total_params_after": sum(p.numel() for p in compressed.parameters()),
         "layers_before": layer_table(model), "layers_after": layer_table(compressed),
+        "params_before": cost_before["params"], "params_after": cost_after["params"],
+        "flops_per_token_before": cost_before["flops_per_token"],
+        "flops_per_token_after": cost_after["flops_per_token"], "flops_context": cost_before["context"],
         "perplexity_before": before, "perplexity_after": after, "data": data,
         "schedule_after": compressed.config.schedule,
     }
-    tok_src = Path(model_path) / "tokenizer"
-    save_model_atomic(compressed, out_dir / "model", tok_src if tok_src.is_dir() else None)
+    save_model_atomic(compressed, out_dir / "model", tok)
     if sweep:
         if ids is None:
-            raise ValueError("--sweep needs --data (the sweep plots perplexity)")
+            raise ValueError("a sweep needs text data (it plots perplexity)")
         runs = []
         from tqdm.auto import tqdm
 
@@ -356,8 +303,10 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{b['qk_head_dim']:>3}->{a['qk_head_dim']:<3} {b['v_head_dim']:>3}->{a['v_head_dim']:<3} "
                      f"{b['attention_params']:>10,} -> {a['attention_params']:,}")
     lines.append(f"attention params {report['attention_params_before']:,} -> {report['attention_params_after']:,} "
-                 f"({report['attention_params_ratio']:.3f}); total {report['total_params_before']:,} -> "
-                 f"{report['total_params_after']:,}")
+                 f"({report['attention_params_ratio']:.3f}); total {report['params_before']:,} -> "
+                 f"{report['params_after']:,}; forward FLOPs/token (context {report['flops_context']}) "
+                 f"{report['flops_per_token_before']:,} -> {report['flops_per_token_after']:,} "
+                 f"({report['flops_per_token_after'] / report['flops_per_token_before']:.3f})")
     if report.get("perplexity_before"):
         pb, pa = report["perplexity_before"], report["perplexity_after"]
         lines.append(f"perplexity {pb['ppl']:.3f} -> {pa['ppl']:.3f} over {pb['tokens_scored']:,} tokens "

@@ -6,7 +6,7 @@
 
 from headbudget.data.prepare import PreparedData, prepare_data, token_dtype
 from headbudget.data.sources import read_source
-from headbudget.data.tokenizers import Tokenizer, load_tokenizer, make_tokenizer
+from headbudget.data.tokenizers import Tokenizer, make_tokenizer, read_tokenizer
 
-__all__ = ["PreparedData", "prepare_data", "token_dtype", "read_source", "Tokenizer", "load_tokenizer",
+__all__ = ["PreparedData", "prepare_data", "token_dtype", "read_source", "Tokenizer", "read_tokenizer",
            "make_tokenizer"]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from headbudget.data.sources import read_source, source_key
-from headbudget.data.tokenizers import Tokenizer, load_tokenizer, make_tokenizer
+from headbudget.data.tokenizers import Tokenizer, make_tokenizer, read_tokenizer
 
 PREP_VERSION = 1
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "headbudget", "data")
@@ -238,7 +238,7 @@ def prepare_data(
             for s in ("train", "val")
         )
         if ok:
-            return PreparedData(directory, meta, load_tokenizer(directory / "tokenizer"), reused=True)
+            return PreparedData(directory, meta, read_tokenizer(directory / "tokenizer"), reused=True)
 
     directory.mkdir(parents=True, exist_ok=True)
     if meta_path.exists():

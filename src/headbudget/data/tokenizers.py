@@ -1,12 +1,16 @@
 """Tokenizers by spec string: ``byte``, ``bpe:N``, ``gpt2[:DIR]``, ``hf:NAME_OR_PATH``.
 
-Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``
-and ``save(dir)``; :func:`load_tokenizer` reads a saved one back, so a run directory carries the exact
-tokenizer its model was trained with.
+Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``,
+``save(dir)`` and ``to_hf()``; :func:`read_tokenizer` reads a saved one back, so a run directory carries
+the exact tokenizer its model was trained with.  ``save`` also writes the tokenizer's Hugging Face form
+(``to_hf()``: a fast tokenizer with the same ids), so ``AutoTokenizer.from_pretrained(dir)`` opens it.
+Finding the tokenizer of a model folder is :func:`headbudget.loading.load_tokenizer`'s job.
 
     >>> tok = make_tokenizer("byte")
     >>> tok.decode(tok.encode("héllo")), tok.vocab_size, tok.eos_id
     ('héllo', 257, 256)
+    >>> tok.to_hf()("héllo", add_special_tokens=False)["input_ids"] == tok.encode("héllo")
+    True
 """
 
 from __future__ import annotations
@@ -23,10 +27,23 @@ from headbudget.io import atomic_write_text
 DEFAULT_GPT2_DIR = "../shared/data/tokenizers/gpt2"
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 SPEC_FILE = "tokenizer_spec.json"
+EOS_TOKEN = "<|endoftext|>"
 
 
 class TokenizerError(ValueError):
     """A bad tokenizer spec or missing tokenizer files (one-line message)."""
+
+
+def _fast(raw: Any, split_special_tokens: bool) -> Any:
+    """A ``PreTrainedTokenizerFast`` around a ``tokenizers.Tokenizer`` whose end-of-text is ``EOS_TOKEN``.
+
+    ``split_special_tokens`` says whether the literal text "<|endoftext|>" is plain text (the byte
+    tokenizer) or the end-of-text token (a trained BPE), as the headbudget tokenizer's ``encode`` does."""
+    from transformers import PreTrainedTokenizerFast
+
+    raw.add_special_tokens([EOS_TOKEN])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                   bos_token=EOS_TOKEN, unk_token=None, split_special_tokens=split_special_tokens)
 
 
 class Tokenizer:
@@ -46,11 +63,16 @@ class Tokenizer:
         raise NotImplementedError
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write what :func:`load_tokenizer` needs into ``directory``; returns the directory."""
+        """Write what :func:`read_tokenizer` needs, and the Hugging Face form, into ``directory``."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        self.to_hf().save_pretrained(str(d))
         atomic_write_text(d / SPEC_FILE, json.dumps(self._spec_dict(), indent=2))
         return d
+
+    def to_hf(self) -> Any:
+        """The Hugging Face fast tokenizer with the same ids (pad token = EOS)."""
+        raise NotImplementedError
 
     def _spec_dict(self) -> dict[str, Any]:
         return {"spec": self.spec, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
@@ -76,11 +98,25 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def to_hf(self) -> Any:
+        # A byte-level BPE without merges: every byte is its own token, id = byte value, so the ids
+        # equal encode()'s; GPT-2's byte -> printable-character map makes the vocabulary plain strings.
+        from tokenizers import Tokenizer as RawTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+        vocab[EOS_TOKEN] = self.eos_id
+        raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        raw.decoder = decoders.ByteLevel()
+        return _fast(raw, split_special_tokens=True)
+
 
 class BPETokenizer(Tokenizer):
     """A byte-level BPE trained with Hugging Face ``tokenizers`` (``bpe:N``)."""
 
-    EOS = "<|endoftext|>"
+    EOS = EOS_TOKEN
 
     def __init__(self, tokenizer: Any, spec: str) -> None:
         self.tk = tokenizer
@@ -111,11 +147,10 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.tk.decode(list(ids))
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        d = super().save(directory)
-        self.tk._tokenizer.save(str(d / ".tokenizer.json.tmp"))
-        os.replace(d / ".tokenizer.json.tmp", d / "tokenizer.json")
-        return d
+    def to_hf(self) -> Any:
+        from tokenizers import Tokenizer as RawTokenizer
+
+        return _fast(RawTokenizer.from_str(self.tk._tokenizer.to_str()), split_special_tokens=False)
 
     def fingerprint(self) -> str:
         import hashlib
@@ -160,6 +195,9 @@ class TiktokenGPT2(Tokenizer):
             shutil.copyfile(self.directory / name, d / name)
         return d
 
+    def to_hf(self) -> Any:
+        return gpt2_hf_tokenizer(self.directory)
+
     def fingerprint(self) -> str:
         return "gpt2"  # the GPT-2 BPE is fixed; its folder does not change the ids
 
@@ -190,10 +228,29 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self.tk.decode(list(ids))
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        d = super().save(directory)
-        self.tk.save_pretrained(str(d))
-        return d
+    def to_hf(self) -> Any:
+        return self.tk
+
+
+def gpt2_hf_tokenizer(directory: str | os.PathLike) -> Any:
+    """GPT-2's byte-level BPE as a ``GPT2TokenizerFast``, built offline from ``encoder.json`` + ``vocab.bpe``.
+
+    >>> gpt2_hf_tokenizer("../shared/data/tokenizers/gpt2")("hello world")["input_ids"]  # doctest: +SKIP
+    [31373, 995]
+    """
+    from transformers import GPT2TokenizerFast
+
+    d = Path(directory)
+    for f in (d / "encoder.json", d / "vocab.bpe"):
+        if not f.is_file():
+            raise TokenizerError(f"gpt2 tokenizer: {f} not found (a GPT-2 tokenizer folder holds encoder.json "
+                                 "and vocab.bpe)")
+    vocab = json.loads((d / "encoder.json").read_text(encoding="utf-8"))
+    lines = (d / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split()) for line in lines if line.strip() and not line.startswith("#version")]
+    tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
+    tok.pad_token = tok.eos_token
+    return tok
 
 
 def make_tokenizer(spec: str, train_texts: Iterable[str] | None = None) -> Tokenizer:
@@ -223,8 +280,12 @@ def make_tokenizer(spec: str, train_texts: Iterable[str] | None = None) -> Token
     )
 
 
-def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """Load a tokenizer written by :meth:`Tokenizer.save`."""
+def read_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """Read back a tokenizer written by :meth:`Tokenizer.save` (headbudget's own form, for data preparation).
+
+    >>> read_tokenizer(make_tokenizer("byte").save("/tmp/tok")).encode("ab")  # doctest: +SKIP
+    [97, 98]
+    """
     d = Path(directory)
     f = d / SPEC_FILE
     if not f.is_file():

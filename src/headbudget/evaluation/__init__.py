@@ -28,7 +28,7 @@ _LAZY = {
     "evaluate_suite": "headbudget.evaluation.suite",
     "evaluate_harness": "headbudget.evaluation.harness",
     "perplexity": "headbudget.evaluation.perplexity",
-    "load_model_and_tokenizer": "headbudget.evaluation.loading",
+    "load_model_and_tokenizer": "headbudget.loading",
     "TASKS": "headbudget.evaluation.tasks",
     "get_task": "headbudget.evaluation.tasks",
     "load_examples": "headbudget.evaluation.tasks",

@@ -431,7 +431,10 @@ class HeadBudgetForCausalLM(HeadBudgetPreTrainedModel, GenerationMixin):
         layers = [_compact(block.attn.spec) for block in self.transformer.h]
         neutral = all(s["n_heads"] * s["head_dim"] == self.config.n_embd for s in layers) and \
             self.config.schedule.get("neutral", True)
-        self.config.schedule = dict(self.config.schedule, layers=layers, neutral=neutral)
+        # The attention budget before the first surgery, so a pruned profile can be re-widened to it.
+        dense = self.config.schedule.get("dense_budget") or sum(
+            s["n_heads"] * s["head_dim"] for s in self.config.schedule["layers"])
+        self.config.schedule = dict(self.config.schedule, layers=layers, neutral=neutral, dense_budget=dense)
         self.config.num_attention_heads = max(s["n_heads"] for s in layers)
         self.config.num_key_value_heads = max(s["n_kv_heads"] for s in layers)
 

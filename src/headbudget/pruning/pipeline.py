@@ -1,0 +1,495 @@
+"""The pruning pipelines: one method (:func:`run_prune`) and several at one head count (:func:`run_compare`).
+
+    >>> from headbudget.pruning.pipeline import PruneJob, run_prune, run_compare
+    >>> run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
+    ...                                                                              # doctest: +SKIP
+    >>> run_prune(PruneJob("runs/prism", "lm", None, "runs/cahp-lm", data="../shared/data/text/tinyshakespeare.txt",
+    ...                    keep=12))                                                 # doctest: +SKIP
+    >>> run_compare(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cmp"),
+    ...             "cahp@2,cahp@6,michel,fisher,magnitude,random")                  # doctest: +SKIP
+
+Classification tasks (``sst5``, ``mnli``) prune a classifier (BERT family or a fine-tuned
+``*ForSequenceClassification``); it keeps its Hugging Face class and is saved with
+:func:`headbudget.pruning.adapters.save_pruned` (``kept_heads.json`` records the kept heads, and
+:func:`headbudget.loading.load_model` reads it back).  ``task="lm"`` prunes a causal LM label-free
+(:mod:`headbudget.pruning.lm`): the decoder is converted to a headbudget model
+(``load_model(..., as_headbudget=True)``), pruned by ``model.prune_heads`` and saved with
+``save_pretrained``, so the result is a plain headbudget checkpoint whose schedule is what was kept.
+Every output model folder holds its tokenizer at the root.
+
+Each run writes ``OUT/model``, ``OUT/report.json`` (fixed schema, :mod:`headbudget.pruning.report`, with
+parameters and forward FLOPs per token before and after), ``OUT/details.json``, ``OUT/report.md`` and plots.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from headbudget.io import atomic_write_dir
+
+METHODS = ("cahp", "michel", "fisher", "magnitude", "random")
+
+
+@dataclass
+class PruneJob:
+    """Everything one pruning run needs (``headbudget prune``'s flags are these fields).
+
+    ``model`` is anything :func:`headbudget.loading.load_model` opens; ``tokenizer`` (lm) overrides the
+    model's own.  Exactly one of ``keep`` (heads) / ``keep_ratio`` forces the head count; CAHP
+    otherwise takes it from the knee of its curve.
+
+        run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
+    """
+
+    model: str
+    task: str
+    data_dir: str | None
+    out: str
+    method: str = "cahp"
+    keep: int | None = None
+    keep_ratio: float | None = None
+    poly_degree: int = 6
+    pool_size: int = 32
+    perplexity: float = 10.0
+    mss: str = "mean"
+    curve: str = "mss"
+    curve_step: int = 1
+    salience_fraction: float = 0.25
+    importance_batches: int | None = None
+    finetune_epochs: int = 3
+    lr: float = 2e-5
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    batch_size: int = 32
+    seed: int = 0
+    limit_train: int | None = None
+    limit_eval: int | None = None
+    max_length: int = 128
+    device: str | None = None
+    progress: bool = True
+    save_model: bool = True
+    # task "lm"
+    data: str | None = None
+    tokenizer: str | None = None
+    context: int = 128
+    calib_windows: int = 32
+    heldout_fraction: float = 0.1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check_job(job: PruneJob) -> None:
+    """A one-line ``ValueError`` naming the first invalid setting of ``job``."""
+    if job.task == "lm":
+        if not job.data:
+            raise ValueError("task lm needs a text file (data): calibration windows and held-out perplexity")
+        if job.curve == "accuracy":
+            raise ValueError("the accuracy curve is for classification tasks; with task lm use the mss curve "
+                             "or a forced head count")
+        if job.context < 2:
+            raise ValueError(f"context must be >= 2 tokens, got {job.context}")
+        if job.calib_windows < 1:
+            raise ValueError(f"calib_windows must be >= 1, got {job.calib_windows}")
+        if not 0 < job.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {job.heldout_fraction}")
+    elif not job.data_dir:
+        raise ValueError(f"task {job.task} needs its data folder (data_dir)")
+    if job.method not in METHODS:
+        raise ValueError(f"unknown pruning method {job.method!r}; choose from {', '.join(METHODS)}")
+    if job.keep is not None and job.keep_ratio is not None:
+        raise ValueError("give a head count (keep) or a ratio (keep_ratio), not both")
+    if job.keep_ratio is not None and not 0 < job.keep_ratio < 1:
+        raise ValueError(f"keep_ratio must be in (0, 1), got {job.keep_ratio}")
+    if job.keep is not None and job.keep < 1:
+        raise ValueError(f"keep must be >= 1 head, got {job.keep}")
+    if job.method != "cahp" and job.keep is None and job.keep_ratio is None:
+        raise ValueError(
+            f"method {job.method} needs a head count (keep or keep_ratio): baselines are forced to a head "
+            "count; prune-compare takes it from CAHP"
+        )
+    if job.curve not in ("mss", "accuracy"):
+        raise ValueError(f"curve must be 'mss' or 'accuracy', got {job.curve!r}")
+    if job.mss not in ("mean", "nearest"):
+        raise ValueError(f"mss must be 'mean' or 'nearest', got {job.mss!r}")
+    if job.pool_size < 2:
+        raise ValueError(f"pool_size must be >= 2, got {job.pool_size}")
+    if job.finetune_epochs < 0:
+        raise ValueError(f"finetune_epochs must be >= 0, got {job.finetune_epochs}")
+    for name in ("limit_train", "limit_eval", "importance_batches"):
+        v = getattr(job, name)
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+def _device(job: PruneJob) -> Any:
+    import torch
+
+    return torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _save(model: Any, tokenizer: Any, out: Path, sidecar: bool) -> None:
+    """``save_pretrained`` of model and tokenizer into one folder, atomically; ``sidecar`` adds
+    ``kept_heads.json`` (encoders, whose HF class cannot record per-layer head counts)."""
+    from headbudget.pruning.adapters import save_pruned
+
+    def write(tmp: Path) -> None:
+        if sidecar:
+            save_pruned(model, tmp, tokenizer)
+        else:
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+
+    atomic_write_dir(out, write)
+
+
+class _Loaded:
+    """Model, tokenizer and data of a classification job (loaded once, shared by prune-compare's methods)."""
+
+    metric_name = "accuracy"
+    n_classes: int | None
+
+    def __init__(self, job: PruneJob) -> None:
+        from headbudget.loading import load_model_and_tokenizer
+        from headbudget.pruning.tasks import get_task, load_task, subsample
+
+        t0 = time.perf_counter()
+        self.spec = get_task(job.task)
+        self.data = load_task(job.task, job.data_dir)
+        self.device = _device(job)
+        model, self.tokenizer = load_model_and_tokenizer(
+            job.model, "classifier", tokenizer=job.tokenizer, num_labels=self.spec.num_labels,
+            label_names=self.spec.label_names, seed=job.seed)
+        self._pristine = model  # a fresh deep copy per method (prune-compare)
+        self.train = subsample(self.data.train, job.limit_train, job.seed)
+        self.evals = {s: subsample(self.data.splits[s], job.limit_eval, job.seed) for s in self.data.eval_splits}
+        if not self.evals:
+            raise ValueError(f"task {job.task}: no evaluation split found in {job.data_dir}")
+        self.primary = next(iter(self.evals))
+        self.heads_total = sum(_adapter(model).head_counts())
+        self.load_seconds = time.perf_counter() - t0
+        self.dense_acc: dict[str, float] | None = None
+        self.n_classes = self.spec.num_labels
+
+    def fresh_model(self, job: PruneJob) -> Any:
+        return copy.deepcopy(self._pristine).to(self.device).eval()
+
+    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
+        from headbudget.pruning.finetune import evaluate_accuracy
+
+        return {
+            s: evaluate_accuracy(model, self.tokenizer, ex, 64, job.max_length, job.progress, f"{stage} {s}")
+            for s, ex in self.evals.items()
+        }
+
+    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
+        from headbudget.pruning.tasks import make_loader
+
+        return list(make_loader(self.train, self.tokenizer, job.batch_size, shuffle, job.seed, job.max_length))
+
+    def describe(self, job: PruneJob) -> dict[str, Any]:
+        return {"model": str(job.model), "task": job.task, "primary_split": self.primary,
+                "train_examples": len(self.train), "eval_examples": {s: len(v) for s, v in self.evals.items()}}
+
+    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
+        from headbudget.pruning.finetune import finetune
+
+        hist = finetune(model, self.tokenizer, {"train": self.train, **self.evals}, epochs=job.finetune_epochs,
+                        lr=job.lr, warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay,
+                        batch_size=job.batch_size, seed=job.seed, max_length=job.max_length, progress=job.progress)
+        return dict(hist["final"]), hist["epochs"]
+
+    def save(self, model: Any, out: Path) -> None:
+        _save(model, self.tokenizer, out, sidecar=True)
+
+
+class _LoadedLM:
+    """A causal LM, its tokenizer and the tokenized text of a ``task="lm"`` job (label-free CAHP;
+    metric: held-out perplexity, lower is better)."""
+
+    metric_name = "perplexity"
+    n_classes = None
+
+    def __init__(self, job: PruneJob) -> None:
+        from headbudget.loading import load_model_and_tokenizer
+        from headbudget.pruning.lm import lm_data
+
+        t0 = time.perf_counter()
+        self.device = _device(job)
+        model, self.tokenizer = load_model_and_tokenizer(job.model, "causal", tokenizer=job.tokenizer,
+                                                         as_headbudget=True)
+        cfg = model.config
+        n_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        if n_pos is not None and job.context > int(n_pos):
+            raise ValueError(f"context {job.context} exceeds the model's {n_pos} positions ({job.model})")
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        self.data = lm_data(self.tokenizer, str(job.data), context=job.context, calib_windows=job.calib_windows,
+                            heldout_fraction=job.heldout_fraction, vocab_size=vocab)
+        self.evals = {"heldout": self.data.heldout}
+        self.primary = "heldout"
+        self._pristine = model  # a fresh deep copy per method (prune-compare)
+        self.heads_total = sum(_adapter(model).head_counts())
+        self.load_seconds = time.perf_counter() - t0
+        self.dense_acc: dict[str, float] | None = None
+        self.last_eval: dict[str, Any] = {}
+
+    def fresh_model(self, job: PruneJob) -> Any:
+        return copy.deepcopy(self._pristine).to(self.device).eval()
+
+    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
+        from headbudget.pruning.lm import lm_perplexity
+
+        res = lm_perplexity(model, self.data, max_windows=job.limit_eval, progress=job.progress)
+        self.last_eval[stage] = res
+        return {"heldout": float(res["ppl"])}
+
+    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
+        from headbudget.pruning.lm import lm_batches
+
+        return lm_batches(self.data, job.batch_size, shuffle, job.seed)
+
+    def describe(self, job: PruneJob) -> dict[str, Any]:
+        return {"model": str(job.model), "task": "lm", "data": str(job.data), "primary_split": "heldout",
+                "tokenizer": job.tokenizer or "the model's own",
+                "context": self.data.context, "tokens_total": self.data.tokens_total,
+                "calib_windows": len(self.data.calib), "heldout_tokens": len(self.data.heldout)}
+
+    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
+        from headbudget.pruning.lm import finetune_lm
+
+        hist = finetune_lm(model, self.data, epochs=job.finetune_epochs, lr=job.lr, warmup_ratio=job.warmup_ratio,
+                           weight_decay=job.weight_decay, batch_size=job.batch_size, seed=job.seed,
+                           progress=job.progress)
+        return self.evaluate(model, job, "finetuned"), hist
+
+    def save(self, model: Any, out: Path) -> None:
+        _save(model, self.tokenizer, out, sidecar=False)
+
+
+def _load(job: PruneJob) -> _Loaded | _LoadedLM:
+    return _LoadedLM(job) if job.task == "lm" else _Loaded(job)
+
+
+def _adapter(model: Any) -> Any:
+    from headbudget.pruning.adapters import get_adapter
+
+    return get_adapter(model)
+
+
+def _evaluate(model: Any, loaded: _Loaded | _LoadedLM, job: PruneJob, stage: str) -> dict[str, float]:
+    return loaded.evaluate(model, job, stage)
+
+
+def _target_heads(job: PruneJob, heads_total: int) -> int | None:
+    if job.keep is not None:
+        return job.keep
+    if job.keep_ratio is not None:
+        return max(1, int(round(job.keep_ratio * heads_total)))
+    return None
+
+
+def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[str, Any]:
+    """Select, remove, fine-tune and report one method; returns ``{"report", "details"}``."""
+    from headbudget.evaluation.cost import model_cost
+    from headbudget.pruning import report as rpt
+    from headbudget.pruning.cahp import cahp_select, kept_by_layer
+    from headbudget.pruning.finetune import evaluate_accuracy
+    from headbudget.pruning.importance import ImportanceContext, gate_mask, prune_spec, select_by_method
+
+    check_job(job)
+    t_start = time.perf_counter()
+    seconds: dict[str, float] = {}
+    if loaded is None:
+        loaded = _load(job)
+        seconds["load"] = loaded.load_seconds
+    out = Path(job.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = loaded.fresh_model(job)
+    cost_before = model_cost(model)
+    adapter = _adapter(model)
+    counts = adapter.head_counts()
+    heads = [(layer, h) for layer, n in enumerate(counts) for h in range(n)]
+    n_total = len(heads)
+
+    t = time.perf_counter()
+    if loaded.dense_acc is None:
+        loaded.dense_acc = _evaluate(model, loaded, job, "dense")
+        seconds["dense_eval"] = time.perf_counter() - t
+    dense = dict(loaded.dense_acc)
+
+    target = _target_heads(job, n_total)
+    if target is not None and not len(counts) <= target < n_total:
+        raise ValueError(
+            f"cannot keep {target} heads: this model has {n_total} heads in {len(counts)} layers "
+            f"(keep between {len(counts)} and {n_total - 1})"
+        )
+    sig_batches = loaded.batches(job, False)
+    imp_batches = loaded.batches(job, True)
+    details: dict[str, Any] = loaded.describe(job)
+    mname = loaded.metric_name
+    knee_k, mss = None, []
+    plots: list[str] = []
+    t = time.perf_counter()
+    if job.method == "cahp":
+        accuracy_fn = accuracy_ks = None
+        if job.curve == "accuracy" and target is None and isinstance(loaded, _Loaded):
+            curve_examples = loaded.evals[loaded.primary]
+
+            def accuracy_fn(kept: list[int]) -> float:
+                with adapter.set_gate_values(gate_mask(kept, counts)):
+                    return evaluate_accuracy(model, loaded.tokenizer, curve_examples, 64, job.max_length, False)
+
+            accuracy_ks = list(range(2, n_total, max(1, job.curve_step)))
+        sel, secs = cahp_select(
+            adapter, sig_batches, imp_batches, n_classes=loaded.n_classes, grid=job.pool_size,
+            keep=target, poly_degree=job.poly_degree, perplexity=job.perplexity, mss_variant=job.mss,
+            seed=job.seed, salience_fraction=job.salience_fraction, accuracy_fn=accuracy_fn,
+            accuracy_ks=accuracy_ks, progress=job.progress,
+        )
+        seconds.update(secs)
+        seconds["select"] = sum(secs.values())
+        kept = sel.kept
+        knee_k, mss = sel.knee_k, sel.mss
+        details.update(knee_source=sel.knee_source, rescued=[list(heads[i]) for i in sel.rescued],
+                       salience=sel.salience, clusters=sel.labels, medoids=sel.medoids,
+                       embedding=sel.embedding, accuracy_curve=sel.accuracy_curve, poly_degree=job.poly_degree,
+                       mss_variant=job.mss, pool_size=job.pool_size, perplexity=job.perplexity)
+        plots.append(str(rpt.plot_mss(mss, knee_k, out / "mss.png", f"MSS ({job.mss}), knee k = {knee_k}")))
+        plots.append(str(rpt.plot_embedding(sel.embedding, sel.labels, heads, kept, out / "embedding.png")))
+    else:
+        assert target is not None
+        ctx = ImportanceContext(adapter, model, imp_batches[: job.importance_batches], seed=job.seed,
+                                progress=job.progress)
+        kept, scores = select_by_method(job.method, ctx, target)
+        seconds["select"] = time.perf_counter() - t
+        if scores is not None:
+            details["scores"] = scores
+    kept_layers = kept_by_layer(kept, heads, len(counts))
+
+    t = time.perf_counter()
+    adapter.prune_heads(prune_spec(kept, counts))
+    seconds["prune"] = time.perf_counter() - t
+    if adapter.head_counts() != [len(kept_layers[layer]) for layer in range(len(counts))]:
+        raise RuntimeError("pruning left unexpected head counts")
+    cost = {"before": cost_before, "after": model_cost(model)}
+    t = time.perf_counter()
+    pruned = _evaluate(model, loaded, job, "pruned")
+    seconds["pruned_eval"] = time.perf_counter() - t
+
+    finetuned: dict[str, float | None] = {s: None for s in loaded.evals}
+    if job.finetune_epochs > 0:
+        t = time.perf_counter()
+        final, history = loaded.finetune(model, job)
+        seconds["finetune"] = time.perf_counter() - t
+        finetuned = dict(final)
+        details["finetune_history"] = history
+    if job.save_model:
+        t = time.perf_counter()
+        loaded.save(model, out / "model")
+        seconds["save"] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - t_start + seconds.get("load", 0.0)
+
+    accuracy = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
+    details["metric_name"] = mname
+    details[mname] = accuracy
+    if isinstance(loaded, _LoadedLM):
+        details["perplexity_runs"] = {k: v for k, v in loaded.last_eval.items()}
+    details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
+    p = loaded.primary
+    report = rpt.build_report(job.method, n_total, kept_layers, knee_k, mss,
+                              {"dense": dense[p], "pruned": pruned[p], "finetuned": finetuned.get(p)}, seconds,
+                              cost)
+    plots.append(str(rpt.plot_heads_per_layer({job.method: kept_layers}, len(counts), out / "heads_per_layer.png")))
+    points = {f"{job.method} pruned": [(report["heads_kept"], pruned[p])]}
+    if finetuned.get(p) is not None:
+        points[f"{job.method} fine-tuned"] = [(report["heads_kept"], float(finetuned[p]))]  # type: ignore[arg-type]
+    curve = [(c[1], c[2]) for c in details.get("accuracy_curve") or []]
+    plots.append(str(rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png", dense=(n_total, dense[p]),
+                                                curve=curve or None, ylabel=f"{p} {mname}",
+                                                title=f"{mname.capitalize()} vs heads kept")))
+    rpt.write_json(out / "report.json", report)
+    rpt.write_json(out / "details.json", details)
+    rpt.atomic_write_text(out / "report.md", rpt.report_markdown(report, details, plots))
+    return {"report": report, "details": details}
+
+
+def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
+    """``"cahp@2,cahp@6,michel"`` -> ``[(label, method, poly_degree), ...]``."""
+    out = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        method, _, deg = item.partition("@")
+        if method not in METHODS:
+            raise ValueError(f"methods {spec!r}: unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if deg and method != "cahp":
+            raise ValueError(f"methods {spec!r}: only cahp takes a polynomial degree (@d), got {item!r}")
+        try:
+            degree = int(deg) if deg else None
+        except ValueError:
+            raise ValueError(f"methods {spec!r}: bad polynomial degree in {item!r}") from None
+        label = f"cahp-d{degree}" if degree is not None else method
+        out.append((label, method, degree))
+    if not out:
+        raise ValueError("methods: no method given")
+    labels = [lbl for lbl, _, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"methods {spec!r}: repeated entry")
+    return out
+
+
+def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
+    """Run several methods at one head count (CAHP's, from the first cahp entry, unless ``job`` forces one)."""
+    from headbudget.pruning import report as rpt
+
+    entries = parse_methods(methods)
+    if job.keep is None and job.keep_ratio is None and entries[0][1] != "cahp":
+        raise ValueError("without a forced head count (keep / keep_ratio) the first method must be cahp "
+                         "(it sets the head count)")
+    check_job(replace(job, method="cahp"))
+    loaded = _load(job)
+    out = Path(job.out)
+    rows: list[dict[str, Any]] = []
+    target_keep, target_ratio = job.keep, job.keep_ratio
+    for label, method, degree in entries:
+        sub = replace(job, method=method, out=str(out / label), keep=target_keep, keep_ratio=target_ratio,
+                      poly_degree=degree if degree is not None else job.poly_degree)
+        res = run_prune(sub, loaded)
+        rep = res["report"]
+        if target_keep is None and target_ratio is None:
+            target_keep = rep["heads_kept"]
+        row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "kept": rep["kept"],
+               "knee_k": rep["knee_k"], "metric": res["details"][loaded.metric_name], "seconds": rep["seconds"],
+               "cost": rep["cost"]}
+        if loaded.metric_name == "accuracy":
+            row["accuracy"] = row["metric"]
+        rows.append(row)
+    splits = list(loaded.evals)
+    n_layers = len(rows[0]["kept"])
+    table = rpt.compare_markdown(rows, splits)
+    rpt.plot_heads_per_layer({r["label"]: r["kept"] for r in rows}, n_layers, out / "heads_per_layer.png")
+    p = loaded.primary
+    points = {}
+    for r in rows:
+        points[f"{r['label']} pruned"] = [(r["heads_kept"], r["metric"][p]["pruned"])]
+        if r["metric"][p]["finetuned"] is not None:
+            points[f"{r['label']} fine-tuned"] = [(r["heads_kept"], r["metric"][p]["finetuned"])]
+    mname = loaded.metric_name
+    rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png",
+                               dense=(loaded.heads_total, loaded.dense_acc[p]) if loaded.dense_acc else None,
+                               ylabel=f"{p} {mname}", title=f"{mname.capitalize()} vs heads kept")
+    md = (f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads)\n\n{table}\n"
+          "![heads per layer](heads_per_layer.png)\n\n![accuracy vs heads](accuracy_vs_heads.png)\n")
+    if mname == "perplexity":
+        md += "\nMetric: held-out perplexity (lower is better).\n"
+    rpt.atomic_write_text(out / "compare.md", md)
+    summary = {"task": job.task, "model": job.model, "metric_name": mname, "heads_total": loaded.heads_total,
+               "load_seconds": loaded.load_seconds, "rows": rows}
+    rpt.write_json(out / "compare.json", summary)
+    return summary
+
+
+__all__ = ["METHODS", "PruneJob", "check_job", "parse_methods", "run_compare", "run_prune"]
