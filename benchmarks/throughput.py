@@ -6,6 +6,10 @@ machine state. Prints a table and writes JSON.
 
     python benchmarks/throughput.py                       # cpu-small + one gpt2-124m config on CPU
     python benchmarks/throughput.py --device cuda --dtype bf16 --configs gpt2-124m:8:1024
+    python benchmarks/throughput.py --kinds uniform,nanogpt --nanogpt /path/to/nanoGPT/model.py
+
+``nanogpt`` is Karpathy's nanoGPT ``model.py`` at the same shape (bias, tied head, vocab of the preset);
+give the path to a checkout's file (it is not shipped with headbudget).
 """
 
 from __future__ import annotations
@@ -25,8 +29,35 @@ from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
 from headbudget.schedules import get_preset
 
 
+NANOGPT_PATH: str | None = None
+
+
+class NanoGPTWrapper(torch.nn.Module):
+    """nanoGPT's GPT behind the ``model(x, labels=x).loss`` call the step uses (targets = next tokens)."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx, labels):
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-1)  # nanoGPT ignores -1
+        _, loss = self.gpt(idx, targets)
+        return type("Out", (), {"loss": loss})()
+
+
 def build(kind: str, preset: str, device: str) -> torch.nn.Module:
     p = get_preset(preset)
+    if kind == "nanogpt":
+        import importlib.util
+
+        if not NANOGPT_PATH:
+            raise SystemExit("--kinds nanogpt needs --nanogpt PATH/TO/model.py")
+        spec = importlib.util.spec_from_file_location("nanogpt_model", NANOGPT_PATH)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        cfg = mod.GPTConfig(block_size=p.n_positions, vocab_size=p.vocab_size, n_layer=p.n_layers,
+                            n_head=p.n_heads, n_embd=p.d_model, dropout=0.0, bias=True)
+        return NanoGPTWrapper(mod.GPT(cfg)).to(device).train()
     if kind == "hf-gpt2":
         cfg = GPT2Config(n_layer=p.n_layers, n_embd=p.d_model, n_head=p.n_heads, vocab_size=p.vocab_size,
                          n_positions=p.n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -73,8 +104,9 @@ def run_config(preset: str, batch: int, context: int, kinds: list[str], steps: i
     if "uniform" in res:
         base = res["uniform"]["tokens_per_s"]
         out["ratios"] = {f"{k}/uniform": r["tokens_per_s"] / base for k, r in res.items() if k != "uniform"}
-        if "hf-gpt2" in res:
-            out["ratios"]["uniform/hf-gpt2"] = base / res["hf-gpt2"]["tokens_per_s"]
+        for other in ("hf-gpt2", "nanogpt"):
+            if other in res:
+                out["ratios"][f"uniform/{other}"] = base / res[other]["tokens_per_s"]
     return out
 
 
@@ -88,8 +120,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--nanogpt", help="path to nanoGPT's model.py (for --kinds ...,nanogpt)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
+    global NANOGPT_PATH
+    NANOGPT_PATH = args.nanogpt
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
