@@ -11,7 +11,6 @@ text, exports back with ``to_hf``, and reloads the saved headbudget checkpoint i
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
