@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from headbudget.train import RunConfig, Trainer, TrainingDivergedError, train
+from headbudget.train import RunConfig, Trainer, TrainingDivergedError, build_model, train
 from headbudget.train import checkpoint as ckpt
 from headbudget.train.checkpoint import list_checkpoints, save_checkpoint
 
@@ -40,7 +40,8 @@ class Kill(Exception):
 
 def test_resume_after_kill_is_exact(tmp_path):
     cfg = tiny_config(tmp_path)
-    straight = train(cfg, tmp_path / "straight", save_model=False)
+    straight_trainer = Trainer(cfg, tmp_path / "straight", save_model=False)
+    straight = straight_trainer.run()
 
     def kill_at_10(trainer, step, record):
         if step == 10:
@@ -49,7 +50,7 @@ def test_resume_after_kill_is_exact(tmp_path):
     run = tmp_path / "killed"
     with pytest.raises(Kill):
         train(cfg, run, callbacks=[kill_at_10], save_model=False)
-    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000005.pt", "step_000010.pt"]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000005", "step_000010"]
     # resume in a fresh process through the CLI, as a user would after a crash
     (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -68,29 +69,40 @@ def test_resume_after_kill_is_exact(tmp_path):
 
     resumed = HeadBudgetForCausalLM.from_pretrained(str(run / "model"))
     sd_resumed = resumed.state_dict()
-    final = torch.load(list_checkpoints(tmp_path / "straight" / "checkpoints")[-1], weights_only=False)["model"]
-    for k, v in final.items():
+    for k, v in straight_trainer.model.state_dict().items():
         assert torch.equal(v, sd_resumed[k]), k
 
 
 def test_checkpoints_are_atomic_and_keep_last_k(tmp_path, monkeypatch):
     d = tmp_path / "ck"
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
     for s in (1, 2, 3, 4):
-        save_checkpoint({"step": s, "w": torch.ones(3) * s}, d, s, keep_last=3)
-    assert [p.name for p in list_checkpoints(d)] == ["step_000002.pt", "step_000003.pt", "step_000004.pt"]
+        with torch.no_grad():
+            model.weight.fill_(s)
+        save_checkpoint(d, s, model, opt, meta={"note": "x"}, keep_last=3)
+    assert [p.name for p in list_checkpoints(d)] == ["step_000002", "step_000003", "step_000004"]
 
-    def crash(obj, f, *a, **k):
-        f.write(b"partial")
+    def crash(*a, **k):  # dies after DCP wrote the tensors, before the checkpoint is complete
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.torch, "save", crash)
+    monkeypatch.setattr(ckpt, "rng_state", crash)
+    with torch.no_grad():
+        model.weight.fill_(5)
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint({"step": 5}, d, 5, keep_last=3)
+        save_checkpoint(d, 5, model, opt, keep_last=3)
     monkeypatch.undo()
-    # no step_5 file, no temp files, older checkpoints untouched
-    assert sorted(p.name for p in d.iterdir()) == ["step_000002.pt", "step_000003.pt", "step_000004.pt"]
-    path, state = ckpt.load_latest_checkpoint(d)
-    assert path.name == "step_000004.pt" and torch.equal(state["w"], torch.full((3,), 4.0))
+    # the half-written step 5 is only a hidden temp dir: not listed, not latest, older ones untouched
+    assert (d / ".step_000005.tmp").is_dir()
+    assert [p.name for p in list_checkpoints(d)] == ["step_000002", "step_000003", "step_000004"]
+    assert ckpt.latest_checkpoint(d).name == "step_000004" and (d / "latest").read_text().strip() == "step_000004"
+    fresh = torch.nn.Linear(3, 2)
+    meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(d), fresh, torch.optim.AdamW(fresh.parameters()))
+    assert meta["step"] == 4 and meta["note"] == "x" and meta["world_size"] == 1
+    assert torch.equal(fresh.weight, torch.full((2, 3), 4.0))
+    # the next save replaces the leftover temp dir
+    save_checkpoint(d, 5, model, opt, keep_last=3)
+    assert sorted(p.name for p in d.iterdir()) == ["latest", "step_000003", "step_000004", "step_000005"]
 
 
 def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
@@ -105,11 +117,12 @@ def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(tmp_path, mo
 
     monkeypatch.setattr(Trainer, "compute_loss", staticmethod(poisoned))
     run = tmp_path / "nan"
-    with pytest.raises(TrainingDivergedError, match=r"non-finite training loss \(nan\) at step 7.*step_000004\.pt"):
+    with pytest.raises(TrainingDivergedError, match=r"non-finite training loss \(nan\) at step 7.*step_000004"):
         train(cfg, run)
-    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000004.pt"]
-    state = torch.load(run / "checkpoints" / "step_000004.pt", weights_only=False)
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000004"]
+    model = build_model(cfg, 320)
+    assert ckpt.load_checkpoint(run / "checkpoints" / "step_000004", model)["step"] == 4
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
     assert not (run / "model").exists()
 
 
@@ -146,7 +159,7 @@ def test_resume_refuses_a_different_model_or_data_order(tmp_path):
     cfg = tiny_config(tmp_path, steps=2, ckpt_every=2, eval_every=2)
     train(cfg, tmp_path / "r", save_model=False)
     other = cfg.replace(model={"schedule": "uniform"})
-    with pytest.raises(ValueError, match=r"step_000002.pt: it was written with model.schedule='prism'"):
+    with pytest.raises(ValueError, match=r"step_000002: it was written with model.schedule='prism'"):
         train(other, tmp_path / "r", resume=True)
     longer = cfg.replace(train={"steps": 3})  # extending a run is allowed
     assert train(longer, tmp_path / "r", resume=True, save_model=False).steps == 3
@@ -161,7 +174,7 @@ def test_param_groups_decay_matrices_only():
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert {names[id(p)] for p in decay["params"]} >= {"transformer.wte.weight", "transformer.h.0.attn.q_proj.weight"}
+    assert {names[id(p)] for p in decay["params"]} >= {"transformer.wte.weight", "transformer.h.0.attn.qkv_proj.weight"}
     assert all(names[id(p)].endswith(("bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")) for p in no_decay["params"])
     n_total = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == n_total  # tied weights once

@@ -1,71 +1,284 @@
-"""Atomic training checkpoints (``<out>/checkpoints/step_000100.pt``), keeping the last K.
+"""Sharded, atomic training checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
-A checkpoint is written to a temporary file in the same directory and renamed into place, so a
-crash mid-write never leaves a truncated ``step_*.pt``; older ones beyond ``keep_last`` are removed
-only after the new one exists.
+One checkpoint is one directory, written by every process together::
 
-    >>> import tempfile
+    checkpoints/step_000100/  .metadata, __0_0.distcp, ...   model + optimizer tensors (DCP, sharded)
+                              trainer_state.json             step, world size, resolved config (plain JSON)
+                              rng_rank0.pt, rng_rank1.pt     every RNG state of each process (tensors)
+    checkpoints/latest        "step_000100"
+
+It is written under ``.step_000100.tmp/`` and renamed into place only when every process has finished
+its part; ``latest`` moves after the rename and older checkpoints beyond ``keep_last`` are deleted only
+then, so a crash (even ``kill -9``) mid-write never makes a half-written checkpoint the latest.
+
+DCP stores every tensor with its global shape, so a checkpoint written by 2 FSDP2 processes loads into
+1 process (or 4) and into DDP or a plain model: the model and optimizer are read through
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``, whose keys are parameter
+names whatever the wrapper.
+
+Nothing here unpickles arbitrary objects: the checkpoint holds tensors only (optimizer hyper-parameters
+come from the config), DCP's ``.metadata`` is read with an unpickler that admits only DCP's own metadata
+classes, ``rng_rank*.pt`` is read with ``torch.load(weights_only=True)`` and the rest is JSON.
+
+    >>> import tempfile, torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.AdamW(model.parameters())
     >>> d = tempfile.mkdtemp()
-    >>> for s in (10, 20, 30):
-    ...     _ = save_checkpoint({"step": s}, d, s, keep_last=2)
-    >>> [p.name for p in list_checkpoints(d)]
-    ['step_000020.pt', 'step_000030.pt']
+    >>> for step in (10, 20, 30):
+    ...     _ = save_checkpoint(d, step, model, opt, meta={"step": step}, keep_last=2)
+    >>> [p.name for p in list_checkpoints(d)], latest_checkpoint(d).name
+    (['step_000020', 'step_000030'], 'step_000030')
+    >>> load_checkpoint(latest_checkpoint(d), model, opt)["step"]
+    30
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import pickle
+import random
 import re
-import tempfile
+import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+from headbudget.io import atomic_write_text
+
+_NAME = re.compile(r"^step_(\d+)$")
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (message names the directory and the problem)."""
 
 
 def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f"step_{step:06d}.pt"
+    return Path(directory) / f"step_{step:06d}"
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first (temporary files are ignored)."""
+    """Complete checkpoints in ``directory``, oldest first (temporary directories are ignored)."""
     d = Path(directory)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in d.iterdir()
+             if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file() and (p / ".metadata").is_file()]
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, keep_last: int = 2) -> Path:
-    """Write ``state`` atomically as ``step_{step}.pt`` and delete all but the newest ``keep_last``."""
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``latest`` points to (else the newest complete one), or None when there is none."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    pointer = d / LATEST
+    if pointer.is_file():
+        target = d / pointer.read_text().strip()
+        if target in list_checkpoints(d):
+            return target
+    found = list_checkpoints(d)
+    return found[-1] if found else None
+
+
+def legacy_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """``step_*.pt`` files of headbudget < 0.2 (pickled; they are never loaded)."""
+    d = Path(directory)
+    return sorted(d.glob("step_*.pt")) if d.is_dir() else []
+
+
+# ---------------------------------------------------------------------------- RNG state as tensors
+def rng_state() -> dict[str, Any]:
+    """Every RNG state of this process as tensors and plain numbers (loadable with ``weights_only=True``)."""
+    _, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"key": torch.from_numpy(np_key.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+    }
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    n = s["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = s["python"]
+    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]))
+
+
+# ---------------------------------------------------------------------------- safe DCP reading
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only the classes DCP's ``.metadata`` is made of (no functions, no arbitrary objects)."""
+
+    _ALLOWED = {
+        *(("torch.distributed.checkpoint.metadata", n) for n in (
+            "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
+            "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # maps the string "torch.strided" to the layout
+        ("collections", "OrderedDict"),
+        *((m, n) for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "WindowsPath", "PurePosixPath",
+                                                                  "PureWindowsPath")),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not part of DCP metadata)")
+
+
+def _safe_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            meta_path = Path(self.path) / ".metadata"
+            try:
+                with open(meta_path, "rb") as f:
+                    md = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
+                raise CheckpointError(f"{meta_path}: not a headbudget checkpoint ({exc})") from None
+            for key, item in md.state_dict_metadata.items():
+                if not isinstance(item, TensorStorageMetadata):  # non-tensors would go through pickle
+                    raise CheckpointError(f"{meta_path}: entry {key!r} is not a tensor; refusing to load it")
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeReader(str(path))
+
+
+# ---------------------------------------------------------------------------- save / load
+def _dist() -> tuple[bool, int]:
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    return on, (dist.get_rank() if on else 0)
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _barrier(on: bool) -> None:
+    if on:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+    """(DCP state of tensors only, the optimizer's param_groups) for any wrapper (DDP, FSDP2, none)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}, None
+    msd, osd = get_state_dict(model, optimizer)  # initialises empty optimizer state, so loading has targets
+    return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *, meta: dict[str, Any] | None = None,
+                    keep_last: int = 2) -> Path:
+    """Write ``step_{step}`` atomically (every process of the group calls this); returns its path.
+
+    ``meta`` must be JSON (it is saved as ``trainer_state.json``, with ``step`` and ``world_size`` added).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    on, rank = _dist()
+    world = torch.distributed.get_world_size() if on else 1
+    d = Path(directory)
     final = checkpoint_path(d, step)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{final.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    if keep_last > 0:
-        for old in list_checkpoints(d)[:-keep_last]:
-            old.unlink(missing_ok=True)
+    tmp = d / f".{final.name}.tmp"
+    if rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        tmp.mkdir()
+    _barrier(on)
+    state, _ = _tensor_state(model, optimizer)
+    with _single_process_ok():
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not on)
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    _barrier(on)
+    if rank == 0:
+        record = dict(meta or {}, step=step, world_size=world)
+        atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=1))
+        if final.exists():  # rewritten after resuming from an older step: swap, then drop the old one
+            old = d / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        atomic_write_text(d / LATEST, final.name + "\n")
+        if keep_last > 0:
+            for old_ckpt in list_checkpoints(d)[:-keep_last]:
+                shutil.rmtree(old_ckpt, ignore_errors=True)
+    _barrier(on)
     return final
 
 
-def load_latest_checkpoint(directory: str | os.PathLike) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads, or None when there is none."""
-    for path in reversed(list_checkpoints(directory)):
-        try:
-            return path, torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # a damaged file (should not happen with atomic writes): try older
-            warnings.warn(f"skipping unreadable checkpoint {path}: {exc}", stacklevel=2)
-    return None
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path) / STATE_FILE
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{p}: unreadable checkpoint state ({exc})") from None
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
+    """Load model (and optimizer) in place from a checkpoint written by any number of processes.
+
+    Returns ``trainer_state.json`` with ``rng_restored`` added: whether this process found its own RNG
+    state (a run resumed on more processes than it was saved with has none for the new ranks).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    meta = read_trainer_state(path)
+    on, rank = _dist()
+    state, param_groups = _tensor_state(model, optimizer)
+    with _single_process_ok():
+        dcp.load(state, storage_reader=_safe_reader(path), no_dist=not on)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optim"]["state"], "param_groups": param_groups})
+    rng_file = path / f"rng_rank{rank}.pt"
+    meta["rng_restored"] = False
+    if restore_rng and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        meta["rng_restored"] = True
+    return meta
+
+
+__all__ = ["CheckpointError", "checkpoint_path", "latest_checkpoint", "legacy_checkpoints", "list_checkpoints",
+           "load_checkpoint", "read_trainer_state", "rng_state", "save_checkpoint", "set_rng_state"]

@@ -6,14 +6,17 @@
     >>> # result = train(cfg, "runs/demo")   # -> TrainResult(final_val_loss=..., model_dir=runs/demo/model)
 
 Outputs in the run directory: ``metrics.jsonl`` (one record per logged step: step, tokens, train_loss,
-val_loss, lr, grad_norm, tokens_per_s), ``checkpoints/step_*.pt`` (atomic, last K kept), ``model/``
+val_loss, lr, grad_norm, tokens_per_s), ``checkpoints/step_*/`` (sharded DCP checkpoints, atomic, last K
+kept; see :mod:`headbudget.train.checkpoint`), ``model/``
 (Hugging Face format: ``AutoModelForCausalLM.from_pretrained`` loads it), ``tokenizer/``,
 ``config.yaml`` (the resolved config) and ``summary.json``.
 
 Data order is a pure function of (seed, step) (see :mod:`headbudget.data.loader`), and checkpoints hold
 model, optimizer, step and every RNG state, so ``resume=True`` continues bit-for-bit on CPU.
 Under ``torchrun`` the trainer joins the process group (gloo on CPU, NCCL on CUDA) and splits each
-global batch across ranks; ``train.fsdp: true`` shards with FSDP instead of DDP (not tested on CPU).
+global batch across ranks; ``train.fsdp: true`` shards parameters, gradients and optimizer state with
+FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of replicating them with DDP; both are tested
+with 2 CPU processes (gloo).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import contextlib
 import json
 import math
 import os
-import random
+import sys
 import threading
 import time
 import warnings
@@ -40,7 +43,14 @@ from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text
 from headbudget.schedules import HeadSchedule, ModelPreset, get_preset, schedule_from_spec
 from headbudget.threads import configure_threads
-from headbudget.train.checkpoint import load_latest_checkpoint, save_checkpoint
+from headbudget.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    legacy_checkpoints,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
 from headbudget.train.config import RunConfig
 
 
@@ -187,25 +197,6 @@ class PeakMemory:
         return self.peak_bytes / 2**20
 
 
-def _rng_state() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-
-
-def _set_rng_state(s: dict[str, Any]) -> None:
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    np.random.set_state(s["numpy"])
-    random.setstate(s["python"])
-
-
-
-
 def _dist_env() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
@@ -303,6 +294,14 @@ class Trainer:
 
     def _run(self, device: torch.device) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
+        if self.resume:
+            finished = self._finished_result()
+            if finished is not None:  # leave a finished run exactly as it is
+                if self.rank == 0:
+                    print(f"{self.out} already finished {finished.steps} steps (train.steps={t.steps}); "
+                          "nothing to resume, nothing changed", file=sys.stderr, flush=True)
+                self.model = None
+                return finished
         distributed = self._init_dist(device)
         is_main = self.rank == 0
         self.out.mkdir(parents=True, exist_ok=True)
@@ -324,16 +323,17 @@ class Trainer:
         autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if use_bf16
                     else contextlib.nullcontext())
 
-        if distributed and t.fsdp:
-            import functools
+        fsdp = distributed and t.fsdp  # one process: a plain model whatever train.fsdp says
+        if fsdp:
+            # FSDP2, as torchtitan: each block is one all-gather unit, the root holds embeddings + head.
+            # The module stays the same object (its parameters become DTensor shards).
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
 
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-            block_cls = type(raw_model.transformer.h[0])
-            model = FSDP(model, use_orig_params=True, device_id=device if device.type == "cuda" else None,
-                         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                            transformer_layer_cls={block_cls}))
+            mesh = init_device_mesh(device.type, (self.world,))
+            for block in raw_model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(raw_model, mesh=mesh)
         elif distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -347,17 +347,24 @@ class Trainer:
 
         # ---- resume
         start_step = 0
+        rng_restored = False
         if self.resume:
-            found = load_latest_checkpoint(ckpt_dir)
-            if found is not None:
-                path, state = found
-                self._check_compatible(path, state.get("config") or {})
-                self._load_state(model, raw_model, optimizer, state, distributed, t.fsdp)
-                start_step = int(state["step"])
+            path = latest_checkpoint(ckpt_dir)
+            if path is None and legacy_checkpoints(ckpt_dir):
+                raise CheckpointError(
+                    f"{ckpt_dir} holds step_*.pt checkpoints of headbudget < 0.2, which are pickled and are "
+                    "not loaded; train into a new --out")
+            if path is not None:
+                saved = read_trainer_state(path)
+                self._check_compatible(path, saved.get("config") or {})
+                state = load_checkpoint(path, model, optimizer)
+                start_step, rng_restored = int(state["step"]), state["rng_restored"]
                 if is_main:
-                    print(f"resuming from {path} (step {start_step})", flush=True)
-            elif is_main:
-                print(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0", flush=True)
+                    print(f"resuming from {path} (step {start_step}, written by {state['world_size']} "
+                          f"process(es), now {self.world})", flush=True)
+            elif is_main:  # documented: --resume on a new run starts it (one command for start and restart)
+                print(f"headbudget train: --resume: no checkpoint in {ckpt_dir}; starting from step 0",
+                      file=sys.stderr, flush=True)
         if is_main:
             self._trim_metrics(metrics_path, start_step)
             atomic_write_text(self.out / "config.yaml", cfg.to_yaml())
@@ -367,7 +374,7 @@ class Trainer:
         ev_bs = t.eval_batch_size or t.batch_size
         val_set = val_batches(val_tokens, n_batches=t.eval_batches, batch_size=ev_bs, context=t.context,
                               rank=self.rank, world_size=self.world)
-        if start_step == 0:  # the dropout stream (a resumed run restored its RNG state above)
+        if not rng_restored:  # the dropout stream (a resumed run restored its own above)
             torch.manual_seed(cfg.seed + 1 + self.rank)
 
         writer = None
@@ -390,7 +397,7 @@ class Trainer:
         t_start = time.perf_counter()
         bar = tqdm(total=t.steps, initial=start_step, desc=f"train {cfg.model.schedule}", unit="step",
                    disable=not (t.progress and is_main), dynamic_ncols=True, leave=False)
-        last_good = self._last_ckpt(ckpt_dir)
+        last_good = latest_checkpoint(ckpt_dir)
         interval_tokens, interval_time = 0, 0.0
         mem = PeakMemory(device)
         with mem:
@@ -406,8 +413,11 @@ class Trainer:
                                        context=t.context, micro=micro, n_micro=t.grad_accum,
                                        rank=self.rank, world_size=self.world)
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    sync = (not distributed or t.fsdp or micro == t.grad_accum - 1)
-                    ctx = contextlib.nullcontext() if sync else model.no_sync()
+                    last_micro = micro == t.grad_accum - 1
+                    if fsdp:  # reduce-scatter gradients once per optimizer step
+                        model.set_requires_gradient_sync(last_micro)
+                    ctx = model.no_sync() if (distributed and not fsdp and not last_micro) else \
+                        contextlib.nullcontext()
                     with ctx:
                         with autocast:
                             loss = self.compute_loss(fwd_model, x, y)
@@ -429,14 +439,12 @@ class Trainer:
                         f"non-finite training loss ({train_loss}) at step {step + 1} (lr {lr:.3g}){where}. "
                         "Lower train.lr, raise train.warmup_steps or use train.precision=fp32."
                     )
+                with_grad = [p for p in model.parameters() if p.grad is not None]
+                gnorm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
+                if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor of per-shard partial norms
+                    gnorm = gnorm.full_tensor()
                 if t.grad_clip > 0:
-                    if hasattr(model, "clip_grad_norm_"):  # FSDP
-                        gnorm = model.clip_grad_norm_(t.grad_clip)
-                    else:
-                        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-                else:
-                    gnorm = torch.linalg.vector_norm(
-                        torch.stack([p.grad.detach().norm() for p in model.parameters() if p.grad is not None]))
+                    torch.nn.utils.clip_grads_with_norm_(with_grad, t.grad_clip, gnorm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 done = step + 1
@@ -455,7 +463,7 @@ class Trainer:
                     record = {"step": done, "tokens": done * tokens_per_step, "train_loss": train_loss,
                               "val_loss": None, "lr": lr, "grad_norm": float(gnorm), "tokens_per_s": tps}
                     if is_eval:
-                        last_val = self.evaluate(raw_model if not t.fsdp else model, val_set, device,
+                        last_val = self.evaluate(model if fsdp else raw_model, val_set, device,
                                                  autocast, distributed)
                         record["val_loss"] = last_val
                     if is_main:
@@ -471,29 +479,25 @@ class Trainer:
                 bar.update(1)
 
                 if t.ckpt_every > 0 and (done % t.ckpt_every == 0 or done == t.steps):
-                    state = self._state(model, raw_model, optimizer, done, distributed, t.fsdp)
-                    if is_main:
-                        last_good = save_checkpoint(state, ckpt_dir, done, keep_last=t.keep_last)
-                    if distributed:
-                        import torch.distributed as dist
-
-                        dist.barrier()
+                    last_good = save_checkpoint(ckpt_dir, done, model, optimizer, meta={"config": cfg.to_dict()},
+                                                keep_last=t.keep_last)
                 for cb in self.callbacks:
                     cb(self, done, record)
         bar.close()
+        if start_step >= t.steps:  # resumed from the final checkpoint (killed while exporting): finish it
+            last_val = self.evaluate(model if fsdp else raw_model, val_set, device, autocast, distributed)
+            last_train = self._last_train_loss(metrics_path)
         wall = time.perf_counter() - t_start
         if writer is not None:
             writer.close()
 
+        export = self._plain_model(model, cfg, vocab) if fsdp else raw_model  # None on ranks > 0
         model_dir = None
         if self.save_model:
-            full = self._full_state_dict(model, raw_model, t.fsdp) if (distributed and t.fsdp) else None
             if is_main:
                 model_dir = self.out / "model"
                 tmp_dir = self.out / ".model.tmp"
-                if full is not None:
-                    raw_model.load_state_dict(full)
-                raw_model.save_pretrained(str(tmp_dir))
+                export.save_pretrained(str(tmp_dir))
                 data.tokenizer.save(tmp_dir)  # HF tokenizer files at the model root: AutoTokenizer opens it
                 if model_dir.exists():
                     import shutil
@@ -511,7 +515,7 @@ class Trainer:
             summary.update(name=cfg.name, seed=cfg.seed, schedule_spec=cfg.model.schedule,
                            world_size=self.world, data=data.meta)
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2))
-        self.model = raw_model
+        self.model = export
         return result
 
     # ------------------------------------------------------------------ pieces
@@ -539,13 +543,6 @@ class Trainer:
         return float(mean)
 
     @staticmethod
-    def _last_ckpt(ckpt_dir: Path) -> Path | None:
-        from headbudget.train.checkpoint import list_checkpoints
-
-        found = list_checkpoints(ckpt_dir)
-        return found[-1] if found else None
-
-    @staticmethod
     def _trim_metrics(path: Path, start_step: int) -> None:
         """Keep only records up to ``start_step`` (a resumed run rewrites what came after)."""
         if not path.exists():
@@ -559,41 +556,58 @@ class Trainer:
                 continue
         atomic_write_text(path, "".join(k + "\n" for k in keep))
 
-    def _full_state_dict(self, model, raw_model, fsdp: bool) -> dict[str, torch.Tensor]:
-        if not fsdp:
-            return raw_model.state_dict()
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    @staticmethod
+    def _plain_model(model, cfg: RunConfig, vocab: int):
+        """The FSDP2 model gathered into an ordinary model on rank 0 (None elsewhere; a collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                  FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
-            return model.state_dict()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not full:  # ranks > 0 receive nothing with cpu_offload
+            return None
+        with torch.random.fork_rng(devices=[]):  # initial values are overwritten; keep the RNG untouched
+            plain = build_model(cfg, vocab)
+        plain.load_state_dict(full)
+        return plain
 
-    def _state(self, model, raw_model, optimizer, step: int, distributed: bool, fsdp: bool) -> dict[str, Any]:
-        if fsdp and distributed:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    @staticmethod
+    def _last_train_loss(path: Path) -> float | None:
+        if not path.exists():
+            return None
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return records[-1]["train_loss"] if records else None
 
-            model_sd = self._full_state_dict(model, raw_model, True)
-            optim_sd = FSDP.optim_state_dict(model, optimizer)
-        else:
-            model_sd = raw_model.state_dict()
-            optim_sd = optimizer.state_dict()
-        rng = _rng_state()
-        if distributed:
-            import torch.distributed as dist
+    def _finished_result(self) -> TrainResult | None:
+        """The recorded result when ``out`` holds a run that finished ``train.steps`` (or more)."""
+        path = self.out / "summary.json"
+        if not path.is_file():
+            return None
+        try:
+            summary = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None
+        if int(summary.get("steps") or 0) < self.cfg.train.steps or summary.get("final_val_loss") is None:
+            return None
+        path = latest_checkpoint(self.out / "checkpoints")
+        if path is not None:  # a finished run resumed with another model or data is still an error
+            self._check_compatible(path, read_trainer_state(path).get("config") or {})
+        elif (self.out / "config.yaml").is_file():
+            import yaml
 
-            gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, rng)
-            rng_all = gathered
-        else:
-            rng_all = [rng]
-        return {"step": step, "model": model_sd, "optimizer": optim_sd, "rng": rng_all,
-                "config": self.cfg.to_dict(), "world_size": self.world}
+            self._check_compatible(self.out / "config.yaml",
+                                   yaml.safe_load((self.out / "config.yaml").read_text()) or {})
+        keys = {f.name for f in TrainResult.__dataclass_fields__.values()} - {"history"}
+        result = TrainResult(**{k: summary[k] for k in keys if k in summary})
+        result.out_dir = self.out
+        result.model_dir = Path(summary["model_dir"]) if summary.get("model_dir") else None
+        metrics = self.out / "metrics.jsonl"
+        if metrics.exists():
+            result.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        return result
 
     #: train keys a resumed run may change (they do not change the model, data or data order)
     RESUMABLE_CHANGES = frozenset({"steps", "eval_every", "eval_batches", "eval_batch_size", "log_every",
                                    "ckpt_every", "keep_last", "progress", "threads", "tensorboard", "compile",
-                                   "device"})
+                                   "device", "fsdp"})
 
     def _check_compatible(self, path: Path, saved: dict[str, Any]) -> None:
         """Refuse to resume a checkpoint written with a different model, data or data order."""
@@ -609,22 +623,6 @@ class Trainer:
         if saved.get("seed", self.cfg.seed) != self.cfg.seed:
             raise ValueError(f"cannot resume from {path}: it was written with seed={saved['seed']}, "
                              f"the config now says {self.cfg.seed}")
-
-    def _load_state(self, model, raw_model, optimizer, state, distributed: bool, fsdp: bool) -> None:
-        if fsdp and distributed:
-            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                      FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
-                model.load_state_dict(state["model"])
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optimizer"]))
-        else:
-            raw_model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-        rngs = state.get("rng") or []
-        if rngs:
-            _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
 
 
 def train(cfg: RunConfig, out_dir: str | os.PathLike, **kwargs: Any) -> TrainResult:
