@@ -179,10 +179,43 @@ def test_gpt2_conversion_and_rotary_refusal():
 
     reason = rotary_reason(Fake())
     assert reason and "rotary" in reason and "llama" in reason
-    m.config.position = "rotary"  # pretend: SVD must refuse, grouping still allowed
+    m.config.position = "rotary"  # pretend: the QK form must be refused, values/outputs and grouping allowed
     with pytest.raises(CompressionError, match="rotary position embeddings"):
-        compress_model(m, "svd", 0.5)
+        svd_compress(copy.deepcopy(m), qk_ranks=[8, 8], v_ranks=[8, 8])
+    c, info = compress_model(m, "svd", 0.5)
+    assert info["qk_ranks"] == [16, 16] and info["v_ranks"] == [8, 8] and info["paths"].startswith("value/output")
     compress_model(m, "group", 0.5)
+
+
+def test_value_output_svd_on_a_llama_gqa_model_is_exact_at_full_rank_and_shares_kv_rows():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from headbudget.models import to_headbudget
+
+    torch.manual_seed(0)
+    m = to_headbudget(LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=80, attention_bias=True)))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    m.prune_heads({1: [0, 1, 5]})  # unequal groups (2 + 3) in layer 1
+    x = torch.randint(0, 80, (2, 12))
+    ref = m(x).logits
+    full, _ = compress_model(m, "svd", 1.0)
+    assert (full(x).logits - ref).abs().max() <= 1e-4
+    half, info = compress_model(m, "svd", 0.5)
+    a = half.transformer.h[1].attn
+    assert info["v_ranks"] == [4, 4] and a.qk_head_dim == 8 and a.v_head_dim == 4 and a.kv_groups == [2, 3]
+    assert a.projections()["v"][0].shape == (2 * 4, 64)  # still one value row block per kv head
+    # truncation error of each kv head's form equals its dropped singular values (independent SVD)
+    f = layer_factors(m.transformer.h[1].attn, 1, qk=False)
+    for fv in f["vo"]:
+        dense = fv.product()
+        sig = torch.linalg.svdvals(dense)
+        assert torch.allclose(sig[:8], fv.sigma[:8], rtol=1e-6, atol=1e-8)
+        assert (dense - fv.product(4)).norm().item() == pytest.approx(sig[4:].pow(2).sum().sqrt().item(), rel=1e-6)
 
 
 def test_compress_cli(tmp_path, capsys):

@@ -91,17 +91,18 @@ def compress_model(
     heads = [b.attn.n_heads for b in blocks]
     info: dict[str, Any] = {"method": method, "keep": keep, "allocation": allocation, "strength": strength}
     if method == "svd":
-        reason = rotary_reason(model)
-        if reason:
-            raise CompressionError(f"SVD compression refused: {reason}")
-        full = [b.attn.qk_head_dim for b in blocks]
+        full = [b.attn.v_head_dim for b in blocks]
         ranks = allocate(full, keep, allocation, weights=heads, strength=strength)
+        # Rotary or grouped-query layers have no fixed per-head query/key form: reduce only values/outputs.
+        value_only = rotary_reason(model) is not None or any(b.attn.n_kv_heads != b.attn.n_heads for b in blocks)
+        qk_ranks = [b.attn.qk_head_dim for b in blocks] if value_only else ranks
         out = copy.deepcopy(model)
-        res = svd_compress(out, ranks, ranks, progress=progress)
-        info.update(qk_ranks=ranks, v_ranks=ranks, full_ranks=full,
+        res = svd_compress(out, qk_ranks, ranks, progress=progress)
+        info.update(qk_ranks=qk_ranks, v_ranks=ranks, full_ranks=full,
+                    paths="value/output only (rotary or grouped-query layers)" if value_only else "query/key and value/output",
                     kept_fraction=round(sum(r * h for r, h in zip(ranks, heads)) /
                                         sum(f * h for f, h in zip(full, heads)), 6),
-                    qk_rel_error=[sum(x) / len(x) for x in (lr["qk_rel_error"] for lr in res["per_layer"])],
+                    qk_rel_error=[sum(x) / len(x) if x else 0.0 for x in (lr["qk_rel_error"] for lr in res["per_layer"])],
                     vo_rel_error=[sum(x) / len(x) for x in (lr["vo_rel_error"] for lr in res["per_layer"])])
         return out, info
     # grouping

@@ -106,28 +106,42 @@ def _head_rows(weight: torch.Tensor, bias: torch.Tensor | None, h: int, dim: int
     return torch.cat([w, col[:, None]], dim=1)
 
 
+def kv_groups_of(attn: nn.Module) -> list[list[int]]:
+    """Query heads served by each key/value head, in order (``[[0], [1], ...]`` for multi-head attention)."""
+    groups: list[list[int]] = [[] for _ in range(attn.n_kv_heads)]
+    for h, g in enumerate(attn.kv_index):
+        groups[g].append(h)
+    return groups
+
+
 @torch.no_grad()
-def layer_factors(attn: nn.Module, layer: int = 0) -> dict[str, list[HeadFactors]]:
-    """Full-rank QK and VO factors of every head of one attention layer (see module doc)."""
+def layer_factors(attn: nn.Module, layer: int = 0, qk: bool = True) -> dict[str, list[HeadFactors]]:
+    """Full-rank QK factors of every query head (``qk=True``) and VO factors of every key/value head.
+
+    A key/value head shared by several query heads (grouped-query attention) gets one VO form for all of
+    them, ``[W_V,g | b_V,g]^T [W_O,h1^T ... W_O,hn^T]``, so its value rows stay shared after truncation.
+    """
     H, KV = attn.n_heads, attn.n_kv_heads
-    if KV != H:
+    if qk and KV != H:
         raise CompressionError(
-            f"layer {layer}: SVD needs one key/value head per query head, but the layer has "
-            f"{H} query heads sharing {KV} key/value heads (run SVD before grouping)"
+            f"layer {layer}: the query/key form needs one key/value head per query head, but the layer has "
+            f"{H} query heads sharing {KV} key/value heads (only the value/output path can be reduced)"
         )
     dq, dv = attn.qk_head_dim, attn.v_head_dim
     p = attn.projections()
     (qw, qb), (kw, kb), (vw, vb), (ow, ob) = p["q"], p["k"], p["v"], p["o"]
     fold_v_bias = ob is not None
-    qk, vo = [], []
-    for h in range(H):
-        a = _head_rows(qw, qb, h, dq, True)  # query bias kept exactly
-        b = _head_rows(kw, kb, h, dq, False)  # key bias is softmax-invariant: dropped
-        qk.append(factor_product(a.T, b.T))
-        av = _head_rows(vw, vb, h, dv, not fold_v_bias)
-        wo_h = ow[:, h * dv:(h + 1) * dv].double()  # (d, dv)
-        vo.append(factor_product(av.T, wo_h))
-    return {"qk": qk, "vo": vo}
+    qk_f, vo = [], []
+    if qk:
+        for h in range(H):
+            a = _head_rows(qw, qb, h, dq, True)  # query bias kept exactly
+            b = _head_rows(kw, kb, h, dq, False)  # key bias is softmax-invariant: dropped
+            qk_f.append(factor_product(a.T, b.T))
+    for g, heads in enumerate(kv_groups_of(attn)):
+        av = _head_rows(vw, vb, g, dv, not fold_v_bias)
+        wo = torch.cat([ow[:, h * dv:(h + 1) * dv] for h in heads]).double()  # (len(heads) * d, dv)
+        vo.append(factor_product(av.T, wo))
+    return {"qk": qk_f, "vo": vo}
 
 
 def singular_values(model: nn.Module) -> list[dict[str, list[list[float]]]]:
@@ -142,36 +156,48 @@ def singular_values(model: nn.Module) -> list[dict[str, list[list[float]]]]:
 @torch.no_grad()
 def compress_layer(attn: nn.Module, qk_rank: int, v_rank: int, layer: int = 0,
                    factors: dict[str, list[HeadFactors]] | None = None) -> dict[str, Any]:
-    """Replace one layer's q/k/v/o by rank-``qk_rank`` / rank-``v_rank`` per-head factors, in place.
+    """Replace one layer's q/k/v/o by rank-``qk_rank`` / rank-``v_rank`` factors, in place.
 
-    Returns per-head Frobenius errors of the truncated forms (``qk_error``/``vo_error``, relative
-    ``*_rel_error``).
+    ``qk_rank`` equal to the current query/key width leaves q and k untouched (the only choice for
+    rotary or grouped-query layers).  Returns Frobenius errors of the truncated forms, per query head for
+    QK and per key/value head for VO (``qk_error``/``vo_error``, relative ``*_rel_error``).
     """
     H, dq, dv = attn.n_heads, attn.qk_head_dim, attn.v_head_dim
     for name, r, full in (("qk", qk_rank, dq), ("v", v_rank, dv)):
         if not isinstance(r, int) or not 1 <= r <= full:
             raise CompressionError(f"layer {layer}: {name} rank must be an integer in [1, {full}], got {r!r}")
-    f = factors or layer_factors(attn, layer)
+    reduce_qk = qk_rank < dq
+    f = factors or layer_factors(attn, layer, qk=reduce_qk)
     p = attn.projections()
-    (qw, qb), vb, (ow, ob) = p["q"], p["v"][1], p["o"]
+    (qw, qb), (kw, kb), vb, (ow, ob) = p["q"], p["k"], p["v"][1], p["o"]
     d = qw.shape[1]
     has_bias = qb is not None
-    q_rows, k_rows, v_rows, o_cols = [], [], [], []
     o_bias = ob.double().clone() if ob is not None else None
     qk_err, vo_err, qk_rel, vo_rel = [], [], [], []
-    for h in range(H):
-        fq, fv = f["qk"][h], f["vo"][h]
-        q_rows.append(fq.left[:qk_rank])
-        k_rows.append(fq.right[:qk_rank])
+
+    def record(sig: torch.Tensor, r: int, err: list, rel: list) -> None:
+        tail = float(sig[r:].pow(2).sum().sqrt())
+        err.append(tail)
+        rel.append(tail / max(float(sig.pow(2).sum().sqrt()), 1e-30))
+
+    if reduce_qk:
+        qa = torch.cat([f["qk"][h].left[:qk_rank] for h in range(H)])
+        ka = torch.cat([f["qk"][h].right[:qk_rank] for h in range(H)])
+        q, k = (qa[:, :d], qa[:, d] if has_bias else None), (ka[:, :d], ka[:, d] if has_bias else None)
+        for fq in f["qk"]:
+            record(fq.sigma, qk_rank, qk_err, qk_rel)
+    else:
+        q, k = (qw, qb), (kw, kb)
+    v_rows, o_cols = [], [None] * H
+    for g, heads in enumerate(kv_groups_of(attn)):
+        fv = f["vo"][g]
         v_rows.append(fv.left[:v_rank])
-        o_cols.append(fv.right[:v_rank])
-        if o_bias is not None and vb is not None:
-            o_bias += ow[:, h * dv:(h + 1) * dv].double() @ vb[h * dv:(h + 1) * dv].double()
-        for sig, r, err, rel in ((fq.sigma, qk_rank, qk_err, qk_rel), (fv.sigma, v_rank, vo_err, vo_rel)):
-            tail = float(sig[r:].pow(2).sum().sqrt())
-            err.append(tail)
-            rel.append(tail / max(float(sig.pow(2).sum().sqrt()), 1e-30))
-    qa, ka, va = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
+        for i, h in enumerate(heads):  # the right factor stacks the output columns of every query head
+            o_cols[h] = fv.right[:v_rank, i * d:(i + 1) * d]
+            if o_bias is not None and vb is not None:  # rows of P sum to one: the value bias is a constant
+                o_bias += ow[:, h * dv:(h + 1) * dv].double() @ vb[g * dv:(g + 1) * dv].double()
+        record(fv.sigma, v_rank, vo_err, vo_rel)
+    va = torch.cat(v_rows)
     dtype = qw.dtype
 
     def part(w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -179,9 +205,7 @@ def compress_layer(attn: nn.Module, qk_rank: int, v_rank: int, layer: int = 0,
 
     v_bias = va[:, d] if (has_bias and o_bias is None) else (va.new_zeros(va.shape[0]) if has_bias else None)
     spec = dict(attn.spec, qk_head_dim=qk_rank, v_head_dim=v_rank)
-    attn.set_projections(spec, part(qa[:, :d], qa[:, d] if has_bias else None),
-                         part(ka[:, :d], ka[:, d] if has_bias else None), part(va[:, :d], v_bias),
-                         part(torch.cat(o_cols).T, o_bias))
+    attn.set_projections(spec, part(*q), part(*k), part(va[:, :d], v_bias), part(torch.cat(o_cols).T, o_bias))
     return {"qk_error": qk_err, "vo_error": vo_err, "qk_rel_error": qk_rel, "vo_rel_error": vo_rel}
 
 
@@ -191,13 +215,16 @@ def svd_compress(model: nn.Module, qk_ranks: Sequence[int], v_ranks: Sequence[in
 
     ``v_ranks`` defaults to ``qk_ranks``.  The config's schedule is updated (``neutral=False``,
     per-layer ``qk_head_dim``/``v_head_dim``), so ``save_pretrained``/``from_pretrained`` round-trip.
-    Raises :class:`CompressionError` for rotary models, grouped K/V layers and bad ranks.
+    A qk rank equal to the layer's query/key width leaves q and k as they are, which rotary and
+    grouped-query layers require (their value/output path is still reduced).  Raises
+    :class:`CompressionError` for a reduced qk rank on such layers and for bad ranks.
     """
-    reason = rotary_reason(model)
-    if reason:
-        raise CompressionError(f"SVD compression refused: {reason}")
     blocks = model.transformer.h
     v_ranks = list(qk_ranks) if v_ranks is None else list(v_ranks)
+    reason = rotary_reason(model)
+    if reason and any(int(r) < b.attn.qk_head_dim for r, b in zip(qk_ranks, blocks)):
+        raise CompressionError(f"SVD of the query/key form refused: {reason}; keep qk ranks at full width "
+                               "(the value/output path can still be reduced)")
     if len(qk_ranks) != len(blocks) or len(v_ranks) != len(blocks):
         raise CompressionError(f"need one rank per layer ({len(blocks)}), got {len(qk_ranks)} qk and "
                                f"{len(v_ranks)} v ranks")
