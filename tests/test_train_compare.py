@@ -30,9 +30,13 @@ def test_parse_schedules():
 
 
 def test_compare_is_deterministic_and_writes_reports(tmp_path):
-    cfg = tiny(tmp_path)
+    cfg = tiny(tmp_path).replace(train={"ckpt_every": 2})
     scheds = ["uniform", "prism", "uniform@32"]
     a = run_compare(cfg, scheds, 2, tmp_path / "a", save_models=False)
+    # --no-save-models keeps what was asked for: no model/, no optimizer checkpoints per run
+    run_dirs = [p for p in (tmp_path / "a").iterdir() if p.is_dir()]
+    assert len(run_dirs) == 6 and all((d / "metrics.jsonl").is_file() for d in run_dirs)
+    assert not [p for d in run_dirs for p in d.iterdir() if p.name in ("model", "checkpoints")]
     b = run_compare(cfg, scheds, 2, tmp_path / "b", save_models=False, plot=False)
     key = [(r["schedule"], r["seed"], r["params"], r["final_val_loss"], r["final_train_loss"]) for r in a["runs"]]
     assert key == [(r["schedule"], r["seed"], r["params"], r["final_val_loss"], r["final_train_loss"])

@@ -48,7 +48,7 @@ def test_two_process_ddp_matches_single_process(tmp_path):
     res = single.run()  # also prepares the data cache the workers reuse
     out = tmp_path / "ddp"
     mp.spawn(_worker, args=(2, _free_port(), str(out), cache), nprocs=2, join=True)
-    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     # the ranks are bit-identical (DDP all-reduces gradients; every rank steps the same optimizer)
     for k, v in r0["state"].items():
         assert torch.equal(v, r1["state"][k]), k

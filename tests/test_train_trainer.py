@@ -180,3 +180,89 @@ def test_param_groups_decay_matrices_only():
     assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == n_total  # tied weights once
     by_name = param_groups(model, 0.1, {"transformer.wte.weight"})  # FSDP path: names decide
     assert [names[id(p)] for p in by_name[0]["params"]] == ["transformer.wte.weight"]
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    from headbudget.cli.main import main
+
+    rc = main(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_resume_with_nothing_to_resume_starts_with_a_notice(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, steps=2, ckpt_every=0, eval_every=2)
+    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    rc, out, err = _cli(["train", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "new"), "--resume"], capsys)
+    assert rc == 0
+    assert f"--resume: no checkpoint in {tmp_path / 'new' / 'checkpoints'}; starting from step 0" in err
+    assert [r["step"] for r in _metrics(tmp_path / "new")] == [1, 2]
+
+
+@pytest.mark.parametrize("ckpt_every", [2, 0])
+def test_resume_on_a_finished_run_leaves_it_intact(tmp_path, capsys, ckpt_every):
+    cfg = tiny_config(tmp_path, steps=2, ckpt_every=ckpt_every, eval_every=2)
+    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    run = tmp_path / "run"
+    assert _cli(["train", str(tmp_path / "cfg.yaml"), "--out", str(run)], capsys)[0] == 0
+
+    def snapshot() -> dict[str, tuple[bytes, int]]:
+        return {str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+
+    before = snapshot()
+    assert json.loads((run / "summary.json").read_text())["final_val_loss"] is not None
+    rc, out, err = _cli(["train", str(tmp_path / "cfg.yaml"), "--out", str(run), "--resume"], capsys)
+    assert rc == 0 and "already finished 2 steps" in err and "nothing changed" in err and out == ""
+    assert snapshot() == before  # not one byte nor one mtime changed
+    # resuming it as a different model is still refused
+    (tmp_path / "other.yaml").write_text(cfg.replace(model={"schedule": "uniform"}).to_yaml())
+    rc, _, err = _cli(["train", str(tmp_path / "other.yaml"), "--out", str(run), "--resume"], capsys)
+    assert rc == 2 and "it was written with model.schedule='prism'" in err and err.count("\n") == 1
+    assert snapshot() == before
+
+
+class _Payload:
+    """Pickles to a call of os.system: what a malicious checkpoint would hide."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoints_never_unpickle_code(tmp_path):
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    model = torch.nn.Linear(3, 2)
+    path = save_checkpoint(tmp_path / "ck", 1, model, torch.optim.AdamW(model.parameters()))
+    marker = tmp_path / "pwned"
+    meta_file = path / ".metadata"
+    genuine = meta_file.read_bytes()
+    # 1. code in DCP's .metadata pickle: refused by the restricted unpickler
+    meta_file.write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(ckpt.CheckpointError, match=r"\.metadata: not a headbudget checkpoint .*posix.system"):
+        ckpt.load_checkpoint(path, torch.nn.Linear(3, 2))
+    # 2. a well-formed .metadata declaring a non-tensor entry (DCP would torch.load it with weights_only=False)
+    md = ckpt._MetadataUnpickler(__import__("io").BytesIO(genuine)).load()
+    md.state_dict_metadata["model.weight"] = BytesStorageMetadata()
+    meta_file.write_bytes(pickle.dumps(md))
+    with pytest.raises(ckpt.CheckpointError, match="entry 'model.weight' is not a tensor"):
+        ckpt.load_checkpoint(path, torch.nn.Linear(3, 2))
+    # 3. code in a per-rank RNG file: torch.load(weights_only=True) refuses it
+    meta_file.write_bytes(genuine)
+    torch.save({"torch": _Payload(marker)}, path / "rng_rank0.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_checkpoint(path, torch.nn.Linear(3, 2))
+    assert not marker.exists()
+
+
+def test_old_pickled_checkpoints_are_refused_by_name(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, steps=2, ckpt_every=0, eval_every=2)
+    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "old" / "checkpoints" / "step_000002.pt").write_bytes(b"pickled")
+    rc, _, err = _cli(["train", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "old"), "--resume"], capsys)
+    assert rc == 2 and "step_*.pt checkpoints of headbudget < 0.2" in err and err.count("\n") == 1

@@ -49,6 +49,7 @@ def _quiet_transformers() -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     _quiet_transformers()
+    from headbudget.train.checkpoint import legacy_checkpoints, list_checkpoints
     from headbudget.train.trainer import Trainer, TrainingDivergedError
 
     cfg = _load(args)
@@ -60,14 +61,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.seed is not None:
         cfg = cfg.replace(seed=args.seed)
     out = Path(args.out or cfg.out or f"runs/{cfg.name}-{cfg.model.schedule}-s{cfg.seed}")
-    if (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*.pt")) and not args.resume:
+    if not args.resume and (list_checkpoints(out / "checkpoints") or legacy_checkpoints(out / "checkpoints")):
         raise ValueError(f"{out} already holds checkpoints: add --resume to continue, or choose another --out")
     t0 = time.perf_counter()
     try:
-        result = Trainer(cfg, out, resume=args.resume).run()
+        trainer = Trainer(cfg, out, resume=args.resume)
+        result = trainer.run()
     except TrainingDivergedError as exc:
         print(f"headbudget train: stopped: {exc}", file=sys.stderr)
         return 3
+    if trainer.already_finished:
+        return 0  # the trainer said so on stderr; the run is left exactly as it was
     if _is_main():
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
         what = f"from {cfg.model.init}" if cfg.model.init else cfg.model.schedule
@@ -126,7 +130,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", help="head schedule: uniform, prism, reverse, linear, uniform@128, 3,3,6,6 ...")
     p.add_argument("--out", help="run directory (default: config 'out' or runs/NAME-SCHEDULE-sSEED)")
     p.add_argument("--seed", type=int, help="override the config's seed")
-    p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
+    p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out (none yet: start at step 0 "
+                   "with a notice; a finished run is left as it is)")
     p.add_argument("--init", metavar="DIR",
                    help="start from a saved model (pruned/compressed ones too): its layout, weights and tokenizer; "
                         "fresh optimizer; data and training settings from CONFIG")

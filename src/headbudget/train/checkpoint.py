@@ -141,21 +141,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not part of DCP metadata)")
 
 
+def read_metadata(path: str | os.PathLike):
+    """DCP's ``.metadata`` of a checkpoint, unpickled safely; every entry must be a tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta_path = Path(path) / ".metadata"
+    try:
+        with open(meta_path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
+        raise CheckpointError(f"{meta_path}: not a headbudget checkpoint ({exc})") from None
+    for key, item in getattr(md, "state_dict_metadata", {}).items():
+        if not isinstance(item, TensorStorageMetadata):  # DCP would torch.load(weights_only=False) it
+            raise CheckpointError(f"{meta_path}: entry {key!r} is not a tensor; refusing to load it")
+    return md
+
+
 def _safe_reader(path: Path):
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            meta_path = Path(self.path) / ".metadata"
-            try:
-                with open(meta_path, "rb") as f:
-                    md = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
-                raise CheckpointError(f"{meta_path}: not a headbudget checkpoint ({exc})") from None
-            for key, item in md.state_dict_metadata.items():
-                if not isinstance(item, TensorStorageMetadata):  # non-tensors would go through pickle
-                    raise CheckpointError(f"{meta_path}: entry {key!r} is not a tensor; refusing to load it")
+            md = read_metadata(self.path)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -261,6 +269,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
 
     path = Path(path)
     meta = read_trainer_state(path)
+    read_metadata(path)  # a clear error here rather than one wrapped in DCP's per-rank exception
     on, rank = _dist()
     state, param_groups = _tensor_state(model, optimizer)
     with _single_process_ok():
@@ -281,4 +290,4 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
 
 
 __all__ = ["CheckpointError", "checkpoint_path", "latest_checkpoint", "legacy_checkpoints", "list_checkpoints",
-           "load_checkpoint", "read_trainer_state", "rng_state", "save_checkpoint", "set_rng_state"]
+           "load_checkpoint", "read_metadata", "read_trainer_state", "rng_state", "save_checkpoint", "set_rng_state"]

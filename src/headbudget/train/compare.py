@@ -88,6 +88,8 @@ def run_compare(
     for seed in seed_list:  # seed-major: a partial comparison still has every schedule at seed 0
         for sched in schedules:
             run_cfg = cfg.replace(seed=seed, name=f"{cfg.name}-{sched}-s{seed}", model={"schedule": sched})
+            if not save_models:  # compare cannot resume a run, so its optimizer checkpoints are dead weight
+                run_cfg = run_cfg.replace(train={"ckpt_every": 0})
             run_dir = out / f"{_safe(sched)}-seed{seed}"
             result = Trainer(run_cfg, run_dir, data=data, save_model=save_models).run()
             sch = build_schedule(run_cfg)

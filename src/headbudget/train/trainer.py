@@ -228,6 +228,8 @@ class Trainer:
         self.data = data
         self.save_model = save_model
         self.rank, self.world, self.local_rank = _dist_env()
+        #: set by run() when ``resume`` found the run already finished (nothing was trained or written)
+        self.already_finished = False
         self._check()
 
     def _check(self) -> None:
@@ -300,7 +302,7 @@ class Trainer:
                 if self.rank == 0:
                     print(f"{self.out} already finished {finished.steps} steps (train.steps={t.steps}); "
                           "nothing to resume, nothing changed", file=sys.stderr, flush=True)
-                self.model = None
+                self.model, self.already_finished = None, True
                 return finished
         distributed = self._init_dist(device)
         is_main = self.rank == 0
