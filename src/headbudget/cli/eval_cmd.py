@@ -102,8 +102,8 @@ def run_attention(args: argparse.Namespace) -> int:
         plot_distance_comparison,
         write_json,
     )
-    from headbudget.loading import load_model_and_tokenizer
     from headbudget.evaluation.perplexity import read_text
+    from headbudget.loading import load_model_and_tokenizer
 
     text = read_text(args.data)
     out = Path(args.out)
@@ -166,7 +166,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="text file, or HF dataset NAME[:CONFIG]")
     p.add_argument("--split", default="test", help="HF split (default test)")
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--stride", type=int, default=512)
+    p.add_argument("--stride", type=int, default=None, help="window step (default: half the context)")
     p.add_argument("--max-windows", type=int, help="score only the first N windows")
     p.add_argument("--json")
     p.add_argument("--quiet", action="store_true")

@@ -70,12 +70,12 @@ def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int
 @torch.inference_mode()
 def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, *,
                input_ids: torch.Tensor | list[int] | None = None, context: int = 1024,
-               stride: int = 512, max_windows: int | None = None, device: str | None = None,
+               stride: int | None = None, max_windows: int | None = None, device: str | None = None,
                progress: bool = True) -> dict[str, Any]:
     """Token-level loss and perplexity of ``text`` (or of ``input_ids``) with a sliding window.
 
     ``max_windows`` scores only the first windows (quick looks); the result says how many tokens
-    were scored.  ``context`` is capped at the model's positions.
+    were scored.  ``context`` is capped at the model's positions; ``stride`` defaults to half of it.
     """
     if input_ids is None:
         if text is None:
@@ -87,7 +87,8 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
         getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if n_pos is not None and context > int(n_pos):
         context = int(n_pos)
-        stride = min(stride, context)
+        stride = None if stride is None else min(stride, context)
+    stride = max(1, context // 2) if stride is None else stride
     plan = window_plan(len(ids_t), context, stride)
     if max_windows is not None:
         plan = plan[:max_windows]
