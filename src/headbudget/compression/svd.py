@@ -62,7 +62,7 @@ def rotary_reason(model: Any) -> str | None:
         what = f"position_embedding_type={pos_type!r}" if pos_type else ", ".join(hints)
         return (f"model_type {getattr(cfg, 'model_type', '?')!r} uses rotary position embeddings ({what}): "
                 "q and k are rotated by position, so the logit is not the fixed bilinear form "
-                "x^T W_Q^T W_K y that QK SVD truncates (grouping K/V heads is still possible)")
+                "x^T W_Q^T W_K y that QK SVD truncates")
     return None
 
 
