@@ -8,16 +8,17 @@ from pathlib import Path
 import yaml
 
 from headbudget.cli.main import main
-from headbudget.cli.quickstart_cmd import QUICKSTART, quickstart_config
+from headbudget.cli.quickstart_cmd import quickstart_config
 from headbudget.train.config import RunConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # the checkout's link to the package's configs
 
 
-def test_embedded_quickstart_config_matches_configs_file():
+def test_quickstart_config_is_the_bundled_file():
     from_file = RunConfig.load(CONFIGS / "quickstart.yaml")
-    assert RunConfig.from_dict(QUICKSTART) == from_file == quickstart_config()
+    assert from_file == quickstart_config()
     assert yaml.safe_load((CONFIGS / "quickstart.yaml").read_text())["model"]["preset"] == "cpu-tiny"
+    assert quickstart_config(["train.steps=7"], tiny=True).train.steps == 7
 
 
 def test_tiny_quickstart_writes_report_and_timings(tmp_path, capsys):

@@ -37,14 +37,17 @@ class CLIError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` only that command's module is imported (``schedule`` needs no torch),
+    without it every command (for ``--help``)."""
     parser = argparse.ArgumentParser(
         prog="headbudget",
         description="Adaptive head budgeting: schedules, training, evaluation, pruning, compression.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     registered: set[str] = set()
-    for module_name in dict.fromkeys(COMMANDS.values()):
+    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for module_name in modules:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a command module not yet written in this checkout
@@ -63,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # no global options take values
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -16,19 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from headbudget.train.config import RunConfig, apply_overrides
-
-#: The built-in copy of configs/quickstart.yaml (a test checks they agree), so an installed package
-#: without the repository's configs/ folder still runs the quickstart.
-QUICKSTART: dict[str, Any] = {
-    "name": "quickstart",
-    "seed": 0,
-    "model": {"preset": "cpu-tiny", "schedule": "uniform", "vocab_size": None},
-    "data": {"source": "synthetic:400000", "tokenizer": "bpe:512", "val_fraction": 0.05, "seed": 0},
-    "train": {"steps": 150, "batch_size": 16, "context": 128, "lr": 3.0e-3, "min_lr_ratio": 0.1,
-              "warmup_steps": 15, "weight_decay": 0.1, "grad_clip": 1.0, "eval_every": 50,
-              "eval_batches": 8, "log_every": 10, "ckpt_every": 0},
-}
+from headbudget.train.config import RunConfig, apply_overrides, resolve_config_path
 
 #: ``--tiny`` (hidden, for tests): seconds instead of minutes.
 TINY_OVERRIDES = [
@@ -42,9 +30,8 @@ SCHEDULES = ("uniform", "prism")
 
 
 def quickstart_config(overrides: list[str] | None = None, tiny: bool = False) -> RunConfig:
-    """configs/quickstart.yaml when present, else the embedded copy; then ``--tiny`` and ``--set``."""
-    path = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
-    cfg = RunConfig.load(path) if path.is_file() else RunConfig.from_dict(QUICKSTART, "built-in quickstart")
+    """The bundled ``quickstart`` config (package data, so a wheel install has it), then ``--tiny`` and ``--set``."""
+    cfg = RunConfig.load(resolve_config_path("quickstart"))
     return apply_overrides(cfg, (TINY_OVERRIDES if tiny else []) + list(overrides or []))
 
 

@@ -4,8 +4,20 @@
     >>> # result = train(load_config("configs/quickstart.yaml", ["train.steps=50"]), "runs/qs")
 """
 
+from typing import Any
+
 from headbudget.train.config import ConfigError, RunConfig, apply_overrides, load_config, resolve_config_path
-from headbudget.train.trainer import Trainer, TrainingDivergedError, TrainResult, build_model, train
 
 __all__ = ["ConfigError", "RunConfig", "apply_overrides", "load_config", "resolve_config_path", "Trainer",
            "TrainingDivergedError", "TrainResult", "build_model", "train"]
+
+_TRAINER = {"Trainer", "TrainingDivergedError", "TrainResult", "build_model", "train"}
+
+
+def __getattr__(name: str) -> Any:
+    # the trainer (torch) loads on first use, so reading configs (``headbudget.train.config``) stays light
+    if name in _TRAINER:
+        from headbudget.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'headbudget.train' has no attribute {name!r}")

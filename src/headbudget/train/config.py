@@ -268,12 +268,29 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     return apply_overrides(cfg, overrides)
 
 
+def bundled_configs() -> dict[str, Path]:
+    """The named configs shipped inside the package (``headbudget/configs/*.yaml``), by name."""
+    from importlib.resources import files
+
+    root = Path(str(files("headbudget") / "configs"))
+    return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+
+
 def resolve_config_path(name: str) -> Path:
-    """A config path, or the name of a bundled config (``quickstart``, ``cpu-small``, ...)."""
+    """A config file, or the name of a bundled config: ``quickstart``, ``cpu-small``, ``gpt2-124m``, ...
+
+    ``configs/cpu-small.yaml`` (the README's spelling) also finds the bundled file when there is no
+    such file, so the README's commands work from a wheel install too.
+
+        >>> resolve_config_path("cpu-small").name
+        'cpu-small.yaml'
+    """
     p = Path(name)
     if p.is_file():
         return p
-    bundled = Path(__file__).resolve().parents[3] / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
-    if bundled.is_file():
-        return bundled
-    raise FileNotFoundError(f"config {name!r} not found (not a file, nor a config under configs/)")
+    bundled = bundled_configs()
+    stem = p.name[:-len(".yaml")] if p.name.endswith(".yaml") else p.name
+    if stem in bundled and (p.parent == Path(".") or p.parent == Path("configs")):
+        return bundled[stem]
+    raise FileNotFoundError(f"config {name!r} not found: not a file, nor a bundled config "
+                            f"({', '.join(bundled)})")
