@@ -163,11 +163,11 @@ def test_allocations_same_total():
 def test_gpt2_conversion_and_rotary_refusal():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.models.gpt2_compat import from_gpt2
+    from headbudget.models import to_headbudget
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)).eval()
-    m = from_gpt2(hf)
+    m = to_headbudget(hf)
     x = torch.randint(0, 100, (1, 16))
     ref = hf(x).logits
     c, info = compress_model(m, "svd", 1.0, "uniform")
@@ -267,7 +267,7 @@ def test_compress_cli_on_hf_gpt2_directory(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from headbudget.cli.main import main
-    from headbudget.models.gpt2_compat import from_gpt2
+    from headbudget.models import to_headbudget
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)).eval()
@@ -281,7 +281,7 @@ def test_compress_cli_on_hf_gpt2_directory(tmp_path):
     assert report["model_kind"] == "gpt2" and report["n_kv_heads"] == [2, 2]
     assert report["head_order"][0] == [0, 2, 1, 3]
     back = HeadBudgetForCausalLM.from_pretrained(tmp_path / "out" / "model").eval()
-    ref = from_gpt2(hf)
+    ref = to_headbudget(hf)
     x = torch.randint(0, 100, (1, 12))
     # query/output of layer 0 are the permuted originals; K is the mean of heads 0 and 2
     a, b = ref.transformer.h[0].attn, back.transformer.h[0].attn

@@ -4,8 +4,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHea
 
 import headbudget  # noqa: F401  (registers the Auto classes)
 from headbudget.accounting import count_parameters
-from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
-from headbudget.models.gpt2_compat import from_gpt2
+from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM, to_headbudget
 from headbudget.schedules import HeadSchedule, LayerSpec, prism
 
 
@@ -134,7 +133,7 @@ def test_save_and_load_round_trip_of_pruned_model(tmp_path):
 def test_gpt2_weights_give_same_logits():
     cfg = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=120, n_positions=40, bos_token_id=0, eos_token_id=0)
     hf = GPT2LMHeadModel(cfg).eval()
-    ours = from_gpt2(hf)
+    ours = to_headbudget(hf)
     x = torch.randint(0, 120, (2, 33))
     assert (hf(x).logits - ours(x).logits).abs().max() <= 1e-4
     mask = torch.ones_like(x)

@@ -211,20 +211,11 @@ def _first_line(exc: BaseException) -> str:
 
 # --------------------------------------------------------------------------- models
 def to_headbudget(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` as a :class:`~headbudget.models.HeadBudgetForCausalLM` (identity on one)."""
-    try:
-        from headbudget.models import to_headbudget as convert
-    except ImportError:  # TODO(issue 9): drop this fallback once headbudget.models.to_headbudget has landed
-        convert = None
-    if convert is not None:
-        return convert(model)
-    if getattr(model.config, "model_type", None) == "headbudget":
-        return model
-    if type(model).__name__ == "GPT2LMHeadModel":
-        from headbudget.models.gpt2_compat import from_gpt2
+    """``model`` as a :class:`~headbudget.models.HeadBudgetForCausalLM` (identity on one); a
+    :class:`~headbudget.models.ConversionError` (a ``ValueError``) names a family it cannot convert."""
+    from headbudget.models import to_headbudget as convert
 
-        return from_gpt2(model)
-    raise ValueError(f"{type(model).__name__}: no conversion to a headbudget model yet (GPT-2 only)")
+    return convert(model)
 
 
 def load_model(
