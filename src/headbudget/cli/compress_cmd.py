@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Compress a headbudget or Hugging Face GPT-2 model directory. Writes OUT/model/ "
         "(loadable with from_pretrained), OUT/report.json, and with --sweep OUT/sweep.json and OUT/sweep.png.",
     )
-    p.add_argument("model", metavar="MODEL", help="model directory (headbudget run's model/ or a GPT-2 directory)")
+    p.add_argument("model", metavar="MODEL",
+                   help="model or run folder, or GGUF file, of any decoder headbudget converts (GPT-2, Llama, ...)")
     p.add_argument("--method", choices=["svd", "group"], default="svd",
                    help="svd: per-head rank reduction of W_Q W_K^T and W_V W_O; group: share K/V within head groups")
     p.add_argument("--keep", type=float, default=0.5,
@@ -34,9 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSON file with explicit head groups for --method group: a list with one entry per "
                    "layer (a list of head-index lists, or null to allocate that layer), or an object "
                    "{\"LAYER\": groups} naming some layers; e.g. CAHP clusters")
-    p.add_argument("--data", default=None, help="text file for perplexity before/after (sliding window)")
+    p.add_argument("--data", default=None,
+                   help="text for perplexity before/after: a file, an HF dataset NAME[:CONFIG], or synthetic[:N_WORDS] "
+                   "(held-out text of the built-in grammar)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer dir/spec (default: MODEL/tokenizer or MODEL itself)")
+                   help="tokenizer folder or spec (default: the model's own, see headbudget.loading)")
     p.add_argument("--context", type=int, default=256, help="perplexity window (capped at the model's positions)")
     p.add_argument("--stride", type=int, default=None, help="perplexity stride (default context/2)")
     p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from headbudget.compression.svd import CompressionError, rotary_reason, svd_comp
 from headbudget.io import atomic_write_dir, atomic_write_json
 
 METHODS = ("svd", "group")
+HELDOUT_SEED = 1_000_003  # synthetic evaluation text: a seed no training config uses
 
 
 # ---------------------------------------------------------------------- accounting
@@ -132,6 +134,18 @@ def compress_model(
 
 
 # ---------------------------------------------------------------------- data
+def read_eval_text(data: str) -> str:
+    """Text to score: a file or Hugging Face dataset (:func:`headbudget.evaluation.perplexity.read_text`), or
+    ``synthetic[:N_WORDS]``: the built-in grammar's text drawn with a seed training never uses (held out)."""
+    if data.split(":", 1)[0] == "synthetic" and not Path(data).exists():
+        from headbudget.data.sources import read_source
+
+        return "\n\n".join(read_source(data, seed=HELDOUT_SEED).documents)
+    from headbudget.evaluation.perplexity import read_text
+
+    return read_text(data)
+
+
 def _source_family(src: Any) -> str:
     """The source checkpoint's ``model_type`` (``headbudget``, ``gpt2``, ...; ``gguf`` for a GGUF file)."""
     if src.gguf_file:
@@ -238,15 +252,20 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
         tok = None
     ids = None
     if data:
-        from headbudget.evaluation.perplexity import read_text
-
-        text = read_text(data)
-        ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        ids = torch.tensor(tok(read_eval_text(data), add_special_tokens=False)["input_ids"], dtype=torch.long)
         if max_tokens:
             ids = ids[:max_tokens]
         if len(ids) < 2:
             raise ValueError(f"{data}: fewer than 2 tokens")
     stride = stride or max(1, context // 2)
+    if ids is not None and progress:  # say up front how much scoring is ahead (a sweep repeats it)
+        from headbudget.evaluation.perplexity import window_plan
+
+        n_win = len(window_plan(len(ids), min(context, model.config.n_positions), stride))
+        n_win = min(n_win, max_windows) if max_windows else n_win
+        passes = 2 + (len(sweep) * len(ALLOCATIONS) if sweep else 0)
+        print(f"scoring {len(ids):,} tokens ({n_win} windows of {context}) x {passes} models; "
+              "--max-tokens/--max-windows make it shorter", file=sys.stderr, flush=True)
 
     def ppl(m: nn.Module) -> dict[str, Any] | None:
         return None if ids is None else evaluate_perplexity(m, ids, context, stride, max_windows, progress)

@@ -55,24 +55,15 @@ def module_flops_per_token(model: nn.Module, context: int) -> int:
     return linear + attention
 
 
-def _headbudget_flops(config: Any, context: int) -> int:
-    try:
-        from headbudget.accounting import config_cost
-    except ImportError:  # TODO(issue 9): drop once headbudget.accounting.config_cost is committed everywhere
-        from headbudget.accounting import flops_per_token
-
-        return int(flops_per_token(config.head_schedule, config.vocab_size, context,
-                                   mlp_ratio=getattr(config, "mlp_ratio", 4))["total"])
-    return int(config_cost(config, context).flops_per_token)
-
-
 def model_cost(model: nn.Module, context: int | None = None) -> dict[str, int]:
     """``{"params", "flops_per_token", "context"}``; ``context`` defaults to the model's positions."""
     config = model.config
     T = int(context) if context else _context(config)
     params = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
     if getattr(config, "model_type", None) == "headbudget":
-        flops = _headbudget_flops(config, T)
+        from headbudget.accounting import config_cost
+
+        flops = config_cost(config, T).flops_per_token
     else:
         flops = module_flops_per_token(model, T)
     return {"params": int(params), "flops_per_token": int(flops), "context": T}

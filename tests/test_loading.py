@@ -1,0 +1,215 @@
+"""headbudget.loading: one loader for every model and tokenizer (folders, run folders, GGUF, kinds, precedence)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from headbudget.loading import load_model, load_model_and_tokenizer, load_tokenizer, resolve_model
+
+CAHP = Path(__file__).resolve().parent / "fixtures" / "cahp"
+TEXT = "the dogs that the cat chases run . = end marco = " * 20
+
+
+def _headbudget(path: Path, vocab: int = 320) -> Path:
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.schedules import prism
+
+    torch.manual_seed(0)
+    HeadBudgetForCausalLM(HeadBudgetConfig(schedule=prism(2, 32, 16, 8), vocab_size=vocab,
+                                           n_positions=64)).save_pretrained(path)
+    return path
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizer_precedence_explicit_root_legacy_run_folder(tmp_path):
+    from headbudget.data.tokenizers import ByteTokenizer, make_tokenizer
+
+    bpe = make_tokenizer("bpe:300", [TEXT])
+    sample = "the cat chases the dogs ."
+    model_dir = _headbudget(tmp_path / "run" / "model")
+    ByteTokenizer().save(model_dir)                    # 2. the model folder's root
+    bpe.save(model_dir / "tokenizer")                  # 3. the legacy subfolder
+    bpe.save(tmp_path / "bpe_elsewhere")
+    assert _ids(load_tokenizer(model_dir=model_dir), sample) == list(sample.encode())  # root beats legacy
+    assert _ids(load_tokenizer(tmp_path / "bpe_elsewhere", model_dir=model_dir), sample) == bpe.encode(sample)
+    assert _ids(load_tokenizer("byte"), sample) == list(sample.encode())
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer_spec.json"):
+        (model_dir / f).unlink()
+    assert _ids(load_tokenizer(model_dir=model_dir), sample) == bpe.encode(sample)     # then the legacy one
+    # a run folder resolves to its model/; an old run kept the tokenizer only in run/tokenizer/
+    import shutil
+
+    shutil.move(str(model_dir / "tokenizer"), str(tmp_path / "run" / "tokenizer"))
+    assert _ids(load_tokenizer(model_dir=tmp_path / "run"), sample) == bpe.encode(sample)
+    shutil.rmtree(tmp_path / "run" / "tokenizer")
+    with pytest.raises(ValueError, match=f"{model_dir}: no tokenizer found"):
+        load_tokenizer(model_dir=tmp_path / "run")
+    with pytest.raises(ValueError, match="a trained BPE must be the model's own"):
+        load_tokenizer("bpe:300")
+
+
+def test_run_folder_opens_its_model(tmp_path):
+    from headbudget.data.tokenizers import ByteTokenizer
+
+    model_dir = _headbudget(tmp_path / "run" / "model")
+    ByteTokenizer().save(model_dir)
+    assert resolve_model(tmp_path / "run").where == model_dir
+    model, tok = load_model_and_tokenizer(tmp_path / "run")
+    direct = load_model(model_dir)
+    x = torch.tensor([_ids(tok, "hello")])
+    assert torch.equal(model(x).logits, direct(x).logits)
+    assert type(model).__name__ == "HeadBudgetForCausalLM" and not model.training
+    with pytest.raises(FileNotFoundError, match="no such model file or folder"):
+        load_model(tmp_path / "missing")
+
+
+def _tiny_llama_gguf(path: Path) -> torch.nn.Module:
+    """A tiny Llama-GQA written as F32 GGUF the way llama.cpp lays it out (rotary rows of q/k permuted,
+    byte-level GPT-2-style vocabulary: 256 byte tokens + <|endoftext|>); returns the reference model."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, bos_token_id=256, eos_token_id=256)
+    model = LlamaForCausalLM(cfg).eval()
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_block_count(2)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(8)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    u = bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([u[b] for b in range(256)] + ["<|endoftext|>"])
+    w.add_token_types([1] * 256 + [3])
+    w.add_token_scores([0.0] * 257)
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(256)
+
+    def perm(x, n):  # llama.cpp's rotary row order, which transformers undoes on load
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"input_layernorm": "attn_norm", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(2):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", perm(sd[p + "self_attn.q_proj.weight"], 4))
+        w.add_tensor(f"blk.{i}.attn_k.weight", perm(sd[p + "self_attn.k_proj.weight"], 2))
+        for hf_name, gg_name in names.items():
+            w.add_tensor(f"blk.{i}.{gg_name}.weight", sd[f"{p}{hf_name}.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def test_gguf_file_and_folder_open_with_the_embedded_tokenizer(tmp_path):
+    ref = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    text = "héllo wörld"
+    model, tok = load_model_and_tokenizer(tmp_path / "tiny.gguf")          # the file itself
+    assert _ids(tok, text) == list(text.encode())                          # the GGUF-embedded tokenizer
+    x = torch.tensor([_ids(tok, text)])
+    assert (model(x).logits - ref(x).logits).abs().max() < 1e-5
+    hb, _ = load_model_and_tokenizer(tmp_path, as_headbudget=True)          # a folder with one .gguf
+    assert type(hb).__name__ == "HeadBudgetForCausalLM"
+    assert (hb(x).logits - ref(x).logits).abs().max() < 1e-4
+    (tmp_path / "other.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes())
+    with pytest.raises(ValueError, match="holds 2 .gguf files"):
+        load_model(tmp_path)
+    assert resolve_model(tmp_path, gguf_file="other.gguf").gguf_file == "other.gguf"
+    with pytest.raises(ValueError, match="GGUF file holds a language model, not a classifier"):
+        load_model(tmp_path / "tiny.gguf", "classifier", num_labels=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertModel,
+        BertTokenizerFast,
+        GPT2Config,
+        GPT2LMHeadModel,
+    )
+
+    d = tmp_path_factory.mktemp("kinds")
+    tok = BertTokenizerFast(vocab_file=str(CAHP / "vocab.txt"), do_lower_case=True)
+    bert = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, max_position_embeddings=64, num_labels=5)
+    torch.manual_seed(0)
+    BertForSequenceClassification(bert).save_pretrained(d / "bert-cls")
+    BertModel(bert).save_pretrained(d / "bert-enc")
+    GPT2LMHeadModel(GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=4,
+                               n_positions=64)).save_pretrained(d / "gpt2")
+    for name in ("bert-cls", "bert-enc", "gpt2"):
+        tok.save_pretrained(d / name)
+    return {"bert-cls": d / "bert-cls", "bert-enc": d / "bert-enc", "gpt2": d / "gpt2"}
+
+
+def test_classifier_and_causal_mismatches_are_named(tiny_dirs):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is a causal language model, not a classifier"):
+        load_model(tiny_dirs["gpt2"], "classifier", num_labels=5)
+    with pytest.raises(ValueError, match="BertForSequenceClassification is a sequence classifier, not a causal"):
+        load_model(tiny_dirs["bert-cls"])
+    with pytest.raises(ValueError, match="BertModel is an encoder, not a causal language model"):
+        load_model(tiny_dirs["bert-enc"], as_headbudget=True)
+    with pytest.raises(ValueError, match="needs num_labels"):
+        load_model(tiny_dirs["bert-cls"], "classifier")
+    # an encoder gets a fresh, seeded head; a classifier keeps its own
+    a = load_model(tiny_dirs["bert-enc"], "classifier", num_labels=3, seed=1)
+    b = load_model(tiny_dirs["bert-enc"], "classifier", num_labels=3, seed=1)
+    assert torch.equal(a.classifier.weight, b.classifier.weight) and a.config.num_labels == 3
+    assert type(load_model(tiny_dirs["gpt2"], as_headbudget=True)).__name__ == "HeadBudgetForCausalLM"
+
+
+@pytest.mark.parametrize(("model", "task", "message"), [
+    ("gpt2", ["--task", "sst5", "--data-dir", str(CAHP / "sst5")],
+     "GPT2LMHeadModel is a causal language model, not a classifier"),
+    ("bert-cls", ["--task", "lm", "--data", str(Path(__file__).parent / "fixtures" / "lm" / "tiny_corpus.txt")],
+     "BertForSequenceClassification is a sequence classifier, not a causal language model"),
+])
+def test_prune_refuses_the_wrong_kind_in_one_line(tiny_dirs, tmp_path, capsys, model, task, message):
+    """No random classification head is bolted onto a decoder, and no classifier is scored as an LM."""
+    from headbudget.cli.main import main
+
+    out = tmp_path / "o"
+    rc = main(["prune", str(tiny_dirs[model]), *task, "--keep", "4", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("headbudget prune: error:")]
+    assert rc == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert not out.exists()  # nothing half-written
+
+
+def test_cost_of_a_gpt2_equals_its_headbudget_conversion(tiny_dirs):
+    """Module-counted FLOPs/parameters of an HF GPT-2 equal headbudget.accounting's for its conversion."""
+    from transformers import GPT2LMHeadModel
+
+    from headbudget.evaluation.cost import model_cost, module_flops_per_token
+
+    hf = GPT2LMHeadModel.from_pretrained(tiny_dirs["gpt2"])
+    hb = load_model(tiny_dirs["gpt2"], as_headbudget=True)
+    cost = model_cost(hb)
+    assert cost["context"] == 64
+    assert cost["flops_per_token"] == module_flops_per_token(hf, 64)
+    assert cost["params"] == sum(p.numel() for p in hf.parameters())
