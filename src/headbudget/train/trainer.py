@@ -96,7 +96,24 @@ def build_schedule(cfg: RunConfig) -> HeadSchedule:
     return schedule_from_spec(cfg.model.schedule, model_preset(cfg))
 
 
+def data_tokenizer_spec(cfg: RunConfig) -> str:
+    """The data tokenizer spec; ``"model"`` means the tokenizer saved at the root of ``model.init``."""
+    if cfg.data.tokenizer != "model":
+        return cfg.data.tokenizer
+    if not cfg.model.init:
+        raise ValueError("data.tokenizer=model needs model.init (the model whose tokenizer to use)")
+    from headbudget.loading import HF_TOKENIZER_FILES, resolve_model
+
+    src = resolve_model(cfg.model.init)
+    if not src.is_local or not any((src.where / f).is_file() for f in HF_TOKENIZER_FILES):
+        raise ValueError(f"{cfg.model.init}: no tokenizer saved with the model; set data.tokenizer "
+                         "(e.g. --set data.tokenizer=hf:DIR)")
+    return f"hf:{src.where}"
+
+
 def resolve_vocab_size(cfg: RunConfig, tokenizer_vocab: int) -> int:
+    if cfg.model.init:  # the model's own vocabulary; build_model checks the tokenizer fits it
+        return tokenizer_vocab
     if cfg.model.vocab_size is None:
         return int(math.ceil(tokenizer_vocab / 64) * 64)
     if cfg.model.vocab_size < tokenizer_vocab:
@@ -107,8 +124,22 @@ def resolve_vocab_size(cfg: RunConfig, tokenizer_vocab: int) -> int:
 
 
 def build_model(cfg: RunConfig, vocab_size: int):
-    """A freshly initialised :class:`HeadBudgetForCausalLM` for the config (seed the RNG first)."""
+    """A freshly initialised :class:`HeadBudgetForCausalLM` for the config (seed the RNG first),
+    or the model of ``model.init`` converted to headbudget (pruned layouts kept as they are)."""
     from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+
+    if cfg.model.init:
+        from headbudget.loading import load_model
+
+        model = load_model(cfg.model.init, kind="causal", as_headbudget=True).float().train()
+        if model.config.n_positions < cfg.train.context:
+            raise ValueError(f"{cfg.model.init}: the model has {model.config.n_positions} positions, "
+                             f"shorter than train.context={cfg.train.context}")
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(f"{cfg.model.init}: the tokenizer has {vocab_size} tokens but the model's "
+                             f"vocabulary is {model.config.vocab_size}")
+        model.config.dropout = cfg.model.dropout
+        return model
 
     n_pos = cfg.model.n_positions or cfg.train.context
     if n_pos < cfg.train.context:
@@ -244,7 +275,8 @@ class Trainer:
             )
         if t.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
-        build_schedule(self.cfg)  # schedule errors before any data work
+        if not self.cfg.model.init:
+            build_schedule(self.cfg)  # schedule errors before any data work
 
     # ------------------------------------------------------------------ setup
     def _device(self) -> torch.device:
@@ -272,16 +304,17 @@ class Trainer:
         d = self.cfg.data
         kw = dict(seed=d.seed, val_fraction=d.val_fraction, max_chars=d.max_chars,
                   split_blank_lines=d.split_blank_lines)
+        tokenizer = data_tokenizer_spec(self.cfg)
         if self.world > 1:
             import torch.distributed as dist
 
             if self.rank == 0:
-                data = prepare_data(d.source, d.tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
+                data = prepare_data(d.source, tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
             dist.barrier()
             if self.rank != 0:
-                data = prepare_data(d.source, d.tokenizer, d.cache_dir, progress=False, **kw)
+                data = prepare_data(d.source, tokenizer, d.cache_dir, progress=False, **kw)
             return data
-        return prepare_data(d.source, d.tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
+        return prepare_data(d.source, tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
 
     # ------------------------------------------------------------------ main
     def run(self) -> TrainResult:
@@ -514,7 +547,8 @@ class Trainer:
         )
         if is_main:
             summary = result.to_dict()
-            summary.update(name=cfg.name, seed=cfg.seed, schedule_spec=cfg.model.schedule,
+            summary.update(name=cfg.name, seed=cfg.seed, init=cfg.model.init,
+                           schedule_spec=f"init:{cfg.model.init}" if cfg.model.init else cfg.model.schedule,
                            world_size=self.world, data=data.meta)
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2))
         self.model = export
