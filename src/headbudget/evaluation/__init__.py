@@ -50,13 +50,13 @@ def register_lm_eval_model() -> bool:
     False when lm-eval is not installed."""
     from importlib.util import find_spec
 
-    if find_spec("lm_eval") is None:
-        return False
-    # lm-eval's own names first: its get_model() only fills an *empty* registry with them
     try:
+        if find_spec("lm_eval") is None:
+            return False
+        # lm-eval's own names first: its get_model() only fills an *empty* registry with them
         import lm_eval.models  # noqa: F401
         from lm_eval.api.registry import model_registry
-    except ImportError:  # a broken lm-eval install must not break `import headbudget`
+    except (ImportError, ValueError):  # a broken or blocked lm-eval must not break `import headbudget`
         return False
 
     if "headbudget" not in model_registry:

@@ -67,6 +67,14 @@ def parse_seed(value: str | int | Sequence[int | None] | None) -> tuple[int | No
     return tuple(out)
 
 
+def lm_eval_installed() -> bool:
+    """Whether the optional ``lmeval`` extra can be imported (without importing it)."""
+    try:
+        return find_spec("lm_eval") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["lm_eval"] is None (blocked)
+        return False
+
+
 def check_eval_args(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
                     num_fewshot: int | None = None, seed: Any = None, limit: int | None = None) -> None:
     """The checks that need no model and no task building (one-line errors naming the flag)."""
@@ -84,7 +92,7 @@ def check_eval_args(tasks: Sequence[str], *, data_dir: str | None = None, includ
     builtin, harness = split_tasks(tasks, num_fewshot=num_fewshot, include_path=include_path)
     for t in builtin:
         get_task(t)
-    if harness and find_spec("lm_eval") is None:
+    if harness and not lm_eval_installed():
         raise ValueError(f"task {harness[0]!r} is not built in ({', '.join(TASKS)}); lm-eval tasks "
                          "need the optional extra: pip install \"headbudget[lmeval]\"")
 
@@ -93,7 +101,7 @@ def split_tasks(tasks: Sequence[str], *, num_fewshot: int | None = None,
                 include_path: Any = None) -> tuple[list[str], list[str]]:
     """``(built-in names, lm-eval names)``, see the module docstring."""
     local: set[str] = set()
-    if include_path is not None and any(t in TASKS for t in tasks) and find_spec("lm_eval"):
+    if include_path is not None and any(t in TASKS for t in tasks) and lm_eval_installed():
         from headbudget.evaluation.harness import task_manager
 
         local = set(task_manager([], include_path).all_tasks)

@@ -1,0 +1,205 @@
+"""lm-eval tasks through headbudget's scorer: same numbers as lm-eval's hf backend, batch-size
+independent, acc_norm by characters, lm-eval's output schema, the `headbudget` lm-eval model, and
+the built-in tasks without lm-eval.  Local YAML tasks + JSONL data in tests/fixtures/lm_eval, offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tests.test_eval_zeroshot import FIXTURES, byte_tokenizer
+
+from headbudget.cli.main import main
+
+lm_eval = pytest.importorskip("lm_eval")
+
+TASKS_DIR = Path(__file__).resolve().parent / "fixtures" / "lm_eval"
+
+
+@pytest.fixture(autouse=True)
+def _offline_one_thread(monkeypatch):
+    """No hub access (datasets reads the flags from its config module), one thread, run in the
+    fixture folder so that the YAML files' relative data_files resolve."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.chdir(TASKS_DIR)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random GPT-2 with a 48-token context: long few-shot prompts get cut from the left
+    and the rolling task needs several windows per text."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny48")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=48, vocab_size=257,
+                               bos_token_id=256, eos_token_id=256)).save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    return d
+
+
+def _task_manager():
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
+def _run(model, tasks, num_fewshot=None, model_args=None):
+    """lm_eval.simple_evaluate on local tasks, samples logged, no bootstrap."""
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks,
+                                   num_fewshot=num_fewshot, task_manager=_task_manager(),
+                                   log_samples=True, bootstrap_iters=0)
+
+
+def _lls(res, task):
+    """Per document: the log-likelihood of each request, by doc id."""
+    out = []
+    for s in sorted(res["samples"][task], key=lambda s: s["doc_id"]):
+        out.append([r[0] if isinstance(r, (list, tuple)) else r for r in s["filtered_resps"]])
+    return out
+
+
+@pytest.mark.parametrize("num_fewshot", [None, 2])
+def test_same_results_as_lm_eval_hf_backend(model_dir, num_fewshot):
+    """The registered `headbudget` model and lm-eval's HFLM give the same log-likelihood for every
+    request, hence the same predictions and metrics (multiple choice, zero- and few-shot, and
+    loglikelihood_rolling over texts longer than the context)."""
+    from lm_eval.models.huggingface import HFLM
+
+    tasks = ["hb_mc", "hb_rolling"]
+    ref = _run(HFLM(pretrained=str(model_dir), batch_size=1, device="cpu"), tasks, num_fewshot)
+    ours = _run("headbudget", tasks, num_fewshot, model_args=f"pretrained={model_dir},batch_size=7")
+    ours32 = _run("headbudget", ["hb_mc"], num_fewshot, model_args=f"pretrained={model_dir},batch_size=32")
+    for task in tasks:
+        a, b = _lls(ours, task), _lls(ref, task)
+        assert len(a) == len(b) == (11 if task == "hb_mc" else 4)
+        np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), rtol=1e-5, atol=1e-4)
+    assert [int(np.argmax(x)) for x in _lls(ours, "hb_mc")] == [int(np.argmax(x)) for x in _lls(ref, "hb_mc")]
+    for m in ("acc,none", "acc_norm,none"):
+        assert ours["results"]["hb_mc"][m] == ref["results"]["hb_mc"][m]
+        assert ours32["results"]["hb_mc"][m] == ref["results"]["hb_mc"][m]
+    for m in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["hb_rolling"][m] == pytest.approx(ref["results"]["hb_rolling"][m], rel=1e-5)
+    if num_fewshot:  # the few-shot contexts are lm-eval's, hence identical prompts
+        assert [s["arguments"] for s in ours["samples"]["hb_mc"]] == \
+            [s["arguments"] for s in ref["samples"]["hb_mc"]]
+        assert ours["n-shot"]["hb_mc"] == 2
+
+
+def test_predictions_do_not_depend_on_batch_size(model_dir):
+    """Built-in and lm-eval tasks, zero- and few-shot: identical predictions (and log-likelihoods
+    to float rounding) at batch sizes 1, 7 and 32."""
+    from headbudget.evaluation.suite import evaluate_suite
+    from headbudget.loading import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(model_dir))
+    runs = {}
+    for bs in (1, 7, 32):
+        rep = evaluate_suite(model, tok, ["piqa", "arc_easy", "hb_mc", "hb_rolling"], data_dir=str(FIXTURES),
+                             include_path=str(TASKS_DIR), batch_size=bs, log_samples=True,
+                             bootstrap_iters=0, progress=False)
+        few = evaluate_suite(model, tok, ["hb_mc"], include_path=str(TASKS_DIR), num_fewshot=3,
+                             batch_size=bs, log_samples=True, bootstrap_iters=0, progress=False)
+        runs[bs] = (rep, few)
+    base, base_few = runs[1]
+    assert set(base["predictions"]) == {"piqa", "arc_easy", "hb_mc"}
+    for bs in (7, 32):
+        rep, few = runs[bs]
+        assert rep["predictions"] == base["predictions"]
+        assert few["predictions"] == base_few["predictions"]
+        for task in ("piqa", "arc_easy", "hb_mc", "hb_rolling"):
+            np.testing.assert_allclose(np.concatenate(_lls(rep, task)), np.concatenate(_lls(base, task)),
+                                       rtol=1e-5, atol=1e-4)
+            assert rep["results"][task] == pytest.approx(base["results"][task], rel=1e-6) \
+                if task == "hb_rolling" else rep["results"][task] == base["results"][task]
+
+
+def test_acc_norm_divides_by_characters_through_the_cli(model_dir, tmp_path, capsys):
+    """`headbudget eval --include-path` on non-ASCII choices: acc_norm is the argmax of
+    log-likelihood / len(choice) in characters (not bytes, not tokens), as lm-eval computes it."""
+    out = tmp_path / "r.json"
+    assert main(["eval", str(model_dir), "--tasks", "hb_mc", "--include-path", str(TASKS_DIR),
+                 "--batch-size", "7", "--log-samples", "--bootstrap-iters", "0", "--quiet",
+                 "--json", str(out), "--threads", "1"]) == 0
+    r = json.loads(out.read_text())
+    docs = [json.loads(line) for line in (TASKS_DIR / "mc.jsonl").read_text(encoding="utf-8").splitlines()]
+    samples = sorted(r["samples"]["hb_mc"], key=lambda s: s["doc_id"])
+    by_chars, by_bytes = [], []
+    for doc, s in zip(docs, samples, strict=True):
+        lls = np.array([x[0] for x in s["filtered_resps"]])
+        chars = np.array([len(c) for c in doc["choices"]], dtype=float)
+        nbytes = np.array([len(c.encode("utf-8")) for c in doc["choices"]], dtype=float)
+        by_chars.append(float(np.argmax(lls / chars) == doc["label"]))
+        by_bytes.append(float(np.argmax(lls / nbytes) == doc["label"]))
+        assert s["acc_norm"] == by_chars[-1]
+    assert r["results"]["hb_mc"]["acc_norm"] == r["results"]["hb_mc"]["acc_norm,none"] == np.mean(by_chars)
+    assert by_chars != by_bytes  # the data tells the two normalisations apart
+    # lm-eval's schema next to headbudget's keys
+    assert r["n-shot"] == {"hb_mc": 0} and r["versions"]["hb_mc"] == 1.0
+    assert r["configs"]["hb_mc"]["output_type"] == "multiple_choice"
+    assert r["results"]["hb_mc"]["n"] == 11 and len(r["predictions"]["hb_mc"]) == 11
+    assert torch.get_num_threads() == 1  # --threads applied by cli.main
+    printed = capsys.readouterr().out
+    assert "|hb_mc" in printed and "acc_norm" in printed
+
+
+def test_generation_tasks_and_bad_flags_are_one_line_errors(model_dir, capsys):
+    assert main(["eval", str(model_dir), "--tasks", "hb_gen", "--include-path", str(TASKS_DIR)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("headbudget eval: error: generation is not supported: hb_gen (generate_until)")
+    for flags, expect in ((["--seed", "1,2"], "--seed: expected 1 or 4"),
+                          (["--num-fewshot", "-1"], "--num-fewshot must be >= 0"),
+                          (["--include-path", "/nonexistent"], "--include-path: no directory"),
+                          (["--threads", "-2"], "--threads must be a positive integer")):
+        assert main(["eval", str(model_dir), "--tasks", "hb_mc", "--include-path", str(TASKS_DIR), *flags]
+                    if "--include-path" not in flags else
+                    ["eval", str(model_dir), "--tasks", "hb_mc", *flags]) == 2
+        assert expect in capsys.readouterr().err
+
+
+def test_headbudget_is_registered_without_hiding_lm_eval_models():
+    from lm_eval.api.registry import get_model
+
+    import headbudget  # noqa: F401
+    from headbudget.evaluation.harness import HeadBudgetLM
+
+    assert get_model("headbudget") is HeadBudgetLM
+    assert get_model("hf").__name__ == "HFLM"
+
+
+def test_builtin_tasks_work_without_lm_eval(model_dir, tmp_path):
+    """With lm-eval unimportable, `import headbudget` and the built-in tasks work; an lm-eval task
+    name says which extra to install."""
+    code = f"""
+import sys
+sys.modules["lm_eval"] = None  # as if the extra were not installed
+import torch; torch.set_num_threads(1)
+import headbudget
+from headbudget.cli.main import main
+rc = main(["eval", {str(model_dir)!r}, "--tasks", "piqa", "--data-dir", {str(FIXTURES)!r}, "--quiet",
+           "--json", {str(tmp_path / 'r.json')!r}])
+assert rc == 0, rc
+assert main(["eval", {str(model_dir)!r}, "--tasks", "hb_mc"]) == 2
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert 'pip install "headbudget[lmeval]"' in proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["piqa"]["n"] == 3

@@ -1,0 +1,58 @@
+"""One thread policy (headbudget.threads) and one --threads flag on every command."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from headbudget.cli.main import build_parser
+from headbudget.threads import THREADS_HELP, auto_threads, configure_threads, resolve_threads, torch_threads
+
+
+def test_requested_count_wins_and_bad_counts_name_the_flag():
+    assert resolve_threads(3) == 3
+    with pytest.raises(ValueError, match="--threads must be a positive integer, got -1"):
+        resolve_threads(-1)
+
+
+def test_automatic_count_follows_the_load_average(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.2, 0.0, 0.0))
+    assert auto_threads(world_size=1) == 3          # 8 cores - 5.2 busy, rounded
+    assert resolve_threads(None, world_size=1) == resolve_threads(0, world_size=1) == 3
+    assert auto_threads(world_size=2) == 1          # shared among DDP ranks
+    monkeypatch.setattr(os, "getloadavg", lambda: (12.0, 0.0, 0.0))
+    assert auto_threads(world_size=1) == 1          # never below one
+
+
+def test_configure_and_restore():
+    old = torch.get_num_threads()
+    with torch_threads(1) as n:
+        assert n == 1 and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == old
+    try:
+        assert configure_threads(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_every_command_has_the_same_threads_flag():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    seen = []
+    for name, cmd in sub.choices.items():
+        parsers = [cmd] if cmd._subparsers is None else list(
+            next(a for a in cmd._actions if a.__class__.__name__ == "_SubParsersAction").choices.values())
+        for p in parsers:
+            flags = [a for a in p._actions if "--threads" in a.option_strings]
+            if name == "schedule":
+                assert not flags
+                continue
+            assert len(flags) == 1 and flags[0].help == THREADS_HELP and flags[0].default is None, name
+            seen.append(name)
+    for name in ("train", "compare", "quickstart", "eval", "perplexity", "attention", "compress",
+                 "prune", "prune-compare", "finetune", "experiment"):
+        assert name in seen
