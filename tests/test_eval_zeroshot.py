@@ -304,3 +304,18 @@ def test_predictions_equal_lm_eval_hf_backend(tmp_path, gpt2, tok):
     ref = [ll for ll, _ in lm.loglikelihood(reqs, disable_tqdm=True)]
     ours = [s for row in Scorer(lm.model, lm.tokenizer, progress=False).score(exs) for s in row]
     assert ours == pytest.approx(ref, abs=1e-4)
+
+
+def test_continuation_longer_than_the_context_names_task_and_row(tmp_path, capsys):
+    from headbudget.cli.main import main
+    from headbudget.loading import load_tokenizer
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+
+    m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=260, n_positions=8))
+    m.save_pretrained(tmp_path / "m")
+    load_tokenizer("byte").save_pretrained(tmp_path / "m")
+    fixtures = Path(__file__).parent / "fixtures" / "zeroshot"
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "m"), "--tasks", "piqa", "--data-dir", str(fixtures), "--limit", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("headbudget")]
+    assert len(err) == 1 and "task piqa, " in err[0] and "piqa_validation.jsonl:1: continuation of" in err[0]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,7 @@ class MCExample:
     continuations: list[str]
     target: int
     norm_lengths: list[float]
+    where: str = ""  # "file:line" of the row, for error messages
 
 
 @dataclass(frozen=True)
@@ -285,9 +286,10 @@ def _examples(spec: TaskSpec, rows: Iterator[tuple[int, Any]], source: str,
         if limit is not None and len(out) >= limit:
             break
         try:
-            out.append(spec.example(row))
+            ex = spec.example(row)
         except FieldError as exc:
             raise DataError(f"{source}:{lineno}: field {exc.field!r}: {exc}") from None
+        out.append(replace(ex, where=f"{source}:{lineno}"))
     if not out:
         raise DataError(f"{source}: no rows for task {spec.name!r}")
     return out

@@ -401,8 +401,13 @@ class Scorer:
 
     def score(self, examples: Sequence[MCExample], desc: str = "scoring") -> list[list[float]]:
         """Summed log-likelihood of every choice of every example."""
-        items = [list(zip(ex.contexts, ex.continuations, strict=True)) for ex in examples]
-        return [[ll for ll, _ in row] for row in self.score_pairs(items, desc=desc)]
+        seqs = []
+        for i, ex in enumerate(examples):
+            try:
+                seqs.append(self._sequences(list(zip(ex.contexts, ex.continuations, strict=True))))
+            except ValueError as exc:  # name the task and the row (file:line), not just the problem
+                raise ValueError(f"task {desc}, {ex.where or f'row {i + 1}'}: {exc}") from None
+        return [[ll for ll, _ in row] for row in self._score_items(seqs, desc)]
 
     def score_pairs(self, items: Sequence[Sequence[tuple[str, str]]],
                     desc: str = "scoring") -> list[list[tuple[float, bool]]]:
