@@ -91,3 +91,33 @@ def test_hf_gpt2_attentions():
     s = attention_summary(model, torch.randint(0, 50, (1, 12)), local_window=3)
     assert [r["n_heads"] for r in s["layers"]] == [2, 2]
     assert all(0.0 <= v <= 11.0 for r in s["layers"] for v in r["distance"])
+
+
+def test_summary_from_a_long_text_encodes_only_a_prefix_with_the_whole_texts_ids():
+    """`headbudget attention` on a many-MB file used to tokenize all of it for a few hundred tokens."""
+    from headbudget.analysis.attention import _leading_ids, attention_summary_from_text
+    from headbudget.data.synthetic import generate_text
+    from headbudget.data.tokenizers import BPETokenizer
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.schedules import uniform
+
+    text = generate_text(20000, seed=3)
+    bpe = BPETokenizer.train([text[:20000]], 300)
+    seen: list[int] = []
+
+    class Spy:
+        def encode(self, t, add_special_tokens=False):
+            seen.append(len(t))
+            return bpe.encode(t)
+
+    full = bpe.encode(text)
+    ids = _leading_ids(Spy(), text, 200)
+    assert len(ids) >= 216 and ids == full[:len(ids)]           # the whole text's ids, as far as they go
+    assert max(seen) < len(text) // 4                           # not the whole text
+    assert _leading_ids(Spy(), text, len(full) + 1) == full     # more than the text holds: all of it
+    torch.manual_seed(0)
+    model = HeadBudgetForCausalLM(HeadBudgetConfig(schedule=uniform(2, 32, 2), vocab_size=bpe.vocab_size,
+                                                   n_positions=64)).eval()
+    got = attention_summary_from_text(model, Spy(), text, seq_len=32, n_seqs=3)
+    ref = attention_summary(model, torch.tensor(full[:96]).view(3, 32))
+    assert got["n_tokens"] == 32 and got["mean_distance"] == ref["mean_distance"]

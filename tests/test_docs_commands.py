@@ -241,7 +241,9 @@ _PRUNE_CLS = {"--limit-train": "16", "--limit-eval": "8", "--batch-size": "8", "
               "--no-progress": None}
 _PRUNE_LM = {"--context": "32", "--calib-windows": "4", "--limit-eval": "2", "--batch-size": "4",
              "--no-progress": None}
-_SET_COMMANDS = {"train": _TRAIN_SET, "compare": _TRAIN_SET, "quickstart": ["train.steps=2"]}
+# documented train/compare runs feed nothing else: a short context (stand-ins keep the config's)
+_SET_COMMANDS = {"train": _TRAIN_SET + ["train.context=64"], "compare": _TRAIN_SET + ["train.context=64"],
+                 "quickstart": ["train.steps=2"]}
 
 
 def _apply(args: list[str], flags: dict[str, str | None]) -> list[str]:
@@ -291,6 +293,53 @@ def _tiny_bert(out: Path, classifier: bool) -> None:
     torch.manual_seed(0)
     (BertForSequenceClassification(cfg) if classifier else BertModel(cfg)).save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def _tiny_llama_gguf(path: Path, context: int = 2048) -> None:
+    """A tiny Llama-GQA as an F32 GGUF laid out as llama.cpp writes it (rotary q/k rows permuted, a byte-level
+    GPT-2-style vocabulary), with SmolLM2's 2048-token context (5-shot prompts fit)."""
+    gguf = pytest.importorskip("gguf")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                      tie_word_embeddings=False, bos_token_id=256, eos_token_id=256)
+    sd = {k: v.detach().float().numpy() for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(w.add_context_length, context), (w.add_embedding_length, 32), (w.add_block_count, 2),
+                       (w.add_feed_forward_length, 64), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                       (w.add_rope_dimension_count, 8), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+                       (w.add_rope_freq_base, 10000.0), (w.add_tokenizer_model, "gpt2"),
+                       (w.add_tokenizer_pre, "default"), (w.add_bos_token_id, 256), (w.add_eos_token_id, 256)]:
+        add(value)
+    u = bytes_to_unicode()
+    w.add_token_list([u[b] for b in range(256)] + ["<|endoftext|>"])
+    w.add_token_types([1] * 256 + [3])
+    w.add_token_scores([0.0] * 257)
+    w.add_token_merges([])
+
+    def perm(x, n):  # llama.cpp's rotary row order, which transformers undoes on load
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"input_layernorm": "attn_norm", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(2):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", perm(sd[p + "self_attn.q_proj.weight"], 4))
+        w.add_tensor(f"blk.{i}.attn_k.weight", perm(sd[p + "self_attn.k_proj.weight"], 2))
+        for hf_name, gg_name in names.items():
+            w.add_tensor(f"blk.{i}.{gg_name}.weight", sd[f"{p}{hf_name}.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 class StandIns:
@@ -373,8 +422,6 @@ class StandIns:
                 zf.write(f, f.relative_to(model.parents[1]).as_posix())
 
     def _smol(self, path: Path) -> None:  # a folder holding a (tiny, F32) GGUF under SmolLM2's file name
-        from test_loading import _tiny_llama_gguf
-
         path.mkdir(parents=True)
         _tiny_llama_gguf(path / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -412,7 +459,9 @@ def _localize(cmd: DocCommand, args: list[str], cwd: Path, standins: StandIns) -
     for i, tok in enumerate(args):
         if "../shared/" in tok and not SHARED_DATA.is_dir():
             pytest.skip(f"{cmd.where}: `{cmd.text}` needs ../shared/data, which is not present")
-        if tok.startswith("/tmp/"):
+        if tok.startswith("/"):
+            assert tok.startswith("/tmp/"), (f"{cmd.where}: `{cmd.text}` names {tok}, a path on one machine; "
+                                             "give a relative path or one under /tmp/ as the other commands do")
             if i in outputs:
                 tok = str(cwd / tok.lstrip("/"))
             else:
@@ -490,7 +539,7 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
             has(Path(ns.json))
             res = json.loads(Path(ns.json).read_text())["results"]
             assert set(res) == set(ns.tasks.split(",")), f"{w}: results for {sorted(res)}"
-            assert all(r["n"] == ns.limit for r in res.values()), f"{w}: {res}"
+            assert all(r.get("n", ns.limit) == ns.limit for r in res.values()), f"{w}: {res}"
     elif name == "perplexity":
         assert re.search(r"ppl \d", stdout), f"{w}: printed no perplexity:\n{stdout[-500:]}"
     elif name == "attention":
@@ -543,12 +592,16 @@ def test_doc_command_runs(cmd: DocCommand, standins: StandIns, tmp_path, monkeyp
         pytest.skip(f"{cmd.where}: `{cmd.text}`: {cmd.skip_reason or 'unknown program (see the parse test)'}")
     if cmd.kind == "benchmark":
         return _run_benchmark_help(cmd, monkeypatch, capsys)
+    same = next(c for c in COMMANDS if c.argv == cmd.argv and c.env == cmd.env)
+    if same is not cmd:  # e.g. README and docs/pruning.md give the same prune-compare line
+        pytest.skip(f"{cmd.where}: the same command as {same.where}, which runs it")
     import torch
 
     threads = torch.get_num_threads()
     cwd = tmp_path / "main"  # a fresh repository root: ../shared next to it, configs/ inside
     cwd.mkdir()
-    (cwd / "configs").symlink_to(REPO / "configs", target_is_directory=True)
+    for name in ("configs", "benchmarks"):
+        (cwd / name).symlink_to(REPO / name, target_is_directory=True)
     if SHARED_DATA.is_dir():
         (tmp_path / "shared").mkdir()
         (tmp_path / "shared" / "data").symlink_to(SHARED_DATA, target_is_directory=True)

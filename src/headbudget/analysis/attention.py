@@ -153,15 +153,31 @@ def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_win
             "mean_local_share": [r["mean_local_share"] for r in layers]}
 
 
+def _leading_ids(tokenizer: Any, text: str, need: int) -> list[int]:
+    """The ids of ``text`` (no special tokens), encoding only a prefix when it holds more than ``need``
+    tokens: growing prefixes cut at a space or line break, so the ids used are those of the whole text
+    (tokenizing a many-MB file for a few hundred tokens took seconds)."""
+    def encode(t: str) -> list[int]:
+        return tokenizer.encode(t, add_special_tokens=False) if hasattr(tokenizer, "encode") else list(tokenizer(t))
+
+    chars = max(4096, 16 * need)
+    while chars < len(text):
+        cut = max(text.rfind(" ", 0, chars), text.rfind("\n", 0, chars))
+        ids = encode(text[: cut if cut > 0 else chars])
+        if len(ids) >= need + 16:  # a margin: the last word before the cut may tokenize differently
+            return ids
+        chars *= 4
+    return encode(text)
+
+
 def attention_summary_from_text(model: torch.nn.Module, tokenizer: Any, text: str, *,
                                 seq_len: int = 128, n_seqs: int = 4, local_window: int = 8,
                                 ) -> dict[str, Any]:
     """:func:`attention_summary` on ``n_seqs`` consecutive ``seq_len``-token chunks of ``text``."""
-    ids = tokenizer.encode(text, add_special_tokens=False) if hasattr(tokenizer, "encode") \
-        else list(tokenizer(text))
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)
     if n_pos is not None:
         seq_len = min(seq_len, int(n_pos))
+    ids = _leading_ids(tokenizer, text, n_seqs * seq_len)
     n = min(n_seqs, len(ids) // seq_len)
     if n < 1:
         raise ValueError(f"text too short: {len(ids)} tokens for one sequence of {seq_len}")
