@@ -520,6 +520,8 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
 
     if name == "schedule":
         assert stdout.strip(), f"{w}: printed nothing"
+        if ns.json:
+            json.loads(stdout)  # --json prints JSON and nothing else
         if re.fullmatch(r"\d+(,\d+)+", cmd.comment):  # e.g. `# 3,3,3,3,6,6,...`: the heads it prints
             assert cmd.comment in stdout, f"{w}: the doc says {cmd.comment}, the command printed:\n{stdout}"
     elif name == "train":
