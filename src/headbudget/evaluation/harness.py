@@ -273,6 +273,7 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=seeds[3])
     model_s0 = lm.seconds
+    lm.records.clear()  # predictions of this run only
     res = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
                              log_samples=log_samples, fewshot_as_multiturn=True)
     out = dict(res)
