@@ -237,3 +237,28 @@ def test_accuracy_curve_knee(tiny_bert, tmp_path):
     at_k = {c[0]: c for c in curve}[res["report"]["knee_k"]]
     assert at_k[1] == res["report"]["heads_kept"]
     assert at_k[2] == pytest.approx(res["report"]["metric"]["pruned"])
+
+
+def test_prune_compare_each_cahp_its_own_knee(tiny_bert, tmp_path):
+    """Every cahp@d finds its own knee; a baseline takes the count of the nearest cahp entry before it."""
+    from headbudget.pruning.pipeline import run_compare, run_prune
+
+    summary = run_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False),
+                          "cahp@6,magnitude,cahp@1,random")
+    rows = {r["label"]: r for r in summary["rows"]}
+    assert rows["cahp-d6"]["count_from"] == "cahp-d6 knee"
+    assert rows["cahp-d1"]["count_from"] == "cahp-d1 knee"
+    assert rows["magnitude"]["count_from"] == "cahp-d6 knee"
+    assert rows["random"]["count_from"] == "cahp-d1 knee"
+    assert rows["magnitude"]["heads_kept"] == rows["cahp-d6"]["heads_kept"]
+    assert rows["random"]["heads_kept"] == rows["cahp-d1"]["heads_kept"]
+    # each cahp row is what a standalone run with that degree gives (its own knee, not the other's count)
+    for deg in (6, 1):
+        alone = run_prune(_job(tiny_bert, tmp_path / f"d{deg}", save_model=False, poly_degree=deg))["report"]
+        assert rows[f"cahp-d{deg}"]["heads_kept"] == alone["heads_kept"]
+        assert rows[f"cahp-d{deg}"]["knee_k"] == alone["knee_k"]
+    assert rows["cahp-d6"]["knee_k"] != rows["cahp-d1"]["knee_k"], rows
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "count from" in md and "cahp-d1 knee" in md
+    forced = run_compare(_job(tiny_bert, tmp_path / "f", save_model=False, keep=3), "cahp@6,cahp@1,random")
+    assert [(r["heads_kept"], r["count_from"]) for r in forced["rows"]] == [(3, "keep=3")] * 3

@@ -442,28 +442,44 @@ def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
 
 
 def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
-    """Run several methods at one head count (CAHP's, from the first cahp entry, unless ``job`` forces one)."""
+    """Run several methods. Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry finds
+    its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one, every entry
+    uses it. Each row records where its count came from (``count_from``)."""
     from headbudget.pruning import report as rpt
 
     entries = parse_methods(methods)
-    if job.keep is None and job.keep_ratio is None and entries[0][1] != "cahp":
+    forced = job.keep is not None or job.keep_ratio is not None
+    if not forced and entries[0][1] != "cahp":
         raise ValueError("without a forced head count (keep / keep_ratio) the first method must be cahp "
                          "(it sets the head count)")
     check_job(replace(job, method="cahp"))
     loaded = _load(job)
     out = Path(job.out)
     rows: list[dict[str, Any]] = []
-    target_keep, target_ratio = job.keep, job.keep_ratio
+    if job.keep is not None:
+        forced_from = f"keep={job.keep}"
+    elif job.keep_ratio is not None:
+        forced_from = f"keep_ratio={job.keep_ratio:g}"
+    else:
+        forced_from = ""
+    last_cahp: tuple[int, str] | None = None  # (heads kept, label) of the nearest cahp entry so far
     for label, method, degree in entries:
-        sub = replace(job, method=method, out=str(out / label), keep=target_keep, keep_ratio=target_ratio,
+        if forced:
+            keep, ratio, count_from = job.keep, job.keep_ratio, forced_from
+        elif method == "cahp":
+            keep, ratio, count_from = None, None, f"{label} knee"
+        else:
+            assert last_cahp is not None  # the first entry is cahp
+            keep, ratio, count_from = last_cahp[0], None, f"{last_cahp[1]} knee"
+        sub = replace(job, method=method, out=str(out / label), keep=keep, keep_ratio=ratio,
                       poly_degree=degree if degree is not None else job.poly_degree)
         res = run_prune(sub, loaded)
         rep = res["report"]
-        if target_keep is None and target_ratio is None:
-            target_keep = rep["heads_kept"]
-        row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "kept": rep["kept"],
-               "knee_k": rep["knee_k"], "metric": res["details"][loaded.metric_name], "seconds": rep["seconds"],
-               "cost": rep["cost"]}
+        if method == "cahp" and not forced:
+            last_cahp = (rep["heads_kept"], label)
+        row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "count_from": count_from,
+               "kept": rep["kept"], "knee_k": rep["knee_k"], "metric": res["details"][loaded.metric_name],
+               "seconds": rep["seconds"], "cost": rep["cost"]}
         if loaded.metric_name == "accuracy":
             row["accuracy"] = row["metric"]
         rows.append(row)

@@ -150,13 +150,14 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
 def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -> str:
     """Table of several methods at one head count: ``rows`` have method, heads_kept, accuracy
     ({split: {dense, pruned, finetuned}}), seconds, kept."""
-    head = ["method", "heads"]
+    has_from = any("count_from" in r for r in rows)
+    head = ["method", "heads"] + (["count from"] if has_from else [])
     for s in splits:
         head += [f"{s} pruned", f"{s} fine-tuned"]
     head += ["select s", "finetune s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = [str(r["method"]), str(r["heads_kept"])]
+        cells = [str(r["method"]), str(r["heads_kept"])] + ([str(r.get("count_from", ""))] if has_from else [])
         for s in splits:
             a = (r.get("accuracy") or r.get("metric") or {}).get(s, {})
             cells += [_fmt(a.get("pruned")), _fmt(a.get("finetuned"))]
