@@ -45,6 +45,22 @@ def test_bhattacharyya_and_jm_hand_values():
     assert float(jeffries_matusita(0.0, 0.0, 1.0, 0.0, eps=1e-10)) == pytest.approx(2.0, abs=1e-12)
 
 
+def test_variance_floor_default_is_published_max_var_1e6():
+    # var 0 and 4e-6, means 0 and 1e-3: the default floors to max(var, 1e-6) -> v1 = 1e-6, v2 = 4e-6:
+    # D_B = 1/4 * 1e-6 / 5e-6 + 1/2 ln(5e-6 / (2 * sqrt(1e-6 * 4e-6))) = 0.05 + 1/2 ln(5/4)
+    want = 0.05 + 0.5 * math.log(1.25)
+    assert float(bhattacharyya_gaussian(0.0, 0.0, 1e-3, 4e-6)) == pytest.approx(want, rel=1e-9)
+    assert float(jeffries_matusita(0.0, 0.0, 1e-3, 4e-6)) == pytest.approx(2 * (1 - math.exp(-want)), rel=1e-9)
+    # variances above the floor are untouched (the hand values above hold with the default floor too)
+    assert float(bhattacharyya_gaussian(0.0, 1.0, 2.0, 3.0)) == pytest.approx(
+        0.25 + 0.5 * math.log(4 / (2 * math.sqrt(3))), abs=1e-12)
+    # the earlier choice, var + 1e-10 with no floor: v1 = 1e-10, v2 = 4.0001e-6
+    v1, v2 = 1e-10, 4e-6 + 1e-10
+    old = 0.25 * 1e-6 / (v1 + v2) + 0.5 * math.log((v1 + v2) / (2 * math.sqrt(v1 * v2)))
+    got = float(bhattacharyya_gaussian(0.0, 0.0, 1e-3, 4e-6, eps=1e-10, var_floor=None))
+    assert got == pytest.approx(old, rel=1e-9) and got > 1.0 > want  # the floor matters here
+
+
 def test_jm_features_layout_and_pairs():
     mean = torch.zeros(3, 2, 2, 2, dtype=torch.float64)
     var = torch.ones(3, 2, 2, 2, dtype=torch.float64)
@@ -67,9 +83,13 @@ def test_streaming_stats_match_numpy_and_do_not_depend_on_batching():
     b = ClassSignatureAccumulator(3, 3, 4)
     for s in range(0, 40, 7):
         b.update(torch.tensor(x[s : s + 7]), torch.tensor(y[s : s + 7]))
+    pop = ClassSignatureAccumulator(3, 3, 4, ddof=0)
+    pop.update(torch.tensor(x), torch.tensor(y))
     for c in range(3):
         np.testing.assert_allclose(a.mean[c].numpy(), x[y == c].mean(0), atol=1e-12)
-        np.testing.assert_allclose(a.var[c].numpy(), x[y == c].var(0), atol=1e-12)
+        # default: sample variance (ddof 1), as the published code's torch.var
+        np.testing.assert_allclose(a.var[c].numpy(), x[y == c].var(0, ddof=1), atol=1e-12)
+        np.testing.assert_allclose(pop.var[c].numpy(), x[y == c].var(0, ddof=0), atol=1e-12)
         np.testing.assert_allclose(b.mean[c].numpy(), a.mean[c].numpy(), atol=1e-12)
         np.testing.assert_allclose(b.var[c].numpy(), a.var[c].numpy(), atol=1e-12)
     assert a.count.tolist() == [float((y == c).sum()) for c in range(3)]
@@ -228,3 +248,33 @@ def test_michel_iterative_recomputes_with_gates_zeroed():
     # layer-normalised: layer 0 -> [1,2,3,4]/sqrt(30); layer 1 -> [5, .5]/sqrt(25.25)
     # round 1 removes (1,1) (0.0995) then head (0,0) (0.18) ; round 2 removes (0,1)
     assert kept == [2, 3, 4]
+
+
+def test_parity_defaults_seed_and_tsne_float32(monkeypatch):
+    import inspect
+
+    import sklearn.manifold
+
+    from headbudget.pruning.cahp import cahp_select, cluster_sweep, embed_heads, select_heads
+    from headbudget.pruning.pipeline import PruneJob
+
+    for fn in (cahp_select, select_heads, embed_heads, cluster_sweep):
+        assert inspect.signature(fn).parameters["seed"].default == 42, fn.__name__
+    assert PruneJob(model="m", task="sst5", data_dir="d", out="o").seed == 42
+    from headbudget.cli.main import build_parser
+
+    args = build_parser().parse_args(["prune", "m", "--task", "sst5", "--data-dir", "d", "--out", "o"])
+    assert args.seed == 42 and args.salience_order == "file" and not args.legacy_signatures
+    seen = []
+    real = sklearn.manifold.TSNE.fit_transform
+
+    def spy(self, x, *a, **k):
+        seen.append((np.asarray(x).dtype, self.random_state))
+        return real(self, x, *a, **k)
+
+    monkeypatch.setattr(sklearn.manifold.TSNE, "fit_transform", spy)
+    feats = np.random.default_rng(0).random((8, 5))
+    embed_heads(feats, perplexity=3)
+    embed_heads(feats, perplexity=3, dtype="float64")
+    embed_heads(distances=np.abs(feats[:, :1] - feats[:, :1].T), perplexity=3)
+    assert seen == [(np.float32, 42), (np.float64, 42), (np.float32, 42)]

@@ -244,21 +244,46 @@ def test_prune_compare_each_cahp_its_own_knee(tiny_bert, tmp_path):
     from headbudget.pruning.pipeline import run_compare, run_prune
 
     summary = run_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False),
-                          "cahp@6,magnitude,cahp@1,random")
+                          "cahp@6,magnitude,cahp@3,random")  # knees 5 and 4 at seed 42
     rows = {r["label"]: r for r in summary["rows"]}
     assert rows["cahp-d6"]["count_from"] == "cahp-d6 knee"
-    assert rows["cahp-d1"]["count_from"] == "cahp-d1 knee"
+    assert rows["cahp-d3"]["count_from"] == "cahp-d3 knee"
     assert rows["magnitude"]["count_from"] == "cahp-d6 knee"
-    assert rows["random"]["count_from"] == "cahp-d1 knee"
+    assert rows["random"]["count_from"] == "cahp-d3 knee"
     assert rows["magnitude"]["heads_kept"] == rows["cahp-d6"]["heads_kept"]
-    assert rows["random"]["heads_kept"] == rows["cahp-d1"]["heads_kept"]
+    assert rows["random"]["heads_kept"] == rows["cahp-d3"]["heads_kept"]
     # each cahp row is what a standalone run with that degree gives (its own knee, not the other's count)
-    for deg in (6, 1):
+    for deg in (6, 3):
         alone = run_prune(_job(tiny_bert, tmp_path / f"d{deg}", save_model=False, poly_degree=deg))["report"]
         assert rows[f"cahp-d{deg}"]["heads_kept"] == alone["heads_kept"]
         assert rows[f"cahp-d{deg}"]["knee_k"] == alone["knee_k"]
-    assert rows["cahp-d6"]["knee_k"] != rows["cahp-d1"]["knee_k"], rows
+    assert rows["cahp-d6"]["knee_k"] != rows["cahp-d3"]["knee_k"], rows
     md = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "count from" in md and "cahp-d1 knee" in md
-    forced = run_compare(_job(tiny_bert, tmp_path / "f", save_model=False, keep=3), "cahp@6,cahp@1,random")
+    assert "count from" in md and "cahp-d3 knee" in md
+    forced = run_compare(_job(tiny_bert, tmp_path / "f", save_model=False, keep=3), "cahp@6,cahp@3,random")
     assert [(r["heads_kept"], r["count_from"]) for r in forced["rows"]] == [(3, "keep=3")] * 3
+
+
+def test_salience_uses_first_quarter_in_file_order(tiny_bert, tmp_path, monkeypatch):
+    """Salience sees the first int(f * n) training sentences in file order (the published code), all of them."""
+    import headbudget.pruning.importance as imp
+    from headbudget.pruning.pipeline import run_prune
+
+    lines = [ln for ln in (DATA / "train.txt").read_text().splitlines() if ln.strip()]
+    file_labels = [int(ln[1]) for ln in lines]  # each tree opens with "(<root label>"
+    seen = []
+    real = imp.salience
+
+    def spy(adapter, model, batches, loss_fn, fraction=0.25, progress=True):
+        seen.append(([int(v) for b in batches for v in b["labels"]], fraction))
+        return real(adapter, model, batches, loss_fn, fraction=fraction, progress=progress)
+
+    monkeypatch.setattr(imp, "salience", spy)
+    for frac in (0.25, 0.26):  # 15 and 15.6 of 60 -> 15 both (rounded down)
+        run_prune(_job(tiny_bert, tmp_path / f"s{frac}", keep=4, save_model=False, salience_fraction=frac))
+    assert len(lines) == 60
+    assert seen == [(file_labels[:15], 1.0), (file_labels[:15], 1.0)]
+    seen.clear()
+    run_prune(_job(tiny_bert, tmp_path / "shuf", keep=4, save_model=False, salience_order="shuffled"))
+    labels, frac = seen[0]
+    assert frac == 0.25 and len(labels) == 60  # the earlier choice: all shuffled batches, salience takes a quarter

@@ -50,7 +50,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve", choices=("mss", "accuracy"), default="mss",
                    help="knee of MSS vs k (default) or of measured dev accuracy vs heads kept")
     p.add_argument("--curve-step", type=int, default=1, help="k step of the accuracy curve")
-    p.add_argument("--salience-fraction", type=float, default=0.25, help="share of training batches for salience")
+    p.add_argument("--salience-fraction", type=float, default=0.25,
+                   help="share of the training set for salience (first int(f*n) examples, file order)")
+    p.add_argument("--salience-order", choices=("file", "shuffled"), default="file",
+                   help="salience data: the first examples in file order (published code) or the first "
+                        "batches of the seeded shuffle")
+    p.add_argument("--legacy-signatures", action="store_true",
+                   help="population variance, var + 1e-10 (no 1e-6 floor) and float64 t-SNE instead of the "
+                        "published code's sample variance, max(var, 1e-6) and float32")
     p.add_argument("--importance-batches", type=int, default=None,
                    help="baselines: training batches their gradient importance uses (default all)")
     p.add_argument("--finetune-epochs", type=int, default=None,
@@ -61,7 +68,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=42)
     p.add_argument("--limit-train", type=int, default=None, help="seeded subsample of the training split")
     p.add_argument("--limit-eval", type=int, default=None,
                    help="seeded subsample of each eval split (lm: at most N held-out windows)")
@@ -81,6 +88,8 @@ def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
         seed=args.seed, limit_train=args.limit_train, limit_eval=args.limit_eval, max_length=args.max_length,
         device=args.device, progress=not args.no_progress, data=args.data, tokenizer=args.tokenizer,
         context=args.context, calib_windows=args.calib_windows, heldout_fraction=args.heldout_fraction,
+        salience_order=args.salience_order,
+        **(dict(ddof=0, var_floor=None, var_eps=1e-10, tsne_dtype="float64") if args.legacy_signatures else {}),
     )
 
 

@@ -50,12 +50,17 @@ def embed_heads(
     *,
     distances: np.ndarray | None = None,
     perplexity: float = 10.0,
-    seed: int = 0,
+    seed: int = 42,
+    dtype: str = "float32",
 ) -> np.ndarray:
     """t-SNE embedding ``(N, 2)`` of head features (Euclidean) or of a precomputed distance matrix.
 
     The perplexity is clipped to ``N - 1`` (scikit-learn requires it below the sample count).
+    ``dtype``: the input's precision, ``"float32"`` as the published code (``"float64"``: headbudget's
+    earlier choice).
     """
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"embed_heads: dtype must be float32 or float64, got {dtype!r}")
     from sklearn.manifold import TSNE
     from threadpoolctl import threadpool_limits
 
@@ -68,13 +73,13 @@ def embed_heads(
     if perp <= 0:
         raise ValueError(f"perplexity must be > 0, got {perplexity}")
     if distances is not None:
-        d = np.asarray(distances, dtype=np.float64)
+        d = np.asarray(distances, dtype=dtype)
         if d.shape != (n, n):
             raise ValueError(f"distance matrix must be square, got {d.shape}")
         tsne = TSNE(2, perplexity=perp, metric="precomputed", init="random", random_state=seed)
         with threadpool_limits(1):  # OpenMP threads only oversubscribe at this size (and cost determinism)
             return tsne.fit_transform(np.clip(d, 0.0, None))
-    x = np.asarray(features, dtype=np.float64)
+    x = np.asarray(features, dtype=dtype)
     if not np.isfinite(x).all():
         raise ValueError("embed_heads: head features contain NaN or inf")
     tsne = TSNE(2, perplexity=perp, init="pca", random_state=seed)
@@ -139,7 +144,7 @@ class Clustering:
 def cluster_sweep(
     points: np.ndarray,
     ks: Sequence[int] | None = None,
-    seed: int = 0,
+    seed: int = 42,
     variant: str = "mean",
     progress: bool = False,
 ) -> list[Clustering]:
@@ -259,10 +264,11 @@ def select_heads(
     poly_degree: int = 6,
     perplexity: float = 10.0,
     mss_variant: str = "mean",
-    seed: int = 0,
+    seed: int = 42,
     accuracy_fn: Callable[[list[int]], float] | None = None,
     accuracy_ks: Sequence[int] | None = None,
     progress: bool = False,
+    tsne_dtype: str = "float32",
 ) -> CAHPSelection:
     """Run CAHP's selection on precomputed signatures.
 
@@ -278,7 +284,7 @@ def select_heads(
         raise ValueError(f"salience has {sal.size} values for {n} heads")
     if n < 4:
         raise ValueError(f"CAHP needs at least 4 heads to cluster, the model has {n}")
-    emb = embed_heads(features, distances=distances, perplexity=perplexity, seed=seed)
+    emb = embed_heads(features, distances=distances, perplexity=perplexity, seed=seed, dtype=tsne_dtype)
     sweep = cluster_sweep(emb, seed=seed, variant=mss_variant, progress=progress)
     by_k = {c.k: c for c in sweep}
     mss = [(c.k, c.mss) for c in sweep]
@@ -337,6 +343,7 @@ def model_signatures(
     n_classes: int | None,
     grid: int = 32,
     progress: bool = True,
+    ddof: int = 1,
 ) -> Any:
     """One pass of :func:`headbudget.pruning.signatures.collect_signatures` over ``batches`` using
     the adapter's attention probabilities (``n_classes=None``: label-free mode)."""
@@ -346,6 +353,7 @@ def model_signatures(
     return collect_signatures(
         lambda b: adapter.attention_probs(**_model_inputs(b, device)),
         batches, adapter.head_counts(), n_classes, grid=grid, progress=progress, total=len(batches),
+        ddof=ddof,
     )
 
 
@@ -361,11 +369,15 @@ def cahp_select(
     poly_degree: int = 6,
     perplexity: float = 10.0,
     mss_variant: str = "mean",
-    seed: int = 0,
+    seed: int = 42,
     salience_fraction: float = 0.25,
     accuracy_fn: Callable[[list[int]], float] | None = None,
     accuracy_ks: Sequence[int] | None = None,
     progress: bool = True,
+    ddof: int = 1,
+    var_floor: float | None = 1e-6,
+    var_eps: float = 0.0,
+    tsne_dtype: str = "float32",
 ) -> tuple[CAHPSelection, dict[str, float]]:
     """CAHP on a model: signatures, salience, selection.  Returns the selection and the wall time
     of each stage (``signatures``, ``salience``, ``cluster``).
@@ -373,6 +385,10 @@ def cahp_select(
     Class-conditional mode (``n_classes`` >= 2): JM features of per-class signatures.  Label-free
     mode (``n_classes=None``): JS divergence of pooled attention; ``loss_fn`` should then be the
     LM loss (e.g. batches carrying ``labels=input_ids``).
+
+    Defaults follow the published implementation: sample variance (``ddof=1``), variances floored
+    at ``var_floor=1e-6`` before Jeffries–Matusita, seed 42, t-SNE in float32.  ``ddof=0,
+    var_floor=None, var_eps=1e-10, tsne_dtype="float64"`` is headbudget's earlier behaviour.
 
     Example (``model`` a fine-tuned classifier, batches from ``tasks.make_loader``)::
 
@@ -385,7 +401,7 @@ def cahp_select(
     from .importance import default_loss, salience
 
     t0 = time.perf_counter()
-    sig = model_signatures(adapter, signature_batches, n_classes, grid, progress)
+    sig = model_signatures(adapter, signature_batches, n_classes, grid, progress, ddof=ddof)
     t1 = time.perf_counter()
     sal = salience(adapter, adapter.model, list(salience_batches), loss_fn or default_loss,
                    fraction=salience_fraction, progress=progress)
@@ -393,10 +409,10 @@ def cahp_select(
     if sig.label_free:
         sel = select_heads(None, sig.heads, sal, distances=sig.distances(), keep=keep, poly_degree=poly_degree,
                            perplexity=perplexity, mss_variant=mss_variant, seed=seed, accuracy_fn=accuracy_fn,
-                           accuracy_ks=accuracy_ks, progress=progress)
+                           accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=tsne_dtype)
     else:
-        sel = select_heads(sig.features(), sig.heads, sal, keep=keep, poly_degree=poly_degree,
+        sel = select_heads(sig.features(var_eps, var_floor), sig.heads, sal, keep=keep, poly_degree=poly_degree,
                            perplexity=perplexity, mss_variant=mss_variant, seed=seed, accuracy_fn=accuracy_fn,
-                           accuracy_ks=accuracy_ks, progress=progress)
+                           accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=tsne_dtype)
     t3 = time.perf_counter()
     return sel, {"signatures": t1 - t0, "salience": t2 - t1, "cluster": t3 - t2}

@@ -59,13 +59,14 @@ class PruneJob:
     curve: str = "mss"
     curve_step: int = 1
     salience_fraction: float = 0.25
+    salience_order: str = "file"  # "file": first int(fraction * n) training examples in file order (published code)
     importance_batches: int | None = None
     finetune_epochs: int = 3
     lr: float = 2e-5
     warmup_ratio: float = 0.1
     weight_decay: float = 0.01
     batch_size: int = 32
-    seed: int = 0
+    seed: int = 42
     limit_train: int | None = None
     limit_eval: int | None = None
     max_length: int = 128
@@ -78,6 +79,10 @@ class PruneJob:
     context: int = 128
     calib_windows: int = 32
     heldout_fraction: float = 0.1
+    ddof: int = 1  # class-conditional signature variance: 1 = sample (published code), 0 = population
+    var_floor: float | None = 1e-6  # max(var, 1e-6) before Jeffries-Matusita; None with var_eps=1e-10: var + 1e-10
+    var_eps: float = 0.0
+    tsne_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -97,6 +102,8 @@ def check_job(job: PruneJob) -> None:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {job.heldout_fraction}")
     elif not job.data_dir:
         raise ValueError(f"task {job.task} needs its data folder (data_dir)")
+    if job.salience_order not in ("file", "shuffled"):
+        raise ValueError(f"salience_order must be 'file' or 'shuffled', got {job.salience_order!r}")
     if job.method not in METHODS:
         raise ValueError(f"unknown pruning method {job.method!r}; choose from {', '.join(METHODS)}")
     if job.keep is not None and job.keep_ratio is not None:
@@ -189,6 +196,13 @@ class _Loaded:
 
         return list(make_loader(self.train, self.tokenizer, job.batch_size, shuffle, job.seed, job.max_length))
 
+    def salience_batches(self, job: PruneJob) -> list[Any]:
+        """The first ``int(salience_fraction * n)`` training examples in file order (the published code)."""
+        from headbudget.pruning.tasks import make_loader
+
+        m = max(1, int(job.salience_fraction * len(self.train)))
+        return list(make_loader(self.train[:m], self.tokenizer, job.batch_size, False, job.seed, job.max_length))
+
     def describe(self, job: PruneJob) -> dict[str, Any]:
         return {"model": str(job.model), "task": job.task, "primary_split": self.primary,
                 "train_examples": len(self.train), "eval_examples": {s: len(v) for s, v in self.evals.items()}}
@@ -249,6 +263,13 @@ class _LoadedLM:
         from headbudget.pruning.lm import lm_batches
 
         return lm_batches(self.data, job.batch_size, shuffle, job.seed)
+
+    def salience_batches(self, job: PruneJob) -> list[Any]:
+        """The first ``int(salience_fraction * n)`` calibration windows in text order."""
+        from headbudget.pruning.lm import lm_batches
+
+        m = max(1, int(job.salience_fraction * len(self.data.calib)))
+        return lm_batches(replace(self.data, calib=self.data.calib[:m]), job.batch_size, False, job.seed)
 
     def describe(self, job: PruneJob) -> dict[str, Any]:
         return {"model": str(job.model), "task": "lm", "data": str(job.data), "primary_split": "heldout",
@@ -342,11 +363,16 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
                     return evaluate_accuracy(model, loaded.tokenizer, curve_examples, 64, job.max_length, False)
 
             accuracy_ks = list(range(2, n_total, max(1, job.curve_step)))
+        if job.salience_order == "file":
+            sal_batches, sal_fraction = loaded.salience_batches(job), 1.0
+        else:
+            sal_batches, sal_fraction = imp_batches, job.salience_fraction
         sel, secs = cahp_select(
-            adapter, sig_batches, imp_batches, n_classes=loaded.n_classes, grid=job.pool_size,
+            adapter, sig_batches, sal_batches, n_classes=loaded.n_classes, grid=job.pool_size,
             keep=target, poly_degree=job.poly_degree, perplexity=job.perplexity, mss_variant=job.mss,
-            seed=job.seed, salience_fraction=job.salience_fraction, accuracy_fn=accuracy_fn,
-            accuracy_ks=accuracy_ks, progress=job.progress,
+            seed=job.seed, salience_fraction=sal_fraction, accuracy_fn=accuracy_fn,
+            accuracy_ks=accuracy_ks, progress=job.progress, ddof=job.ddof, var_floor=job.var_floor,
+            var_eps=job.var_eps, tsne_dtype=job.tsne_dtype,
         )
         seconds.update(secs)
         seconds["select"] = sum(secs.values())

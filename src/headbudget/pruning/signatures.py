@@ -42,7 +42,8 @@ __all__ = [
 ]
 
 DEFAULT_GRID = 32
-DEFAULT_EPS = 1e-10
+DEFAULT_EPS = 0.0
+DEFAULT_VAR_FLOOR = 1e-6  # the published code: max(var, 1e-6); var_floor=None, eps=1e-10 is the old var + 1e-10
 
 
 # --------------------------------------------------------------------------- grids
@@ -104,10 +105,14 @@ class ClassSignatureAccumulator:
     """Streaming per-class mean and variance of every cell of every head's grid.
 
     Batches are merged with Chan et al.'s parallel update (exact, float64), so the result does not
-    depend on how the data were batched.  ``var`` is the population variance (ddof = 0).
+    depend on how the data were batched.  ``var`` is the sample variance (``ddof=1``, the published
+    code's ``torch.var``) or the population variance (``ddof=0``).
     """
 
-    def __init__(self, n_classes: int, n_heads: int, grid: int = DEFAULT_GRID) -> None:
+    def __init__(self, n_classes: int, n_heads: int, grid: int = DEFAULT_GRID, ddof: int = 1) -> None:
+        if ddof not in (0, 1):
+            raise ValueError(f"ddof must be 0 (population) or 1 (sample variance), got {ddof}")
+        self.ddof = ddof
         if n_classes < 1:
             raise ValueError(f"n_classes must be >= 1, got {n_classes}")
         self.n_classes, self.n_heads, self.grid = n_classes, n_heads, grid
@@ -143,8 +148,8 @@ class ClassSignatureAccumulator:
 
     @property
     def var(self) -> torch.Tensor:
-        """Population variance per class and cell (zeros for classes never seen)."""
-        return self.m2 / self.count.clamp(min=1.0).view(-1, 1, 1, 1)
+        """Variance per class and cell with ``ddof`` (zeros for classes never seen or seen once)."""
+        return self.m2 / (self.count - self.ddof).clamp(min=1.0).view(-1, 1, 1, 1)
 
     def missing_classes(self) -> list[int]:
         return [c for c in range(self.n_classes) if self.count[c] == 0]
@@ -157,16 +162,21 @@ def bhattacharyya_gaussian(
     mu2: torch.Tensor | np.ndarray | float,
     var2: torch.Tensor | np.ndarray | float,
     eps: float = DEFAULT_EPS,
+    var_floor: float | None = DEFAULT_VAR_FLOOR,
 ) -> torch.Tensor:
     """Bhattacharyya distance between univariate Gaussians N(mu1, var1) and N(mu2, var2), elementwise.
 
-    ``D_B = 1/4 (mu1 - mu2)^2 / (s1^2 + s2^2) + 1/2 ln((s1^2 + s2^2) / (2 s1 s2))``; ``eps`` is
-    added to both variances so cells where a class never varies stay finite.
+    ``D_B = 1/4 (mu1 - mu2)^2 / (s1^2 + s2^2) + 1/2 ln((s1^2 + s2^2) / (2 s1 s2))``; Both variances
+    are floored at ``var_floor`` (``max(var, 1e-6)``, as the published code; ``None``: no floor) and
+    then ``eps`` is added (``var_floor=None, eps=1e-10`` is headbudget's earlier ``var + 1e-10``), so
+    cells where a class never varies stay finite.
 
     >>> round(float(bhattacharyya_gaussian(0.0, 1.0, 1.0, 1.0)), 6)
     0.125
     """
     mu1, var1, mu2, var2 = (torch.as_tensor(v, dtype=torch.float64) for v in (mu1, var1, mu2, var2))
+    if var_floor is not None:
+        var1, var2 = var1.clamp(min=var_floor), var2.clamp(min=var_floor)
     v1, v2 = var1 + eps, var2 + eps
     s = v1 + v2
     return 0.25 * (mu1 - mu2) ** 2 / s + 0.5 * torch.log(s / (2.0 * torch.sqrt(v1 * v2)))
@@ -178,13 +188,15 @@ def jeffries_matusita(
     mu2: torch.Tensor | np.ndarray | float,
     var2: torch.Tensor | np.ndarray | float,
     eps: float = DEFAULT_EPS,
+    var_floor: float | None = DEFAULT_VAR_FLOOR,
 ) -> torch.Tensor:
     """Jeffries–Matusita distance ``2 (1 - exp(-D_B))`` (in [0, 2]) between univariate Gaussians."""
-    return 2.0 * (1.0 - torch.exp(-bhattacharyya_gaussian(mu1, var1, mu2, var2, eps)))
+    return 2.0 * (1.0 - torch.exp(-bhattacharyya_gaussian(mu1, var1, mu2, var2, eps, var_floor)))
 
 
 def jm_features(
-    mean: torch.Tensor, var: torch.Tensor, eps: float = DEFAULT_EPS, classes: Sequence[int] | None = None
+    mean: torch.Tensor, var: torch.Tensor, eps: float = DEFAULT_EPS, classes: Sequence[int] | None = None,
+    var_floor: float | None = DEFAULT_VAR_FLOOR,
 ) -> np.ndarray:
     """One feature vector per head: per-cell JM distances for every pair of classes, concatenated.
 
@@ -199,7 +211,7 @@ def jm_features(
         raise ValueError("class-conditional signatures need at least two classes; use label-free mode")
     n_heads = mean.shape[1]
     parts = [
-        jeffries_matusita(mean[a], var[a], mean[b], var[b], eps).reshape(n_heads, -1)
+        jeffries_matusita(mean[a], var[a], mean[b], var[b], eps, var_floor).reshape(n_heads, -1)
         for a, b in itertools.combinations(classes, 2)
     ]
     return torch.cat(parts, dim=1).numpy()
@@ -251,12 +263,12 @@ class Signatures:
     grid: int
     label_free: bool
 
-    def features(self, eps: float = DEFAULT_EPS) -> np.ndarray:
+    def features(self, eps: float = DEFAULT_EPS, var_floor: float | None = DEFAULT_VAR_FLOOR) -> np.ndarray:
         """JM features (class-conditional mode), over the pairs of classes that occurred in the data."""
         if self.label_free:
             raise ValueError("label-free signatures have no classes: use distances()")
         present = [c for c in range(self.mean.shape[0]) if self.count[c] > 0]
-        return jm_features(self.mean, self.var, eps, classes=present)
+        return jm_features(self.mean, self.var, eps, classes=present, var_floor=var_floor)
 
     def distances(self) -> np.ndarray:
         """JS-divergence matrix between heads (label-free mode)."""
@@ -272,6 +284,7 @@ def collect_signatures(
     label_key: str = "labels",
     progress: bool = True,
     total: int | None = None,
+    ddof: int = 1,
 ) -> Signatures:
     """Stream over ``batches`` once and accumulate every head's signature.
 
@@ -284,7 +297,7 @@ def collect_signatures(
 
     label_free = n_classes is None
     n_heads = int(sum(head_counts))
-    acc = ClassSignatureAccumulator(1 if label_free else int(n_classes), n_heads, grid)
+    acc = ClassSignatureAccumulator(1 if label_free else int(n_classes), n_heads, grid, ddof=ddof)
     heads = [(layer, h) for layer, n in enumerate(head_counts) for h in range(n)]
     for batch in tqdm(batches, desc="signatures", total=total, disable=not progress, leave=False):
         with torch.no_grad():
