@@ -86,3 +86,34 @@ def test_fisher_and_random_through_registry():
     assert {i // 4 for i in kept_f} == {0, 1}
     with pytest.raises(ValueError, match="unknown importance 'foo'"):
         select_by_method("foo", ctx, 3)
+
+
+def test_fisher_is_mean_of_per_example_squared_gradients():
+    """Fisher = mean over examples of (dL_i/dgate)^2: a batch of 4 vs 4 single-example backward passes by hand."""
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.importance import ImportanceContext, default_loss, fisher_importance, flatten
+
+    model = _bert()
+    ad = get_adapter(model)
+    batches = _batches(2)
+    batches[1]["attention_mask"][2, 5:] = 0  # a padded example: its slice keeps its own mask
+    per_example, per_batch = [], []
+    for b in batches:
+        for i in range(4):
+            one = {"input_ids": b["input_ids"][i : i + 1], "attention_mask": b["attention_mask"][i : i + 1],
+                   "labels": b["labels"][i : i + 1]}
+            with ad.gates() as gates:
+                default_loss(model, one).backward()
+                per_example.append(torch.cat([g.grad.detach().double() for g in gates]))
+        with ad.gates() as gates:
+            default_loss(model, b).backward()
+            per_batch.append(torch.cat([g.grad.detach().double() for g in gates]))
+    want = (torch.stack(per_example) ** 2).mean(0).numpy()
+    got = flatten(fisher_importance(ImportanceContext(ad, model, batches, seed=0, progress=False)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+    # not the squared gradient of the batch-mean loss (what it was before): the two differ
+    batch_mean = (torch.stack(per_batch) ** 2).mean(0).numpy()
+    assert not np.allclose(got, batch_mean, rtol=1e-2, atol=0)
+    # the per-example mean of gradients is the batch gradient (a sanity check of the hand loop)
+    np.testing.assert_allclose(torch.stack(per_example).view(2, 4, -1).mean(1).numpy(), torch.stack(per_batch).numpy(),
+                               rtol=1e-4, atol=1e-7)

@@ -9,7 +9,7 @@ adapter then removes the rest.  Michel et al.'s method is iterative, so it is a 
 Registered importances (``IMPORTANCES``):
 
 * ``michel``    -- mean ``|dL/dgate|`` with per-layer L2 normalisation (Michel et al., 2019);
-* ``fisher``    -- sum of squared gate gradients (mini-batch empirical Fisher);
+* ``fisher``    -- mean over examples of squared per-example gate gradients (empirical Fisher);
 * ``magnitude`` -- L2 norm of each head's q/k/v rows and o columns;
 * ``random``    -- seeded uniform scores.
 
@@ -102,8 +102,10 @@ def gate_gradients(
     progress: bool = True,
     desc: str = "gate gradients",
 ) -> list[np.ndarray]:
-    """Mean over batches of ``|dL/dgate|`` (``reduce="abs"``), or the sum of ``(dL/dgate)^2``
-    (``reduce="square"``), one array per layer.
+    """Mean over batches of ``|dL/dgate|`` (``reduce="abs"``), the sum over batches of
+    ``(dL/dgate)^2`` (``reduce="square"``), or the mean over *examples* of ``(dL_i/dgate)^2`` with one
+    backward pass per example (``reduce="example_square"``, the textbook empirical Fisher); one array
+    per layer.
 
     Gradients are taken in eval mode (no dropout) with parameter gradients switched off.
     ``gate_values`` evaluates the gradient at other gate values (Michel et al.'s iterative
@@ -111,13 +113,13 @@ def gate_gradients(
     """
     from tqdm.auto import tqdm
 
-    if reduce not in ("abs", "square"):
-        raise ValueError(f"reduce must be 'abs' or 'square', got {reduce!r}")
+    if reduce not in ("abs", "square", "example_square"):
+        raise ValueError(f"reduce must be 'abs', 'square' or 'example_square', got {reduce!r}")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     totals: list[torch.Tensor] | None = None
-    n = 0
+    n = n_examples = 0
     try:
         with _frozen_params(model), adapter.gates() as gates:
             if gate_values is not None:
@@ -128,20 +130,36 @@ def gate_gradients(
             for batch in tqdm(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
                 if max_batches is not None and n >= max_batches:
                     break
-                for g in gates:
-                    g.grad = None
-                loss = loss_fn(model, _to_device(batch, device))
-                loss.backward()
-                for t, g in zip(totals, gates):
-                    grad = g.grad.detach().to("cpu", torch.float64) if g.grad is not None else torch.zeros_like(t)
-                    t += grad.abs() if reduce == "abs" else grad**2
+                parts = _examples(batch) if reduce == "example_square" else [batch]
+                for part in parts:
+                    for g in gates:
+                        g.grad = None
+                    loss = loss_fn(model, _to_device(part, device))
+                    loss.backward()
+                    for t, g in zip(totals, gates):
+                        grad = g.grad.detach().to("cpu", torch.float64) if g.grad is not None else torch.zeros_like(t)
+                        t += grad.abs() if reduce == "abs" else grad**2
+                    if reduce == "example_square":
+                        n_examples += 1
                 n += 1
     finally:
         model.train(was_training)
     if n == 0:
         raise ValueError("no batches for the gate gradients (empty training data?)")
     assert totals is not None
+    if reduce == "example_square":
+        return [(t / n_examples).numpy() for t in totals]
     return [(t / n if reduce == "abs" else t).numpy() for t in totals]
+
+
+def _examples(batch: Batch) -> list[dict[str, Any]]:
+    """Split a batch into single-example batches (every tensor sliced along its first dimension)."""
+    sizes = {int(v.shape[0]) for v in batch.values() if torch.is_tensor(v) and v.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"cannot split a batch into examples: its tensors have first dimensions {sorted(sizes)}")
+    (bsz,) = sizes
+    return [{k: (v[i : i + 1] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
+            for i in range(bsz)]
 
 
 def salience(
@@ -198,9 +216,10 @@ def michel_importance(ctx: ImportanceContext, gate_values: Sequence[np.ndarray] 
 
 
 def fisher_importance(ctx: ImportanceContext) -> list[np.ndarray]:
-    """Sum over batches of squared gate gradients."""
+    """Empirical Fisher: mean over examples of the squared per-example gate gradient ``(dL_i/dgate)^2``
+    (one backward pass per example; ``L_i`` is example i's own loss)."""
     return gate_gradients(
-        ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, reduce="square",
+        ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, reduce="example_square",
         progress=ctx.progress, desc="fisher importance",
     )
 
