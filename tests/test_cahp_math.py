@@ -278,3 +278,51 @@ def test_parity_defaults_seed_and_tsne_float32(monkeypatch):
     embed_heads(feats, perplexity=3, dtype="float64")
     embed_heads(distances=np.abs(feats[:, :1] - feats[:, :1].T), perplexity=3)
     assert seen == [(np.float32, 42), (np.float64, 42), (np.float32, 42)]
+
+
+def test_select_heads_knee_path_end_to_end_matches_independent_pipeline():
+    """No forced count: t-SNE -> FasterPAM sweep -> MSS (mean variant) -> Kneedle knee -> most salient head per
+    cluster -> one head per layer, recomputed here with sklearn / kmedoids / kneed directly."""
+    import kmedoids
+    from kneed import KneeLocator
+    from sklearn.manifold import TSNE
+
+    from headbudget.pruning.cahp import select_heads
+
+    rng = np.random.default_rng(7)
+    centres = rng.normal(0, 10, (6, 12))
+    feats = np.concatenate([c + rng.normal(0, 0.3, (5, 12)) for c in centres])  # 30 heads in 6 blobs
+    heads = [(i // 6, i % 6) for i in range(30)]  # 5 layers x 6 heads
+    sal = rng.random(30)
+    sel = select_heads(feats, heads, sal)
+    assert sel.knee_source == "mss"
+
+    emb = TSNE(2, perplexity=10.0, init="pca", random_state=42).fit_transform(feats.astype(np.float32))
+    np.testing.assert_allclose(sel.embedding, emb, atol=1e-4)
+    e64 = emb.astype(np.float64)
+    diss = np.sqrt(((e64[:, None, :] - e64[None, :, :]) ** 2).sum(-1))
+    curve, by_k = [], {}
+    for k in range(2, 30):
+        res = kmedoids.fasterpam(diss, k, random_state=42, n_cpu=1)
+        lab, med = np.asarray(res.labels), np.asarray(res.medoids)
+        s = []
+        for i in range(30):
+            if i in set(med.tolist()):
+                continue
+            a = diss[i, med[lab[i]]]
+            b = np.mean([diss[i, m] for j, m in enumerate(med) if j != lab[i]])
+            s.append((b - a) / max(a, b))
+        curve.append((k, float(np.mean(s))))
+        by_k[k] = lab
+    np.testing.assert_allclose([v for _, v in sel.mss], [v for _, v in curve], atol=1e-9)
+    knee = KneeLocator([k for k, _ in curve], [v for _, v in curve], curve="concave", direction="increasing",
+                       interp_method="polynomial", polynomial_degree=6).knee
+    assert knee is not None and sel.knee_k == int(round(knee))
+    lab = by_k[sel.knee_k]
+    want = {max(np.flatnonzero(lab == c), key=lambda i: (sal[i], -i)) for c in np.unique(lab)}
+    for layer in range(5):
+        members = [i for i in range(30) if heads[i][0] == layer]
+        if not want.intersection(members):
+            want.add(max(members, key=lambda i: (sal[i], -i)))
+    assert sel.kept == sorted(int(i) for i in want)
+    assert 5 <= len(sel.kept) < 30

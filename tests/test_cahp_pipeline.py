@@ -287,3 +287,50 @@ def test_salience_uses_first_quarter_in_file_order(tiny_bert, tmp_path, monkeypa
     run_prune(_job(tiny_bert, tmp_path / "shuf", keep=4, save_model=False, salience_order="shuffled"))
     labels, frac = seen[0]
     assert frac == 0.25 and len(labels) == 60  # the earlier choice: all shuffled batches, salience takes a quarter
+
+
+def test_label_free_signatures_values_rows_renormalised_before_pooling():
+    """Label-free signature = mean over inputs of each head's resized map with every query row renormalised
+    (per input, before pooling), recomputed from the model's own attention output."""
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.cahp import model_signatures
+
+    torch.manual_seed(1)
+    cfg = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    cfg._attn_implementation = "eager"
+    model = GPT2LMHeadModel(cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [{"input_ids": torch.randint(0, 50, (3, 11), generator=g)} for _ in range(2)]
+    batches.append({"input_ids": torch.randint(0, 50, (2, 5), generator=g)})  # another length: 8 inputs in all
+    grid = 4
+    per_input = []
+    with torch.no_grad():
+        for b in batches:
+            att = torch.cat(model(b["input_ids"], output_attentions=True).attentions, dim=1)  # (B, 8, T, T)
+            r = F.interpolate(att.double(), size=(grid, grid), mode="bilinear", align_corners=False)
+            per_input.append(r / r.sum(-1, keepdim=True))
+    normed = torch.cat(per_input)  # (8 inputs, 8 heads, grid, grid)
+    want = normed.mean(0)
+    sig = model_signatures(get_adapter(model), batches, None, grid=grid, progress=False)
+    assert sig.label_free and sig.mean.shape == (1, 8, grid, grid) and float(sig.count[0]) == 8
+    torch.testing.assert_close(sig.mean[0], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sig.mean[0].sum(-1), torch.ones(8, grid, dtype=torch.float64), rtol=0, atol=1e-6)
+    # renormalising after pooling instead gives other values (so the order is what is tested)
+    raw = torch.cat([F.interpolate(torch.cat(model(b["input_ids"], output_attentions=True).attentions, 1).detach()
+                                   .double(), size=(grid, grid), mode="bilinear", align_corners=False)
+                     for b in batches]).mean(0)
+    assert (raw / raw.sum(-1, keepdim=True) - want).abs().max() > 1e-4
+    # the JS distance the mode clusters by, from the same pooled rows
+    from headbudget.pruning.signatures import js_distance_matrix
+
+    pooled = sig.mean[0] / sig.mean[0].sum(-1, keepdim=True)
+    d = js_distance_matrix(sig.mean[0])
+    for i, j in ((0, 5), (2, 7)):
+        p, q = pooled[i], pooled[j]
+        m = 0.5 * (p + q)
+        safe = m.clamp(min=1e-300)  # where m == 0 both p and q are 0 and the terms are 0
+        js = 0.5 * torch.special.xlogy(p, p / safe).sum(-1) + 0.5 * torch.special.xlogy(q, q / safe).sum(-1)
+        assert d[i, j] == pytest.approx(float(js.mean()), rel=1e-6) and d[j, i] == d[i, j] and d[i, j] > 0
