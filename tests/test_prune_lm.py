@@ -145,3 +145,28 @@ def test_prune_lm_model_without_tokenizer_needs_flag(tmp_path, capsys):
                "--no-progress"])
     assert rc == 2
     assert f"{bare}: no tokenizer found" in capsys.readouterr().err
+
+
+def test_prune_lm_knee_warns_when_perplexity_blows_up(run_dir, tmp_path, capsys):
+    """Knee-chosen count in the label-free mode: pruned perplexity > ratio x dense -> one stderr line + report."""
+    from headbudget.cli.main import main
+
+    base = ["prune", str(run_dir), "--task", "lm", "--data", str(TEXT), "--method", "cahp", *COMMON]
+    # an injected threshold below the measured ratio (pruned / dense ~ 1 on this random model) must warn
+    assert main([*base, "--out", str(tmp_path / "w"), "--knee-warn-ratio", "0.5"]) == 0
+    err = capsys.readouterr().err
+    rep = json.loads((tmp_path / "w" / "report.json").read_text())
+    ratio = rep["metric"]["pruned"] / rep["metric"]["dense"]
+    assert ratio > 0.5 and rep["knee_k"] is not None
+    warn_lines = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert len(warn_lines) == 1 and "more than 0.5x" in warn_lines[0] and f"{ratio:.1f}x dense" in warn_lines[0]
+    assert rep["warning"] in warn_lines[0]
+    assert f"{rep['heads_kept']}/14 heads" in rep["warning"]
+    assert "**Warning:**" in (tmp_path / "w" / "report.md").read_text()
+    # the default 2x is not reached here: no warning, no key
+    assert main([*base, "--out", str(tmp_path / "ok")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert "warning" not in json.loads((tmp_path / "ok" / "report.json").read_text())
+    # a forced count is the user's choice: never warned about
+    assert main([*base, "--out", str(tmp_path / "k"), "--keep", "3", "--knee-warn-ratio", "0.5"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -19,6 +19,7 @@ Flags only: the pipelines are :mod:`headbudget.pruning.pipeline` (prune, prune-c
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from headbudget.pruning.pipeline import METHODS, PruneJob, run_compare, run_prune
@@ -69,6 +70,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--knee-warn-ratio", type=float, default=2.0,
+                   help="--task lm, knee-chosen count: warn when pruned perplexity exceeds this x dense (0: off)")
     p.add_argument("--limit-train", type=int, default=None, help="seeded subsample of the training split")
     p.add_argument("--limit-eval", type=int, default=None,
                    help="seeded subsample of each eval split (lm: at most N held-out windows)")
@@ -89,6 +92,7 @@ def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
         device=args.device, progress=not args.no_progress, data=args.data, tokenizer=args.tokenizer,
         context=args.context, calib_windows=args.calib_windows, heldout_fraction=args.heldout_fraction,
         salience_order=args.salience_order,
+        knee_warn_ratio=args.knee_warn_ratio,
         **(dict(ddof=0, var_floor=None, var_eps=1e-10, tsne_dtype="float64") if args.legacy_signatures else {}),
     )
 
@@ -123,6 +127,8 @@ def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy") 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
     res = run_prune(_job(args, args.method))
+    if res["report"].get("warning"):
+        print(f"warning: {res['report']['warning']}", file=sys.stderr)
     _print_report(res["report"], args.out, res["details"].get("metric_name", "accuracy"))
     return 0
 
@@ -130,6 +136,8 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     summary = run_compare(_job(args), args.methods)
     for r in summary["rows"]:
+        if r.get("warning"):
+            print(f"warning: {r['label']}: {r['warning']}", file=sys.stderr)
         print(f"{r['label']}: {r['heads_kept']} heads; " + ", ".join(
             f"{s} pruned {a['pruned']:.4f} fine-tuned {'-' if a['finetuned'] is None else format(a['finetuned'], '.4f')}"
             for s, a in r["metric"].items()))
@@ -164,8 +172,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--method", choices=METHODS, default="cahp")
     p.set_defaults(func=_cmd_prune)
 
-    p = subparsers.add_parser("prune-compare", help="several pruning methods at one head count",
-                              description="Run several methods at CAHP's head count (or --keep) and tabulate.")
+    p = subparsers.add_parser("prune-compare", help="several pruning methods, one table",
+                              description="Run several methods and tabulate: each cahp@d finds its own knee, each "
+                                          "baseline takes the count of the nearest cahp entry before it (or --keep).")
     _add_common(p)
     p.add_argument("--methods", default="cahp,michel,fisher,magnitude,random",
                    help="comma list; cahp@D sets CAHP's polynomial degree (e.g. cahp@2,cahp@6,michel)")

@@ -83,6 +83,8 @@ class PruneJob:
     var_floor: float | None = 1e-6  # max(var, 1e-6) before Jeffries-Matusita; None with var_eps=1e-10: var + 1e-10
     var_eps: float = 0.0
     tsne_dtype: str = "float32"
+    # label-free lm mode, knee-chosen count: warn when pruned perplexity > this x dense (0: never)
+    knee_warn_ratio: float = 2.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -427,6 +429,12 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
     report = rpt.build_report(job.method, n_total, kept_layers, knee_k, mss,
                               {"dense": dense[p], "pruned": pruned[p], "finetuned": finetuned.get(p)}, seconds,
                               cost)
+    if (isinstance(loaded, _LoadedLM) and job.method == "cahp" and target is None and job.knee_warn_ratio > 0
+            and float(pruned[p]) > job.knee_warn_ratio * float(dense[p])):
+        report["warning"] = (
+            f"the knee keeps {report['heads_kept']}/{n_total} heads and held-out perplexity goes from "
+            f"{dense[p]:.4g} to {pruned[p]:.4g} ({pruned[p] / dense[p]:.1f}x dense, more than "
+            f"{job.knee_warn_ratio:g}x): force a head count with keep / keep_ratio")
     plots.append(str(rpt.plot_heads_per_layer({job.method: kept_layers}, len(counts), out / "heads_per_layer.png")))
     points = {f"{job.method} pruned": [(report["heads_kept"], pruned[p])]}
     if finetuned.get(p) is not None:
@@ -506,6 +514,8 @@ def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
         row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "count_from": count_from,
                "kept": rep["kept"], "knee_k": rep["knee_k"], "metric": res["details"][loaded.metric_name],
                "seconds": rep["seconds"], "cost": rep["cost"]}
+        if rep.get("warning"):
+            row["warning"] = rep["warning"]
         if loaded.metric_name == "accuracy":
             row["accuracy"] = row["metric"]
         rows.append(row)

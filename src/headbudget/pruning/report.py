@@ -108,6 +108,8 @@ def _fmt(v: Any) -> str:
 def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None = None, plots: Sequence[str] = ()) -> str:
     """Human-readable summary of one pruning run."""
     lines = [f"# Head pruning: {report['method']}", ""]
+    if report.get("warning"):
+        lines += [f"**Warning:** {report['warning']}", ""]
     lines.append(f"Kept **{report['heads_kept']} / {report['heads_total']}** heads"
                  + (f" (knee k = {report['knee_k']})" if report.get("knee_k") is not None else "") + ".")
     details = details or {}
