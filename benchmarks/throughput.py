@@ -28,7 +28,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
 from headbudget.schedules import get_preset
 
-
 NANOGPT_PATH: str | None = None
 
 
