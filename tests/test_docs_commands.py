@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from tiny_gguf import write_tiny_llama_gguf
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -295,53 +297,6 @@ def _tiny_bert(out: Path, classifier: bool) -> None:
     tok.save_pretrained(out)
 
 
-def _tiny_llama_gguf(path: Path, context: int = 2048) -> None:
-    """A tiny Llama-GQA as an F32 GGUF laid out as llama.cpp writes it (rotary q/k rows permuted, a byte-level
-    GPT-2-style vocabulary), with SmolLM2's 2048-token context (5-shot prompts fit)."""
-    gguf = pytest.importorskip("gguf")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                      tie_word_embeddings=False, bos_token_id=256, eos_token_id=256)
-    sd = {k: v.detach().float().numpy() for k, v in LlamaForCausalLM(cfg).state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "llama")
-    for add, value in [(w.add_context_length, context), (w.add_embedding_length, 32), (w.add_block_count, 2),
-                       (w.add_feed_forward_length, 64), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                       (w.add_rope_dimension_count, 8), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-                       (w.add_rope_freq_base, 10000.0), (w.add_tokenizer_model, "gpt2"),
-                       (w.add_tokenizer_pre, "default"), (w.add_bos_token_id, 256), (w.add_eos_token_id, 256)]:
-        add(value)
-    u = bytes_to_unicode()
-    w.add_token_list([u[b] for b in range(256)] + ["<|endoftext|>"])
-    w.add_token_types([1] * 256 + [3])
-    w.add_token_scores([0.0] * 257)
-    w.add_token_merges([])
-
-    def perm(x, n):  # llama.cpp's rotary row order, which transformers undoes on load
-        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-    names = {"input_layernorm": "attn_norm", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    for i in range(2):
-        p = f"model.layers.{i}."
-        w.add_tensor(f"blk.{i}.attn_q.weight", perm(sd[p + "self_attn.q_proj.weight"], 4))
-        w.add_tensor(f"blk.{i}.attn_k.weight", perm(sd[p + "self_attn.k_proj.weight"], 2))
-        for hf_name, gg_name in names.items():
-            w.add_tensor(f"blk.{i}.{gg_name}.weight", sd[f"{p}{hf_name}.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 class StandIns:
     """Tiny versions of the inputs the docs assume, built on first use under ``root``."""
 
@@ -423,7 +378,7 @@ class StandIns:
 
     def _smol(self, path: Path) -> None:  # a folder holding a (tiny, F32) GGUF under SmolLM2's file name
         path.mkdir(parents=True)
-        _tiny_llama_gguf(path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+        write_tiny_llama_gguf(path / "SmolLM2-135M-Instruct.Q4_1.gguf", context=2048)
 
     def _gpt2(self, path: Path) -> None:
         import torch
