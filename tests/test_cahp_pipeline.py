@@ -334,3 +334,28 @@ def test_label_free_signatures_values_rows_renormalised_before_pooling():
         safe = m.clamp(min=1e-300)  # where m == 0 both p and q are 0 and the terms are 0
         js = 0.5 * torch.special.xlogy(p, p / safe).sum(-1) + 0.5 * torch.special.xlogy(q, q / safe).sum(-1)
         assert d[i, j] == pytest.approx(float(js.mean()), rel=1e-6) and d[j, i] == d[i, j] and d[i, j] > 0
+
+
+def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monkeypatch):
+    """``resume``: methods finished with the same settings are read back (not rerun) with identical rows;
+    changed settings rerun them."""
+    import headbudget.pruning.pipeline as pl
+
+    job = _job(tiny_bert, tmp_path / "cmp", keep=4)
+    first = pl.run_compare(job, "cahp@6,random")
+    calls = []
+    real = pl.run_prune
+
+    def spy(sub, loaded=None):
+        calls.append(sub.method)
+        return real(sub, loaded)
+
+    monkeypatch.setattr(pl, "run_prune", spy)
+    seen = []
+    again = pl.run_compare(job, "cahp@6,random,magnitude", resume=True, on_row=lambda r: seen.append(r["label"]))
+    assert calls == ["magnitude"] and seen == ["cahp-d6", "random", "magnitude"]
+    for a, b in zip(first["rows"], again["rows"]):
+        assert a == b
+    calls.clear()
+    pl.run_compare(pl.replace(job, seed=7), "cahp@6", resume=True)
+    assert calls == ["cahp"]  # another seed: not the finished run

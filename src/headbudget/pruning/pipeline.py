@@ -24,7 +24,9 @@ parameters and forward FLOPs per token before and after), ``OUT/details.json``, 
 from __future__ import annotations
 
 import copy
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -425,6 +427,7 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
     if isinstance(loaded, _LoadedLM):
         details["perplexity_runs"] = {k: v for k, v in loaded.last_eval.items()}
     details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
+    details["job"] = _job_fingerprint(job)
     p = loaded.primary
     report = rpt.build_report(job.method, n_total, kept_layers, knee_k, mss,
                               {"dense": dense[p], "pruned": pruned[p], "finetuned": finetuned.get(p)}, seconds,
@@ -475,10 +478,34 @@ def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
     return out
 
 
-def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
+def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
+    """The settings that decide a method's result (``resume`` reuses a finished method only when they match)."""
+    d = {k: v for k, v in vars(job).items() if k not in ("out", "progress", "device", "extra")}
+    return json.loads(json.dumps(d, default=str))
+
+
+def _finished(sub: PruneJob) -> dict[str, Any] | None:
+    """``{"report", "details"}`` of a method already finished in ``sub.out`` with the same settings, else None."""
+    out = Path(sub.out)
+    try:
+        report = json.loads((out / "report.json").read_text())
+        details = json.loads((out / "details.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if details.get("job") != _job_fingerprint(sub) or (sub.save_model and not (out / "model").is_dir()):
+        return None
+    return {"report": report, "details": details}
+
+
+def run_compare(job: PruneJob, methods: str, resume: bool = False,
+                on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run several methods. Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry finds
     its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one, every entry
-    uses it. Each row records where its count came from (``count_from``)."""
+    uses it. Each row records where its count came from (``count_from``).
+
+    ``resume`` reuses every method already finished in ``job.out`` with the same settings (its
+    ``details.json`` records them), so an interrupted comparison continues with the next method;
+    ``on_row(row)`` is called after each method (e.g. to write partial results)."""
     from headbudget.pruning import report as rpt
 
     entries = parse_methods(methods)
@@ -507,7 +534,11 @@ def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
             keep, ratio, count_from = last_cahp[0], None, f"{last_cahp[1]} knee"
         sub = replace(job, method=method, out=str(out / label), keep=keep, keep_ratio=ratio,
                       poly_degree=degree if degree is not None else job.poly_degree)
-        res = run_prune(sub, loaded)
+        res = _finished(sub) if resume else None
+        if res is None:
+            res = run_prune(sub, loaded)
+        elif loaded.dense_acc is None:
+            loaded.dense_acc = {s: v["dense"] for s, v in res["details"][loaded.metric_name].items()}
         rep = res["report"]
         if method == "cahp" and not forced:
             last_cahp = (rep["heads_kept"], label)
@@ -519,6 +550,8 @@ def run_compare(job: PruneJob, methods: str) -> dict[str, Any]:
         if loaded.metric_name == "accuracy":
             row["accuracy"] = row["metric"]
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     splits = list(loaded.evals)
     n_layers = len(rows[0]["kept"])
     table = rpt.compare_markdown(rows, splits)
