@@ -59,6 +59,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--legacy-signatures", action="store_true",
                    help="population variance, var + 1e-10 (no 1e-6 floor) and float64 t-SNE instead of the "
                         "published code's sample variance, max(var, 1e-6) and float32")
+    p.add_argument("--representative", choices=("salience", "fisher"), default=None,
+                   help="cahp: the score that picks each cluster's head (default: salience for sst5/mnli, "
+                        "fisher for lm)")
+    p.add_argument("--allocation", choices=("cluster", "importance"), default=None,
+                   help="cahp: one head per cluster (published; default for sst5/mnli) or the head count "
+                        "spread over --clusters clusters by summed importance (default for lm)")
+    p.add_argument("--clusters", type=int, default=None,
+                   help="cahp --allocation importance: number of clusters (default 30)")
     p.add_argument("--importance-batches", type=int, default=None,
                    help="baselines: training batches their gradient importance uses (default all)")
     p.add_argument("--finetune-epochs", type=int, default=None,
@@ -92,7 +100,8 @@ def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
         device=args.device, progress=not args.no_progress, data=args.data, tokenizer=args.tokenizer,
         context=args.context, calib_windows=args.calib_windows, heldout_fraction=args.heldout_fraction,
         salience_order=args.salience_order,
-        knee_warn_ratio=args.knee_warn_ratio,
+        knee_warn_ratio=args.knee_warn_ratio, representative=args.representative, allocation=args.allocation,
+        n_clusters=args.clusters,
         **(dict(ddof=0, var_floor=None, var_eps=1e-10, tsne_dtype="float64") if args.legacy_signatures else {}),
     )
 

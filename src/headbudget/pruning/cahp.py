@@ -31,7 +31,11 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "ALLOCATIONS",
     "CAHPSelection",
+    "LM_DEFAULTS",
+    "REPRESENTATIVES",
+    "allocate_by_importance",
     "cluster_sweep",
     "embed_heads",
     "ensure_one_per_layer",
@@ -43,6 +47,12 @@ __all__ = [
 ]
 
 MSS_VARIANTS = ("mean", "nearest")
+ALLOCATIONS = ("cluster", "importance")
+REPRESENTATIVES = ("salience", "fisher")
+# Label-free (task lm) defaults, measured on SmolLM2-135M (docs/pruning.md): one representative per
+# cluster (the published selection) keeps 1.5-5x worse perplexity than Fisher; clustering into 30
+# groups and allocating the head count by summed Fisher importance beats or matches it.
+LM_DEFAULTS = {"representative": "fisher", "allocation": "importance", "n_clusters": 30}
 
 
 def embed_heads(
@@ -203,6 +213,51 @@ def representatives(labels: Sequence[int], salience: Sequence[float]) -> list[in
     return sorted(reps)
 
 
+def allocate_by_importance(labels: Sequence[int], importance: Sequence[float], keep: int) -> list[int]:
+    """Keep ``keep`` heads spread over clusters by importance (``allocation="importance"``).
+
+    Every cluster first gets one slot; each further slot goes to the open cluster (one with members
+    left) whose share of ``keep`` by summed importance (``keep * mass_c / mass``) most exceeds its
+    slots so far (ties: lowest cluster label).  Each cluster keeps its most important members (ties:
+    lowest index).  Returns sorted indices.
+
+    >>> allocate_by_importance([0, 0, 0, 1, 1], [5.0, 4.0, 3.0, 0.2, 0.1], 3)
+    [0, 1, 3]
+    """
+    labels = np.asarray(labels)
+    imp = np.asarray(importance, dtype=np.float64)
+    if imp.shape != labels.shape:
+        raise ValueError(f"{imp.size} importance scores for {labels.size} heads")
+    clusters = np.unique(labels)
+    if not len(clusters) <= keep <= len(labels):
+        raise ValueError(f"cannot keep {keep} heads in {len(clusters)} clusters of {len(labels)} heads "
+                         f"(need {len(clusters)}..{len(labels)})")
+    members = [np.flatnonzero(labels == c) for c in clusters]
+    size = np.array([len(m) for m in members])
+    mass = np.array([imp[m].clip(min=0).sum() for m in members])
+    share = mass / mass.sum() * keep if mass.sum() > 0 else size / size.sum() * keep
+    quota = np.ones(len(clusters), dtype=int)
+    for _ in range(keep - len(clusters)):
+        want = np.where(quota < size, share - quota, -np.inf)
+        quota[int(np.argmax(want))] += 1
+    kept: list[int] = []
+    for m, q in zip(members, quota):
+        kept += [int(i) for i in sorted(m, key=lambda i: (-imp[i], i))[:q]]
+    return sorted(kept)
+
+
+def _trim(kept: Sequence[int], keep: int, heads: Sequence[tuple[int, int]], scores: np.ndarray) -> list[int]:
+    """Drop the least important heads (never a layer's last) until ``keep`` remain."""
+    kept = sorted(int(i) for i in kept)
+    while len(kept) > keep:
+        per_layer: dict[int, int] = {}
+        for i in kept:
+            per_layer[heads[i][0]] = per_layer.get(heads[i][0], 0) + 1
+        drop = min((i for i in kept if per_layer[heads[i][0]] > 1), key=lambda i: (scores[i], -i))
+        kept.remove(drop)
+    return kept
+
+
 def ensure_one_per_layer(
     kept: Sequence[int], heads: Sequence[tuple[int, int]], salience: Sequence[float]
 ) -> tuple[list[int], list[int]]:
@@ -269,6 +324,9 @@ def select_heads(
     accuracy_ks: Sequence[int] | None = None,
     progress: bool = False,
     tsne_dtype: str = "float32",
+    scores: Sequence[float] | None = None,
+    allocation: str = "cluster",
+    n_clusters: int | None = None,
 ) -> CAHPSelection:
     """Run CAHP's selection on precomputed signatures.
 
@@ -276,7 +334,15 @@ def select_heads(
     rescued heads number at most ``keep`` (exactly ``keep`` unless rescues make that impossible).  ``accuracy_fn(kept_indices) -> accuracy`` switches the knee to
     measured accuracy vs heads kept (``--curve accuracy``), evaluated at ``accuracy_ks``
     (default every k).
+
+    ``scores`` (default ``salience``) picks each cluster's representative and each rescued layer's
+    head (e.g. Fisher importance).  ``allocation="importance"`` clusters the heads into
+    ``n_clusters`` groups (default 30) and spreads the head count over them by summed ``scores``
+    (:func:`allocate_by_importance`) instead of one head per cluster; the count is ``keep``, or,
+    without it, the head count of the knee's one-per-cluster selection.
     """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
     heads = [tuple(map(int, h)) for h in heads]
     n = len(heads)
     sal = np.asarray(salience, dtype=np.float64)
@@ -284,7 +350,22 @@ def select_heads(
         raise ValueError(f"salience has {sal.size} values for {n} heads")
     if n < 4:
         raise ValueError(f"CAHP needs at least 4 heads to cluster, the model has {n}")
+    rep = sal if scores is None else np.asarray(scores, dtype=np.float64)
+    if rep.shape != (n,):
+        raise ValueError(f"scores has {rep.size} values for {n} heads")
     emb = embed_heads(features, distances=distances, perplexity=perplexity, seed=seed, dtype=tsne_dtype)
+    if allocation == "importance" and keep is not None:
+        n_layers = len({layer for layer, _ in heads})
+        if not max(2, n_layers) <= keep < n:
+            raise ValueError(f"--keep must be between {max(2, n_layers)} and {n - 1} for a model with {n} heads "
+                             f"in {n_layers} layers, got {keep}")
+        k = max(2, min(n_clusters or LM_DEFAULTS["n_clusters"], keep, n - 1))
+        (chosen,) = cluster_sweep(emb, ks=[k], seed=seed, variant=mss_variant)
+        kept, rescued = ensure_one_per_layer(allocate_by_importance(chosen.labels, rep, keep), heads, rep)
+        return CAHPSelection(
+            kept=_trim(kept, keep, heads, rep), heads=list(heads), knee_k=k, mss=[(k, chosen.mss)], embedding=emb,
+            labels=chosen.labels, medoids=chosen.medoids, rescued=rescued, salience=sal, knee_source="keep",
+        )
     sweep = cluster_sweep(emb, seed=seed, variant=mss_variant, progress=progress)
     by_k = {c.k: c for c in sweep}
     mss = [(c.k, c.mss) for c in sweep]
@@ -297,14 +378,14 @@ def select_heads(
         # the largest k whose representatives plus rescued heads fit in exactly `keep` heads
         knee_k = 2
         for k in range(min(keep, n - 1), 1, -1):
-            if len(ensure_one_per_layer(representatives(by_k[k].labels, sal), heads, sal)[0]) <= keep:
+            if len(ensure_one_per_layer(representatives(by_k[k].labels, rep), heads, rep)[0]) <= keep:
                 knee_k = k
                 break
         source = "keep"
     elif accuracy_fn is not None:
         ks = sorted(by_k) if accuracy_ks is None else sorted(set(accuracy_ks))
         for k in ks:
-            kept, _ = ensure_one_per_layer(representatives(by_k[k].labels, sal), heads, sal)
+            kept, _ = ensure_one_per_layer(representatives(by_k[k].labels, rep), heads, rep)
             curve.append((k, len(kept), float(accuracy_fn(kept))))
         knee = find_knee([c[1] for c in curve], [c[2] for c in curve], poly_degree)
         if knee is None:
@@ -319,7 +400,13 @@ def select_heads(
         else:
             knee_k, source = int(round(knee)), "mss"
     chosen = by_k[knee_k]
-    kept, rescued = ensure_one_per_layer(representatives(chosen.labels, sal), heads, sal)
+    kept, rescued = ensure_one_per_layer(representatives(chosen.labels, rep), heads, rep)
+    if allocation == "importance":  # the knee sets the count, the importance allocation the heads
+        count = len(kept)
+        k = max(2, min(n_clusters or LM_DEFAULTS["n_clusters"], count, n - 1))
+        chosen = by_k[k]
+        kept, rescued = ensure_one_per_layer(allocate_by_importance(chosen.labels, rep, count), heads, rep)
+        kept = _trim(kept, count, heads, rep)
     return CAHPSelection(
         kept=kept, heads=list(heads), knee_k=knee_k, mss=mss, embedding=emb, labels=chosen.labels,
         medoids=chosen.medoids, rescued=rescued, salience=sal, knee_source=source, accuracy_curve=curve,
@@ -378,9 +465,13 @@ def cahp_select(
     var_floor: float | None = 1e-6,
     var_eps: float = 0.0,
     tsne_dtype: str = "float32",
+    representative: str | None = None,
+    allocation: str | None = None,
+    n_clusters: int | None = None,
 ) -> tuple[CAHPSelection, dict[str, float]]:
     """CAHP on a model: signatures, salience, selection.  Returns the selection and the wall time
-    of each stage (``signatures``, ``salience``, ``cluster``).
+    of each stage (``signatures``, ``salience`` (with the Fisher scores when ``representative="fisher"``),
+    ``cluster``).
 
     Class-conditional mode (``n_classes`` >= 2): JM features of per-class signatures.  Label-free
     mode (``n_classes=None``): JS divergence of pooled attention; ``loss_fn`` should then be the
@@ -390,6 +481,11 @@ def cahp_select(
     at ``var_floor=1e-6`` before Jeffries–Matusita, seed 42, t-SNE in float32.  ``ddof=0,
     var_floor=None, var_eps=1e-10, tsne_dtype="float64"`` is headbudget's earlier behaviour.
 
+    ``representative`` (``"salience"`` or ``"fisher"``: mean squared per-example gate gradient over
+    ``signature_batches``), ``allocation`` and ``n_clusters`` (:func:`select_heads`) default to the
+    published selection (salience, one head per cluster) in class-conditional mode and to
+    :data:`LM_DEFAULTS` (Fisher, importance allocation over 30 clusters) in label-free mode.
+
     Example (``model`` a fine-tuned classifier, batches from ``tasks.make_loader``)::
 
         adapter = get_adapter(model)
@@ -398,21 +494,38 @@ def cahp_select(
     """
     import time
 
-    from .importance import default_loss, salience
+    from .importance import default_loss, flatten, gate_gradients, salience
 
+    label_free = n_classes is None
+    if representative is None:
+        representative = LM_DEFAULTS["representative"] if label_free else "salience"
+    if allocation is None:
+        allocation = LM_DEFAULTS["allocation"] if label_free else "cluster"
+    if representative not in REPRESENTATIVES:
+        raise ValueError(f"unknown representative {representative!r}; choose from {', '.join(REPRESENTATIVES)}")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+    if n_clusters is not None and n_clusters < 2:
+        raise ValueError(f"n_clusters must be >= 2, got {n_clusters}")
     t0 = time.perf_counter()
     sig = model_signatures(adapter, signature_batches, n_classes, grid, progress, ddof=ddof)
     t1 = time.perf_counter()
     sal = salience(adapter, adapter.model, list(salience_batches), loss_fn or default_loss,
                    fraction=salience_fraction, progress=progress)
     t2 = time.perf_counter()
+    secs = {"signatures": t1 - t0, "salience": t2 - t1}
+    scores = None
+    if representative == "fisher":
+        scores = flatten(gate_gradients(adapter, adapter.model, list(signature_batches), loss_fn or default_loss,
+                                        reduce="example_square", progress=progress, desc="fisher"))
+        secs["salience"] += time.perf_counter() - t2  # the scoring stage: salience plus the representatives' Fisher
+    t2 = time.perf_counter()
+    opts = dict(keep=keep, poly_degree=poly_degree, perplexity=perplexity, mss_variant=mss_variant, seed=seed,
+                accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=tsne_dtype,
+                scores=scores, allocation=allocation, n_clusters=n_clusters)
     if sig.label_free:
-        sel = select_heads(None, sig.heads, sal, distances=sig.distances(), keep=keep, poly_degree=poly_degree,
-                           perplexity=perplexity, mss_variant=mss_variant, seed=seed, accuracy_fn=accuracy_fn,
-                           accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=tsne_dtype)
+        sel = select_heads(None, sig.heads, sal, distances=sig.distances(), **opts)  # type: ignore[arg-type]
     else:
-        sel = select_heads(sig.features(var_eps, var_floor), sig.heads, sal, keep=keep, poly_degree=poly_degree,
-                           perplexity=perplexity, mss_variant=mss_variant, seed=seed, accuracy_fn=accuracy_fn,
-                           accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=tsne_dtype)
-    t3 = time.perf_counter()
-    return sel, {"signatures": t1 - t0, "salience": t2 - t1, "cluster": t3 - t2}
+        sel = select_heads(sig.features(var_eps, var_floor), sig.heads, sal, **opts)  # type: ignore[arg-type]
+    secs["cluster"] = time.perf_counter() - t2
+    return sel, secs

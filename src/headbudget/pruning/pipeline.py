@@ -87,6 +87,11 @@ class PruneJob:
     tsne_dtype: str = "float32"
     # label-free lm mode, knee-chosen count: warn when pruned perplexity > this x dense (0: never)
     knee_warn_ratio: float = 2.0
+    # cahp selection (None: the mode's default -- classification the published salience / one head per
+    # cluster; task lm cahp.LM_DEFAULTS: fisher, importance allocation over 30 clusters)
+    representative: str | None = None
+    allocation: str | None = None
+    n_clusters: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -376,7 +381,8 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
             keep=target, poly_degree=job.poly_degree, perplexity=job.perplexity, mss_variant=job.mss,
             seed=job.seed, salience_fraction=sal_fraction, accuracy_fn=accuracy_fn,
             accuracy_ks=accuracy_ks, progress=job.progress, ddof=job.ddof, var_floor=job.var_floor,
-            var_eps=job.var_eps, tsne_dtype=job.tsne_dtype,
+            var_eps=job.var_eps, tsne_dtype=job.tsne_dtype, representative=job.representative,
+            allocation=job.allocation, n_clusters=job.n_clusters,
         )
         seconds.update(secs)
         seconds["select"] = sum(secs.values())
@@ -481,6 +487,9 @@ def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
 def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     """The settings that decide a method's result (``resume`` reuses a finished method only when they match)."""
     d = {k: v for k, v in vars(job).items() if k not in ("out", "progress", "device", "extra")}
+    for k in ("representative", "allocation", "n_clusters"):  # added later: unset keeps older runs resumable
+        if d[k] is None:
+            del d[k]
     return json.loads(json.dumps(d, default=str))
 
 

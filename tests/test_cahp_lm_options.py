@@ -1,0 +1,156 @@
+"""CAHP selection options for label-free (task lm) pruning: Fisher representatives, importance allocation
+over clusters, their label-free defaults, and the CLI flags that set them (issue 10, section 3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from headbudget.pruning.cahp import LM_DEFAULTS, allocate_by_importance, select_heads
+
+
+def _groups(n_groups: int, per: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.normal(10.0 * c, 0.01, (per, 4)) for c in range(n_groups)])
+
+
+def test_allocate_by_importance_spreads_the_count_by_summed_importance():
+    # cluster 0 holds 90% of the importance, cluster 1 and 2 5% each: 6 slots -> 4, 1, 1
+    labels = [0, 0, 0, 0, 0, 1, 1, 1, 2, 2]
+    imp = [0.30, 0.25, 0.20, 0.10, 0.05, 0.03, 0.01, 0.01, 0.04, 0.01]
+    assert allocate_by_importance(labels, imp, 6) == [0, 1, 2, 3, 5, 8]
+    # every cluster keeps at least one head, even with no importance; a full cluster passes slots on
+    assert allocate_by_importance([0, 0, 1, 2], [1.0, 1.0, 0.0, 0.0], 3) == [0, 2, 3]
+    assert allocate_by_importance([0, 1, 1, 1], [9.0, 0.1, 0.3, 0.2], 3) == [0, 2, 3]
+    with pytest.raises(ValueError, match="cannot keep 2 heads in 3 clusters"):
+        allocate_by_importance([0, 1, 2], [1.0, 1.0, 1.0], 2)
+
+
+def test_representative_is_the_max_score_head_of_each_cluster():
+    """One head per cluster: the max of ``scores`` (e.g. Fisher), not of salience."""
+    feats = _groups(4, 6)                                    # 4 tight groups of 6 heads
+    heads = [(i // 12, i % 12) for i in range(24)]          # 2 layers
+    salience = np.linspace(1.0, 0.0, 24)                     # salience prefers each group's first head
+    fisher = np.zeros(24)
+    best = [3, 10, 14, 23]                                   # one planted max per group
+    fisher[best] = 1.0
+    by_sal = select_heads(feats, heads, salience, keep=4, seed=0, perplexity=5)
+    assert by_sal.kept == [0, 6, 12, 18]
+    by_fisher = select_heads(feats, heads, salience, keep=4, seed=0, perplexity=5, scores=fisher)
+    assert by_fisher.kept == best
+
+
+def test_importance_allocation_forced_count_one_per_layer():
+    feats = _groups(3, 8, seed=1)                            # 24 heads in 3 groups
+    heads = [(i // 6, i % 6) for i in range(24)]            # 4 layers of 6; group 0 = layer 0 + layer 1[:2]
+    fisher = np.full(24, 0.01)
+    fisher[:8] = np.linspace(2.0, 1.0, 8)                    # group 0 carries nearly all the importance
+    sel = select_heads(feats, heads, np.zeros(24), keep=10, seed=0, perplexity=5, scores=fisher,
+                       allocation="importance", n_clusters=3)
+    assert len(sel.kept) == 10 and sel.knee_source == "keep" and sel.knee_k == 3
+    assert {heads[i][0] for i in sel.kept} == {0, 1, 2, 3}    # at least one head per layer
+    # group 0 gets the most slots (its top heads by Fisher), the others only what the rules force
+    assert set(range(6)) <= set(sel.kept)
+    assert sum(1 for i in sel.kept if i < 8) >= 7
+    # one head per cluster with the same count keeps far fewer of group 0's heads
+    one_each = select_heads(feats, heads, np.zeros(24), keep=10, seed=0, perplexity=5, scores=fisher)
+    assert sum(1 for i in one_each.kept if i < 8) < sum(1 for i in sel.kept if i < 8)
+
+
+def test_importance_allocation_on_the_knee_path_keeps_the_knee_count():
+    feats = _groups(4, 6, seed=2)
+    heads = [(i // 12, i % 12) for i in range(24)]
+    fisher = np.random.default_rng(0).random(24)
+    knee = select_heads(feats, heads, np.zeros(24), seed=0, perplexity=5, scores=fisher)
+    alloc = select_heads(feats, heads, np.zeros(24), seed=0, perplexity=5, scores=fisher,
+                         allocation="importance", n_clusters=2)
+    assert knee.knee_source == alloc.knee_source == "mss" and len(alloc.mss) == len(knee.mss)
+    assert len(alloc.kept) == len(knee.kept)
+    with pytest.raises(ValueError, match="unknown allocation"):
+        select_heads(feats, heads, np.zeros(24), keep=4, allocation="greedy")
+
+
+def _tiny_lm():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headbudget.pruning.adapters import get_adapter
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32)).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, 50, (3, 12), generator=g)
+        batches.append({"input_ids": ids, "labels": ids})
+    return get_adapter(model), batches
+
+
+def test_cahp_select_defaults_by_mode_and_fisher_scores(monkeypatch):
+    """Label-free: Fisher scores (mean squared per-example gate gradient) + importance allocation;
+    class-conditional keeps the published salience / one head per cluster."""
+    import headbudget.pruning.cahp as cahp
+    from headbudget.pruning.importance import flatten, gate_gradients
+
+    ad, batches = _tiny_lm()
+    seen = {}
+    real = cahp.select_heads
+
+    def spy(features, heads, salience, **kw):
+        seen.update(kw)
+        return real(features, heads, salience, **kw)
+
+    monkeypatch.setattr(cahp, "select_heads", spy)
+    sel, secs = cahp.cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=5, seed=0, progress=False)
+    assert seen["allocation"] == LM_DEFAULTS["allocation"] == "importance"
+    assert seen["n_clusters"] is None and len(sel.kept) == 5 and set(secs) == {"signatures", "salience", "cluster"}
+    want = flatten(gate_gradients(ad, ad.model, batches, reduce="example_square", progress=False))
+    np.testing.assert_allclose(seen["scores"], want, rtol=1e-6)
+    assert np.argmax(want) in sel.kept
+    cahp.cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=5, seed=0, progress=False,
+                     representative="salience", allocation="cluster")
+    assert seen["scores"] is None and seen["allocation"] == "cluster"  # the original label-free CAHP
+    with pytest.raises(ValueError, match="unknown representative"):
+        cahp.cahp_select(ad, batches, batches, n_classes=None, keep=5, representative="medoid", progress=False)
+
+
+def test_classification_default_stays_published(monkeypatch):
+    import headbudget.pruning.cahp as cahp
+
+    seen = {}
+
+    def spy(features, heads, salience, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop")
+
+    class Sig:
+        label_free = False
+        heads = [(0, 0)]
+
+        def features(self, *a):
+            return np.zeros((1, 1))
+
+    monkeypatch.setattr(cahp, "select_heads", spy)
+    monkeypatch.setattr(cahp, "model_signatures", lambda *a, **k: Sig())
+    monkeypatch.setattr("headbudget.pruning.importance.salience", lambda *a, **k: np.zeros(1))
+    with pytest.raises(RuntimeError, match="stop"):
+        cahp.cahp_select(type("A", (), {"model": None})(), [], [], n_classes=5, progress=False)
+    assert seen["scores"] is None and seen["allocation"] == "cluster" and seen["n_clusters"] is None
+
+
+def test_cli_flags_reach_the_job_and_unset_ones_stay_out_of_the_fingerprint():
+    import argparse
+
+    from headbudget.cli.prune_cmd import _add_common, _job
+    from headbudget.pruning.pipeline import _job_fingerprint
+
+    p = argparse.ArgumentParser()
+    _add_common(p)
+    base = ["m", "--task", "lm", "--data", "t.txt", "--out", "o"]
+    job = _job(p.parse_args([*base, "--representative", "salience", "--allocation", "cluster", "--clusters", "7"]))
+    assert (job.representative, job.allocation, job.n_clusters) == ("salience", "cluster", 7)
+    fp = _job_fingerprint(job)
+    assert (fp["representative"], fp["allocation"], fp["n_clusters"]) == ("salience", "cluster", 7)
+    default = _job(p.parse_args(base))
+    assert default.representative is default.allocation is default.n_clusters is None
+    assert not {"representative", "allocation", "n_clusters"} & set(_job_fingerprint(default))
