@@ -112,12 +112,36 @@ def score(model: Any, tok: Any, args: argparse.Namespace, ids: Any) -> dict[str,
 def write_results(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     from headbudget.io import atomic_write_json
 
-    settings = {k: v for k, v in vars(args).items() if k not in ("methods", "variant", "out", "results", "plot")}
+    skip = ("methods", "variant", "out", "results", "plot", "table", "ratios")
+    settings = {k: v for k, v in vars(args).items() if k not in skip}
+    settings["ratios"] = sorted({r["ratio"] for r in rows if r["label"] != "dense"}, reverse=True)
     order = {m: i for i, m in enumerate(["dense", *BASELINES])}
     rows = sorted(rows, key=lambda r: (-r["ratio"], order.get(r["label"], 99), r["label"]))
     atomic_write_json(Path(args.results), {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantized)",
                                            "heads_total": 270, "settings": settings, "rows": rows}, indent=1)
     plot(rows, Path(args.plot))
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The results as benchmarks/RESULTS.md's table; the best pruned value of each column per ratio in bold."""
+    cols = [("ppl_wikitext2", "WikiText-2 ppl", min), ("ppl_tinyshakespeare_heldout", "tinyshakespeare ppl", min),
+            ("arc_easy", "arc_easy acc", max), ("piqa", "piqa acc", max)]
+
+    def val(r: dict[str, Any], key: str) -> float:
+        return r[key]["acc"] if isinstance(r[key], dict) else r[key]
+
+    def cell(r: dict[str, Any], key: str) -> str:
+        v = val(r, key)
+        return f"{v:.3f} ± {r[key]['acc_stderr']:.3f}" if isinstance(r[key], dict) else f"{v:.1f}"
+
+    lines = ["| kept | method | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---:|" * len(cols)]
+    for ratio in sorted({r["ratio"] for r in rows}, reverse=True):
+        group = [r for r in rows if r["ratio"] == ratio]
+        best = {k: pick(val(r, k) for r in group) for k, _, pick in cols}
+        for r in group:
+            cells = [(f"**{cell(r, k)}**" if ratio < 1 and val(r, k) == best[k] else cell(r, k)) for k, _, _ in cols]
+            lines.append(f"| {r['heads_kept']}/270 | {r['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -178,7 +202,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--results", default=str(HERE / "results" / "cahp_lm_smollm2.json"))
     ap.add_argument("--plot", default=str(HERE / "results" / "cahp_lm_smollm2.png"))
+    ap.add_argument("--table", action="store_true", help="only print the results file as a markdown table")
     args = ap.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(Path(args.results).read_text())["rows"]))
+        return
 
     import torch
 
@@ -196,10 +224,13 @@ def main() -> None:
             raise SystemExit(f"unknown method {m!r} (give --variant {m}:field=value,...)")
     base = ensure_base(out, args.gguf)
     ids = wiki_ids(out, args.wikitext)
-    # keep the rows of earlier runs (other methods), replace those redone
+    # keep the rows of earlier runs (the results file, then OUT's eval.json files), replace those redone
     rows: list[dict[str, Any]] = []
+    if Path(args.results).exists():
+        rows = json.loads(Path(args.results).read_text())["rows"]
     for ev in sorted(out.glob("*/eval.json")):
-        rows.append(json.loads(ev.read_text()))
+        row = json.loads(ev.read_text())
+        rows = [r for r in rows if (r["label"], r["ratio"]) != (row["label"], row["ratio"])] + [row]
     loaded: _LoadedLM | None = None
     base_job = PruneJob(str(base), "lm", None, "", data=args.data, context=args.context,
                         calib_windows=args.calib_windows, finetune_epochs=0, progress=False,
@@ -209,9 +240,9 @@ def main() -> None:
         nonlocal loaded
         if loaded is None:
             loaded = _LoadedLM(base_job)
-            dense_ev = out / "dense" / "eval.json"
-            if dense_ev.exists():
-                loaded.dense_acc = {"heldout": json.loads(dense_ev.read_text())["ppl_tinyshakespeare_heldout"]}
+            dense = next((r for r in rows if r["label"] == "dense"), None)
+            if dense is not None:
+                loaded.dense_acc = {"heldout": dense["ppl_tinyshakespeare_heldout"]}
         return loaded
 
     plan = [("dense", None)] if "dense" in methods else []
@@ -219,7 +250,7 @@ def main() -> None:
     for label, ratio in plan:
         d = out / ("dense" if ratio is None else f"{label}-r{ratio:.2f}")
         ev = d / "eval.json"
-        if ev.exists():
+        if ev.exists() or any((r["label"], r["ratio"]) == (label, ratio or 1.0) for r in rows):
             print(f"[skip] {d.name}: done", flush=True)
             continue
         t0 = time.perf_counter()
@@ -259,6 +290,7 @@ def main() -> None:
         del model
     if rows:
         write_results(args, rows)
+        print(markdown_table(rows))
 
 
 if __name__ == "__main__":
