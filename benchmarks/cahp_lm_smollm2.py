@@ -122,24 +122,26 @@ def write_results(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     plot(rows, Path(args.plot))
 
 
+def metric(row: dict[str, Any], key: str) -> float:
+    """A row's perplexity, or its accuracy for a zero-shot task."""
+    return row[key]["acc"] if isinstance(row[key], dict) else row[key]
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The results as benchmarks/RESULTS.md's table; the best pruned value of each column per ratio in bold."""
     cols = [("ppl_wikitext2", "WikiText-2 ppl", min), ("ppl_tinyshakespeare_heldout", "tinyshakespeare ppl", min),
             ("arc_easy", "arc_easy acc", max), ("piqa", "piqa acc", max)]
 
-    def val(r: dict[str, Any], key: str) -> float:
-        return r[key]["acc"] if isinstance(r[key], dict) else r[key]
-
     def cell(r: dict[str, Any], key: str) -> str:
-        v = val(r, key)
+        v = metric(r, key)
         return f"{v:.3f} ± {r[key]['acc_stderr']:.3f}" if isinstance(r[key], dict) else f"{v:.1f}"
 
     lines = ["| kept | method | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---:|" * len(cols)]
     for ratio in sorted({r["ratio"] for r in rows}, reverse=True):
         group = [r for r in rows if r["ratio"] == ratio]
-        best = {k: pick(val(r, k) for r in group) for k, _, pick in cols}
+        best = {k: pick(metric(r, k) for r in group) for k, _, pick in cols}
         for r in group:
-            cells = [(f"**{cell(r, k)}**" if ratio < 1 and val(r, k) == best[k] else cell(r, k)) for k, _, _ in cols]
+            cells = [(f"**{cell(r, k)}**" if ratio < 1 and metric(r, k) == best[k] else cell(r, k)) for k, _, _ in cols]
             lines.append(f"| {r['heads_kept']}/270 | {r['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -158,15 +160,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     labels = sorted({r["label"] for r in rows if r["label"] != "dense"},
                     key=lambda m: (list(BASELINES).index(m) if m in BASELINES else 9, m))
     for ax, (key, title, log) in zip(axes, panels):
-        def val(r: dict[str, Any], key: str = key) -> float:
-            return r[key]["acc"] if isinstance(r[key], dict) else r[key]
-
         for lab in labels:
-            pts = sorted((r["heads_kept"] / 270, val(r)) for r in rows if r["label"] == lab)
+            pts = sorted((r["heads_kept"] / 270, metric(r, key)) for r in rows if r["label"] == lab)
             style = "-o" if lab.startswith("cahp") else "--s"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=lab, ms=4)
         if dense is not None:
-            ax.axhline(val(dense), color="k", lw=0.8, ls=":", label="dense")
+            ax.axhline(metric(dense, key), color="k", lw=0.8, ls=":", label="dense")
         if log:
             ax.set_yscale("log")
         ax.set_xlabel("fraction of heads kept")
@@ -250,7 +249,7 @@ def main() -> None:
     for label, ratio in plan:
         d = out / ("dense" if ratio is None else f"{label}-r{ratio:.2f}")
         ev = d / "eval.json"
-        if ev.exists() or any((r["label"], r["ratio"]) == (label, ratio or 1.0) for r in rows):
+        if any((r["label"], r["ratio"]) == (label, ratio or 1.0) for r in rows):  # eval.json rows are in rows
             print(f"[skip] {d.name}: done", flush=True)
             continue
         t0 = time.perf_counter()
