@@ -103,8 +103,8 @@ def test_batching_equals_one_by_one(gpt2, tok):
         assert c == pytest.approx(a, abs=1e-4)
     n_rows = sum(len(e.contexts) for e in exs)
     assert full.stats.forward_passes == math.ceil(n_rows / 5)
-    # prefix strategy: at most two passes per item (+1 for the first item's self-check)
-    assert prefix.stats.forward_passes <= 2 * len(exs) + 1
+    # prefix strategy: the 4 trees fit one pass of 16 rows (+1 pass: the self-check's plain scores)
+    assert prefix.stats.forward_passes == 2
 
 
 def tiny_headbudget(seed: int = 1):
@@ -126,40 +126,127 @@ def tiny_llama(seed: int = 2):
                                         max_position_embeddings=256)).eval()
 
 
-@pytest.mark.parametrize("make", [tiny_gpt2, tiny_headbudget, tiny_llama],
-                         ids=["gpt2", "headbudget", "llama"])
-def test_cross_item_prefix_batching_equals_one_by_one(make, tok):
-    """Prefixes of many items in one padded pass, the cache expanded per choice: same scores as
-    every choice scored alone, no fallback, and far fewer than two passes per item."""
+def tiny_mistral(seed: int = 3):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    return MistralForCausalLM(MistralConfig(num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, hidden_size=32,
+                                            intermediate_size=64, vocab_size=257, sliding_window=8,
+                                            max_position_embeddings=256)).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_headbudget, tiny_llama, tiny_mistral],
+                         ids=["gpt2", "headbudget", "llama", "mistral-window8"])
+def test_tree_batching_equals_one_by_one(make, tok):
+    """Items as token trees packed into rows: same scores as every choice scored alone, no
+    fallback, the output projection split off, at most ``batch_size`` rows and far fewer passes
+    than items; every tree token counted once."""
     model = make()
     exs = [e for t in TASKS4 for e in load_examples(t, FIXTURES)]
     exs = exs + exs[::-1]  # more items than one batch; prefixes of many lengths
     one = [[hand_score(model, tok, c, k) for c, k in zip(e.contexts, e.continuations)]
            for e in exs]
     passes = {}
-    for bs in (6, 2):  # 2: several windows of prefix caches
+    for bs in (6, 2, 1):
         fast = Scorer(model, tok, batch_size=bs, progress=False)
-        rows_seen: list[int] = []
-        inner = fast._forward
+        shapes: list[tuple[int, int]] = []
+        inner = fast._tree_forward
 
-        def spy(ids, _inner=inner, _seen=rows_seen, **kw):
-            _seen.append(ids.shape[0])
-            return _inner(ids, **kw)
+        def spy(ids, mask, pos, index, _inner=inner, _seen=shapes):
+            _seen.append(tuple(ids.shape))
+            return _inner(ids, mask, pos, index)
 
-        fast._forward = spy
+        fast._tree_forward = spy
         got = fast.score(exs)
-        assert fast.stats.fallbacks == [] and fast.strategy == "prefix"
+        assert fast.stats.fallbacks == [] and fast.strategy == "prefix" and fast._head is not None
         for a, b in zip(got, one, strict=True):
             assert a == pytest.approx(b, abs=1e-4)
-        assert max(rows_seen) <= bs and len(rows_seen) == fast.stats.forward_passes
-        passes[bs] = fast.stats.forward_passes
-    # bs=6: well under one pass per item (the per-item cache needed two); fewer than with bs=2
-    assert passes[6] < len(exs) and passes[6] < passes[2]
-    # a batch size of one row still works (continuations chunked one by one)
-    small = Scorer(model, tok, batch_size=1, progress=False)
-    for a, b in zip(small.score(exs[:3]), one[:3], strict=True):
+        assert max(r for r, _ in shapes) <= bs
+        # the rest: the self-check's plain passes over one item's (at most 4) choices
+        assert 1 <= fast.stats.forward_passes - len(shapes) <= math.ceil(4 / bs)
+        items = [fast._sequences(list(zip(e.contexts, e.continuations, strict=True))) for e in exs]
+        tree_tokens = [len(fast._layout([s[:-1] for s, _ in it])[0]) for it in items]
+        # every item is there twice: a copy in the same row shares all of its tokens (plus the
+        # self-check's plain sequences, at most 4 of them)
+        assert sum(tree_tokens) / 2 <= fast.stats.tokens <= sum(tree_tokens) + 4 * max(tree_tokens)
+        passes[bs] = len(shapes)
+    assert passes[6] < passes[2] < passes[1]
+
+
+def test_short_trees_share_a_row(gpt2, tok):
+    """Ten short items in one row of one pass (batch size 1): no cross-talk between them."""
+    items = [[(f"Q{i}: pick", " a"), (f"Q{i}: pick", " bb"), (f"Q{i}: pick", " c!")] for i in range(10)]
+    fast = Scorer(gpt2, tok, batch_size=1, progress=False)
+    shapes: list[tuple[int, int]] = []
+    inner = fast._tree_forward
+    fast._tree_forward = lambda ids, *a: shapes.append(tuple(ids.shape)) or inner(ids, *a)
+    got = fast.score_pairs(items)
+    # each item's trie: inputs "Qi: pick " (9 bytes), "Qi: pick b", "Qi: pick c" = 11 tokens; a row
+    # holds five (55 <= MIN_ROW_TOKENS = 64), whose common "Q" is one token: 1 + 5 * 10
+    assert shapes == [(1, 51), (1, 51)]
+    for item, scores in zip(items, got, strict=True):
+        want = [hand_score(gpt2, tok, c, k) for c, k in item]
+        assert [ll for ll, _ in scores] == pytest.approx(want, abs=1e-4)
+
+
+def test_trie_layout_example():
+    """Sequences merged into a trie, depth-first: shared tokens once; a token's subtree
+    ``[b, ends[b])`` holds exactly the tokens that may attend to it."""
+    ids, pos, ends, where = Scorer._layout([[5, 6, 7, 8], [5, 6, 7], [5, 6, 4], [9]])
+    assert ids == [5, 6, 7, 8, 4, 9]
+    assert pos == [0, 1, 2, 3, 2, 0]
+    assert ends == [5, 5, 4, 4, 5, 6]
+    assert where == [[0, 1, 2, 3], [0, 1, 2], [0, 1, 4], [5]]
+
+
+def test_items_sharing_a_long_prefix_run_it_once(gpt2, tok):
+    """Twelve items with one 80-byte few-shot context: one pass, the context's tokens once per
+    row instead of once per choice, scores equal to each choice scored alone."""
+    shots = "Q: 1+1\nA: 2\n\nQ: 2+3\nA: 5\n\nQ: 4+4\nA: 8\n\nQ: 3+3\nA: 6\n\nQ: 9+0\nA: 9\n\nQ: 1+2\nA: 3\n\n"
+    items = [[(f"{shots}Q: {i}+1\nA:", f" {k}") for k in (i + 1, i + 2, 7)] for i in range(12)]
+    fast = Scorer(gpt2, tok, batch_size=4, progress=False)
+    got = fast.score_pairs(items)
+    for item, scores in zip(items, got, strict=True):
+        want = [hand_score(gpt2, tok, c, k) for c, k in item]
+        assert [ll for ll, _ in scores] == pytest.approx(want, abs=1e-4)
+    plain = sum(len(tok.encode(c + k)) - 1 for item in items for c, k in item)
+    trees = sum(len(fast._layout([s[:-1] for s, _ in fast._sequences(item)])[0]) for item in items)
+    check = fast.stats.tokens - fast.stats.padded_tokens  # <= 0; the self-check's plain tokens are
+    assert check <= 0 and fast.stats.forward_passes <= 3  # in both counters
+    # rows hold several items under one copy of the context: fewer tokens than one tree per item
+    assert fast.stats.tokens < trees < plain
+
+
+def test_scaled_logits_are_caught_and_the_model_logits_used(gpt2, tok):
+    """A model whose logits are not ``lm_head(decoder(x))`` (here: doubled): the self-check sees the
+    difference, the scorer keeps trees but takes the model's own logits; scores stay exact."""
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.config = inner.config
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def get_decoder(self):
+            return self.inner.get_decoder()
+
+        def forward(self, **kw):
+            out = self.inner(**kw)
+            out.logits = out.logits * 2
+            return out
+
+    model = Doubled(gpt2)
+    exs = load_examples("piqa", FIXTURES)
+    sc = Scorer(model, tok, progress=False)
+    got = sc.score(exs)
+    assert sc.strategy == "prefix" and sc.stats.fallbacks == [] and sc._head is None
+    ref = Scorer(model, tok, strategy="full", progress=False).score(exs)
+    for a, b in zip(got, ref, strict=True):
         assert a == pytest.approx(b, abs=1e-4)
-    assert small.stats.fallbacks == []
+    assert ref[0] != pytest.approx(Scorer(gpt2, tok, strategy="full", progress=False).score(exs)[0])
 
 
 def test_cache_mismatch_falls_back_to_full(gpt2, tok):
@@ -319,3 +406,35 @@ def test_continuation_longer_than_the_context_names_task_and_row(tmp_path, capsy
     assert main(["eval", str(tmp_path / "m"), "--tasks", "piqa", "--data-dir", str(fixtures), "--limit", "2"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("headbudget")]
     assert len(err) == 1 and "task piqa, " in err[0] and "piqa_validation.jsonl:1: continuation of" in err[0]
+
+
+def test_attention_window_rules():
+    """One window for every layer goes into the tree mask; a disabled window is none; windowed and
+    full layers mixed (Gemma 2/3) cannot share one mask: 0, and the scorer falls back to full."""
+    from types import SimpleNamespace
+
+    from headbudget.evaluation.zeroshot import _attention_window
+
+    def model(**cfg):
+        return SimpleNamespace(config=SimpleNamespace(**cfg))
+
+    assert _attention_window(model(sliding_window=8)) == 8
+    assert _attention_window(model(sliding_window=4096, use_sliding_window=False)) is None  # Qwen2
+    assert _attention_window(model(attention_window=16)) == 16  # headbudget's own config field
+    assert _attention_window(model(sliding_window=None)) is None
+    assert _attention_window(model(sliding_window=8, layer_types=["sliding_attention",
+                                                                   "full_attention"])) == 0
+
+
+def test_mixed_window_layers_fall_back_to_full(tok):
+    llama = tiny_llama()
+    llama.config.sliding_window = 8
+    llama.config.layer_types = ["sliding_attention", "full_attention"]
+    exs = load_examples("piqa", FIXTURES)
+    sc = Scorer(llama, tok, progress=False)
+    with pytest.warns(UserWarning, match="mixes sliding-window and full attention"):
+        got = sc.score(exs)
+    assert sc.strategy == "full"
+    for ex, scores in zip(exs, got, strict=True):
+        assert scores == pytest.approx([hand_score(llama, tok, c, k)
+                                        for c, k in zip(ex.contexts, ex.continuations)], abs=1e-4)

@@ -8,16 +8,15 @@ tokens are ``encode(context + continuation)[len(encode(context)):]`` with the to
 special tokens (none when the text already starts with the BOS string), and over-long inputs are cut
 from the left to ``max_length + 1`` tokens.
 
-Speed: the choices of one item share a token prefix (the context; for winogrande the sentence up to
-the blank).  ``strategy="prefix"`` batches across items: items sorted by prefix length run their
-prefixes ``batch_size`` at a time in right-padded passes with the KV cache (exact for a causal model);
-the keys/values of a window of ``PREFIX_WINDOW_GROUPS * batch_size`` items are kept, expanded to one
-row per choice, and all the window's choices (sorted by length) are scored in padded passes of at
-most ``batch_size`` rows, positions continuing each row's own prefix and an attention mask hiding the
-padding.  A window of ``w`` items with ``k`` choices each costs about ``(1 + k) * w / batch_size``
-passes instead of ``2 * w``.  After the first window one padded item is checked against the plain
-computation and the scorer falls back to ``strategy="full"`` (every choice's full sequence, batched
-across items sorted by length) when a model's cache cannot be reused.
+Speed (``strategy="prefix"``): the choices of one item share a token prefix (the context; for
+winogrande the sentence up to the blank).  Each item becomes one token tree -- the prefix once, then
+every choice's remaining tokens -- scored in a single forward pass with a 4-D attention mask and
+per-token positions, so each choice's tokens see exactly the keys of its plain sequence.  Short trees
+share rows (packed, no cross-talk), so a pass of ``batch_size`` rows is mostly real tokens, and the
+output projection and log-softmax run only where a continuation token is scored: a small model
+spends a fifth of its per-token work in that projection, which lm-eval computes at every position.
+The first pass checks one tree against the plain computation; a model that ignores the mask or
+positions falls back to ``strategy="full"`` (every choice's whole sequence, batched by length).
 
     >>> from headbudget.evaluation import evaluate_tasks
     >>> report = evaluate_tasks(model, tokenizer, ["piqa"], data_dir="../shared/data/zeroshot",
@@ -27,11 +26,10 @@ across items sorted by length) when a model's cache cannot be reused.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +40,17 @@ from tqdm.auto import tqdm
 from headbudget.evaluation.tasks import MCExample, get_task, load_examples
 
 DEFAULT_MAX_LENGTH = 2048  # the harness's default when neither config nor tokenizer says
-# strategy="prefix": items whose prefix caches are kept together (in units of batch_size), so that
-# their choices can be sorted by length across prefix passes (less padding, bounded memory).
-PREFIX_WINDOW_GROUPS = 4
-# A forward pass's fixed cost (reading every weight once) in tokens' worth of compute, roughly, for
-# a small model on one CPU thread: padding a pass by more than this is worse than one more pass.
-PASS_COST_TOKENS = 16
+# Rows of (scored positions, vocab) logits computed at once (bounds memory: 512 x 50k floats = 100 MB).
+HEAD_ROWS = 512
+# Shortest row of a tree pass: short trees share rows, so a pass is not mostly fixed cost.
+MIN_ROW_TOKENS = 64
+# Neighbouring items (in token order) sharing this many leading tokens (a fixed few-shot context, a
+# long instruction) share rows, each up to its first item's trie plus SHARED_ROW_EXTRA_TOKENS (long
+# rows cost attention work on masked keys: at 1k tokens about a third more per token).
+SHARE_MIN_TOKENS = 32
+SHARED_ROW_EXTRA_TOKENS = 512
+# Largest attention mask of one pass (rows x L x L entries; 2**27 floats = 512 MB).
+MASK_ELEMENTS = 2**27
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,55 +147,57 @@ def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 
 
 class _CacheMismatch(RuntimeError):
-    """The cached scores of the self-check differ from the plain ones."""
+    """The tree scores of the self-check differ from the plain ones."""
 
 
-def _cache_tensors(past: Any, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer ``(keys, values)`` of shape (batch, heads, ``length``, dim) from a KV cache.
-
-    Accepts a transformers ``DynamicCache`` made of plain (non-sliding) ``DynamicLayer``s, or the
-    legacy tuple of per-layer ``(k, v)``; anything else raises TypeError (the caller falls back).
-    """
-    if past is None:
-        raise TypeError("the model returned no KV cache")
-    if isinstance(past, (tuple, list)):
-        kv = [(layer[0], layer[1]) for layer in past]
-    else:
-        from transformers.cache_utils import DynamicCache, DynamicLayer
-
-        if type(past) is not DynamicCache or any(type(layer) is not DynamicLayer
-                                                  for layer in past.layers):
-            raise TypeError(f"cannot expand a KV cache of type {type(past).__name__} "
-                            f"({sorted({type(x).__name__ for x in getattr(past, 'layers', [])})})")
-        kv = [(layer.keys, layer.values) for layer in past.layers]
-    for i, (k, v) in enumerate(kv):
-        if k.dim() != 4 or k.shape[-2] != length or v.shape[-2] != length:
-            raise TypeError(f"KV cache layer {i} has shape {tuple(k.shape)}, expected length "
-                            f"{length} on dim -2")
-    return kv
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
-def _build_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """A fresh ``DynamicCache`` holding ``kv`` (the forward appends to it; ``kv`` is not changed)."""
-    from transformers.cache_utils import DynamicCache
-
-    return DynamicCache(ddp_cache_data=kv)
+# Config fields of models whose logits are more than ``lm_head(decoder(x))`` (soft-capping, scaling).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logit_scale")
 
 
-def _forward_params(model: torch.nn.Module) -> set[str]:
+def _split_output_head(model: torch.nn.Module) -> tuple[Any, torch.nn.Module | None]:
+    """``(decoder, output projection)`` when ``model``'s logits are ``head(decoder(...)[0])``, so
+    that the projection (a fifth of a small model's work per token, and the (tokens, vocab)
+    log-softmax) can run at the scored positions only; ``(None, None)`` otherwise."""
     try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
+        head = model.get_output_embeddings()
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None, None
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    if (type(head) is not torch.nn.Linear or decoder is None or decoder is model
+            or any(getattr(cfg, a, None) not in (None, 1, 1.0) for a in _LOGIT_TRANSFORMS)):
+        return None, None
+    return decoder, head
+
+
+def _attention_window(model: torch.nn.Module) -> int | None:
+    """The sliding-window width that every attention layer applies, None for full attention.  A
+    model mixing windowed and full layers (Gemma 2/3 ``layer_types``) gets 0: one tree mask cannot
+    describe both, so such a model is scored with ``strategy="full"``."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    window = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False or not isinstance(window, int):
+        return None
+    kinds = set(getattr(cfg, "layer_types", None) or [])
+    return 0 if len(kinds) > 1 else window
 
 
 class Scorer:
     """Log-likelihood of continuations for a causal LM.
 
-    ``strategy``: ``"prefix"`` (up to ``batch_size`` items' shared prefixes in one pass through the
-    KV cache, then all their choices' remaining tokens in padded passes of ``batch_size`` rows) or
-    ``"full"`` (every choice's whole sequence, batched across items,
-    sorted by length so that padding is minimal).  ``batch_size`` bounds the rows of one forward pass.
+    ``strategy``: ``"prefix"`` (each item -- an example's choices -- as one token tree, its shared
+    prefix once; trees packed into ``batch_size`` rows per forward pass; see :meth:`_score_trees`)
+    or ``"full"`` (every choice's whole sequence, ``batch_size`` sequences per pass, sorted by
+    length; the plain computation that ``"prefix"`` is checked against).
+
+        >>> scorer = Scorer(model, tokenizer, batch_size=16)                 # doctest: +SKIP
+        >>> scorer.score_pairs([[("Q: 2+2\\nA:", " 4"), ("Q: 2+2\\nA:", " 5")]])  # doctest: +SKIP
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 16,
@@ -212,10 +217,9 @@ class Scorer:
         self.progress = progress
         self.stats = ScoreStats(strategy=strategy)
         self._prefix_checked = False
-        params = _forward_params(model)
-        # transformers >= 5.2x names the KV cache argument `cache`; older models `past_key_values`.
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._can_trim_logits = "logits_to_keep" in params
+        self._dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self._decoder, self._head = _split_output_head(model)
+        self._window = _attention_window(model)
 
     # -- model calls ----------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, **kwargs: Any) -> Any:
@@ -247,138 +251,211 @@ class Scorer:
         t = torch.tensor(targets, dtype=torch.long, device=logp.device)
         return float(logp.gather(-1, t[:, None]).sum()), bool((logp.argmax(-1) == t).all())
 
+    # -- one pass per batch of item trees ----------------------------------------------------------
     @staticmethod
-    def _prefix_plan(item: list[tuple[list[int], int]]) -> int:
-        """Length of the prefix run once for ``item``: the choices' common input tokens, cut where
-        the first scored logit is needed (so every scored logit comes from the continuation pass)."""
-        inputs = [s[:-1] for s, _ in item]
-        first_needed = min(len(s) - c - 1 for s, c in item)
-        return min(_common_prefix_len(inputs), first_needed)
+    def _layout(seqs: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+        """Token sequences merged into a trie laid out depth-first: (ids, positions (= depths), ends,
+        flat index of every position of every sequence).  Token ``b``'s subtree is ``[b, ends[b])``,
+        so token ``a`` may attend to ``b`` iff ``b <= a < ends[b]`` (``b`` is ``a`` or an ancestor):
+        every sequence sees exactly its own tokens, at its own positions, however many share them.
 
-    def _score_prefix_groups(self, items: list[list[tuple[list[int], int]]],
-                             check: bool = False,
-                             desc: str = "scoring") -> list[list[tuple[float, bool]]]:
-        """Scores of many items through their shared prefixes, batched across items.
-
-        Items (each with a non-empty prefix, see :meth:`_prefix_plan`) are sorted by prefix length
-        and taken in windows of ``PREFIX_WINDOW_GROUPS * batch_size``.  In a window, passes of
-        ``batch_size`` items run the prefixes right-padded with the KV cache (right padding is
-        exact for a causal model: real positions never attend to later pads) and their keys and
-        values are kept; then all the window's choices, sorted by continuation length, are scored
-        in passes of at most ``batch_size`` rows on that cache (expanded to one row per choice),
-        with ``position_ids = prefix_len + j`` and a ``(rows, past + T)`` attention mask hiding
-        each row's prefix and continuation padding.  ``check``: after the first window, compare
-        the item with prefix padding and the fewest tokens with :meth:`_score_full` and raise
-        :class:`_CacheMismatch` if they differ.
+            >>> Scorer._layout([[5, 6, 7, 8], [5, 6, 7], [5, 6, 4]])
+            ([5, 6, 7, 8, 4], [0, 1, 2, 3, 2], [5, 5, 4, 4, 5], [[0, 1, 2, 3], [0, 1, 2], [0, 1, 4]])
         """
-        plans = [self._prefix_plan(item) for item in items]
-        order = sorted(range(len(items)), key=lambda i: -plans[i])
+        tokens: list[int] = []
+        children: list[dict[int, int]] = []
+        roots: dict[int, int] = {}
+        paths = []
+        for seq in seqs:
+            level, path = roots, []
+            for t in seq:
+                node = level.get(t)
+                if node is None:
+                    node = level[t] = len(tokens)
+                    tokens.append(t)
+                    children.append({})
+                path.append(node)
+                level = children[node]
+            paths.append(path)
+        flat = [0] * len(tokens)  # node -> index in depth-first order
+        ids: list[int] = []
+        pos: list[int] = []
+        ends: list[int] = []
+        stack = [(n, 0) for n in reversed(roots.values())]
+        while stack:
+            node, depth = stack.pop()
+            if node < 0:  # the subtree of ~node is complete
+                ends[flat[~node]] = len(ids)
+                continue
+            flat[node] = len(ids)
+            ids.append(tokens[node])
+            pos.append(depth)
+            ends.append(0)
+            stack.append((~node, depth))
+            stack.extend((c, depth + 1) for c in reversed(children[node].values()))
+        return ids, pos, ends, [[flat[n] for n in path] for path in paths]
+
+    def _split_tree(self, item: list[tuple[list[int], int]]) -> list[list[int]]:
+        """Choice indices per unit, so that no unit's tree is longer than the model's context (a
+        long item's choices are spread over several units, each with its own copy of the prefix)."""
+        inputs = [s[:-1] for s, _ in item]
+        q = _common_prefix_len(inputs)
+        parts: list[list[int]] = []
+        length = self.max_length + 1
+        for j, inp in enumerate(inputs):
+            extra = len(inp) - q
+            if parts and length + extra <= self.max_length:
+                parts[-1].append(j)
+                length += extra
+            else:
+                parts.append([j])
+                length = len(inp)
+        return parts
+
+    def _score_trees(self, items: list[list[tuple[list[int], int]]], check: bool = False,
+                     desc: str = "scoring") -> list[list[tuple[float, bool]]]:
+        """Scores of many items through token tries (see :meth:`_layout`): each row of a pass is the
+        trie of a few items' choices (see :meth:`_rows`), so a prefix shared by an item's choices, or
+        by several items (a fixed few-shot context), runs once, in the same pass as what follows it.
+        The output projection runs only at the scored positions.  ``check``: after the first pass,
+        compare one of its items with :meth:`_score_full` and raise :class:`_CacheMismatch` if they
+        differ."""
+        units = [(i, part) for i, item in enumerate(items) for part in self._split_tree(item)]
         scores: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(item) for item in items]
         bar = tqdm(total=len(items), desc=desc, disable=not self.progress, leave=False)
-        step = self.batch_size * PREFIX_WINDOW_GROUPS
-        extra = {"logits_to_keep": 1} if self._can_trim_logits else {}
-        for w in range(0, len(order), step):
-            win = order[w: w + step]
-            qs = [plans[i] for i in win]  # descending
-            kv_win: list[tuple[torch.Tensor, torch.Tensor]] = []
-            starts = [c[0] for c in self._chunks(list(range(len(win))), lambda r: 0,
-                                                 lambda r, qs=qs: qs[r])]
-            for g, g_end in zip(starts, [*starts[1:], len(win)], strict=True):
-                group = win[g: g_end]
-                width = qs[g]
-                batch = torch.zeros((len(group), width), dtype=torch.long)
-                for r, i in enumerate(group):
-                    batch[r, : qs[g + r]] = torch.tensor(items[i][0][0][: qs[g + r]], dtype=torch.long)
-                    self.stats.tokens += qs[g + r]
-                out = self._forward(batch, use_cache=True, **extra)
-                past = getattr(out, "cache", None)
-                if past is None:
-                    past = getattr(out, "past_key_values", None)
-                kv = _cache_tensors(past, width)
-                del out, past
-                if not kv_win:  # the first group has the window's longest prefix
-                    kv_win = [(k.new_zeros((len(win), *k.shape[1:])),
-                               v.new_zeros((len(win), *v.shape[1:]))) for k, v in kv]
-                for (kw, vw), (k, v) in zip(kv_win, kv, strict=True):
-                    kw[g: g + len(group), :, :width] = k
-                    vw[g: g + len(group), :, :width] = v
-                del kv
-            # one row per (item, choice), longest continuation first, chunked to bound the rows
-            rows = [(r, j) for r, i in enumerate(win) for j in range(len(items[i]))]
-            suf_len = {(r, j): len(items[win[r]][j][0]) - 1 - qs[r] for r, j in rows}
-            rows.sort(key=lambda rj: -suf_len[rj])
-            for chunk in self._chunks(rows, lambda rj, qs=qs: qs[rj[0]],
-                                      suf_len.__getitem__):
-                self._score_chunk(items, win, qs, kv_win, chunk, suf_len, scores)
-            del kv_win
-            if check and w == 0:
-                padded = [r for r in range(len(win)) if qs[r] < qs[0]] or list(range(len(win)))
-                r = min(padded, key=lambda r: sum(len(s) for s, _ in items[win[r]]))
-                ref = [ll for ll, _ in self._score_full(items[win[r]])]
-                got = [ll for ll, _ in scores[win[r]]]
-                if not np.allclose(got, ref, rtol=1e-4, atol=1e-3):
+        for rows in self._passes(items, units):
+            flat = [u for row in rows for u in row]
+            got = self._tree_pass([[(items[i], part) for i, part in row] for row in rows])
+            for (i, part), sc in zip(flat, got, strict=True):
+                for j, v in zip(part, sc, strict=True):
+                    scores[i][j] = v
+            if check:
+                check = False
+                i, part = flat[-1]
+                ref = [ll for ll, _ in self._score_full([items[i][j] for j in part])]
+                mine = [scores[i][j][0] for j in part]
+                if not np.allclose(mine, ref, rtol=1e-4, atol=1e-3):
                     bar.close()
-                    raise _CacheMismatch(f"KV-cache scores differ from plain scores "
-                                         f"({got} vs {ref})")
-            bar.update(len(win))
+                    raise _CacheMismatch(f"tree scores differ from plain scores ({mine} vs {ref})")
+            bar.update(sum(1 for _, part in flat if part[0] == 0))
         bar.close()
         return scores
 
-    def _chunks(self, rows: list[Any], prefix: Callable[[Any], int],
-                length: Callable[[Any], int]) -> list[list[Any]]:
-        """Split ``rows`` (sorted by ``length``, longest first) into passes of at most
-        ``batch_size`` rows whose padded length (longest ``prefix`` + longest ``length``) fits the
-        model's context.  A row starts a new pass early when the padding that this saves for the
-        rows that would still join the pass exceeds :data:`PASS_COST_TOKENS` (on a CPU a pad costs
-        as much as a token; a pass costs a fixed read of all the weights on top)."""
-        chunks: list[list[Any]] = []
-        cur: list[Any] = []
-        q_max = t_max = 0
-        for n, row in enumerate(rows):
-            q, t = max(q_max, prefix(row)), max(t_max, length(row))
-            room = min(self.batch_size - len(cur), len(rows) - n)
-            if cur and (len(cur) >= self.batch_size or q + t > self.max_length
-                        or (t - length(row)) * room > PASS_COST_TOKENS):
-                chunks.append(cur)
-                cur, q, t = [], prefix(row), length(row)
-            cur.append(row)
-            q_max, t_max = q, t
-        if cur:
-            chunks.append(cur)
-        return chunks
+    def _passes(self, items: list[list[tuple[list[int], int]]],
+                units: list[tuple[int, list[int]]]) -> Iterator[list[list[tuple[int, list[int]]]]]:
+        """Units per row per pass.  Units in token order; runs of neighbours that share at least
+        :data:`SHARE_MIN_TOKENS` leading tokens become rows of up to their first unit's tokens plus
+        :data:`SHARED_ROW_EXTRA_TOKENS`; then, longest first, a pass takes at most ``batch_size``
+        rows (fewer when their (L, L) masks would exceed :data:`MASK_ELEMENTS`) of ``L`` = max(its
+        longest row, :data:`MIN_ROW_TOKENS`) tokens, each topped up with the shortest rows that fit."""
+        def first(u: tuple[int, list[int]]) -> list[int]:
+            return items[u[0]][u[1][0]][0][:-1]
 
-    def _score_chunk(self, items: list[list[tuple[list[int], int]]], group: list[int],
-                     qs: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]],
-                     chunk: list[tuple[int, int]], suf_len: dict[tuple[int, int], int],
-                     scores: list[list[tuple[float, bool]]]) -> None:
-        """One continuation pass: ``chunk`` rows (group row, choice) on the prefix cache ``kv``."""
-        n = len(chunk)
-        past_len = max(qs[r] for r, _ in chunk)
-        width = max(suf_len[rj] for rj in chunk)
-        ids = torch.zeros((n, width), dtype=torch.long)
-        pos = torch.zeros((n, width), dtype=torch.long)
-        mask = torch.zeros((n, past_len + width), dtype=torch.long)
-        for k, (r, j) in enumerate(chunk):
-            s = items[group[r]][j][0]
-            q, t = qs[r], suf_len[(r, j)]
-            ids[k, :t] = torch.tensor(s[q: q + t], dtype=torch.long)
-            # pads repeat the last real position (never beyond the model's context)
-            pos[k] = q + torch.arange(width).clamp(max=t - 1)
-            mask[k, :q] = 1
-            mask[k, past_len: past_len + t] = 1
-            self.stats.tokens += t
-        index = torch.tensor([r for r, _ in chunk], dtype=torch.long, device=kv[0][0].device)
-        cache = _build_cache([(k[index, :, :past_len], v[index, :, :past_len]) for k, v in kv])
+        def size(u: tuple[int, list[int]]) -> int:  # trie tokens: sorted lengths minus shared prefixes
+            seqs = sorted(items[u[0]][j][0][:-1] for j in u[1])
+            return len(seqs[0]) + sum(len(b) - _common_prefix_len([a, b]) for a, b in zip(seqs, seqs[1:]))
+
+        groups: list[list[tuple[int, list[int]]]] = []
+        lengths: list[int] = []
+        prev: list[int] = []
+        cap = 0
+        for u in sorted(units, key=first):
+            n, shared = size(u), _common_prefix_len([prev, first(u)]) if groups else 0
+            if shared >= SHARE_MIN_TOKENS and lengths[-1] + n - shared <= cap:
+                groups[-1].append(u)
+                lengths[-1] += n - shared
+            else:
+                groups.append([u])
+                lengths.append(n)
+                cap = n + SHARED_ROW_EXTRA_TOKENS
+            prev = first(u)
+        order = sorted(range(len(groups)), key=lambda g: -lengths[g])
+        lo, hi = 0, len(order)
+        while lo < hi:
+            width = max(lengths[order[lo]], MIN_ROW_TOKENS)
+            n_rows = min(self.batch_size, max(1, MASK_ELEMENTS // width ** 2))
+            rows = []
+            while lo < hi and len(rows) < n_rows:
+                row, used = list(groups[order[lo]]), lengths[order[lo]]
+                lo += 1
+                while lo < hi and used + lengths[order[hi - 1]] <= width:
+                    hi -= 1
+                    row += groups[order[hi]]
+                    used += lengths[order[hi]]
+                rows.append(row)
+            yield rows
+
+    def _tree_pass(self, rows: list[list[tuple[list[tuple[list[int], int]], list[int]]]]
+                   ) -> list[list[tuple[float, bool]]]:
+        """One forward pass; a row is the trie of its units' choices, a unit ``(item, choices)``.
+        Returns (log-likelihood, is_greedy) per choice of each unit, units in row order."""
+        layouts = [self._layout([item[j][0][:-1] for item, part in row for j in part]) for row in rows]
+        B, T = len(rows), max(len(lay[0]) for lay in layouts)
+        ids = torch.zeros((B, T), dtype=torch.long)
+        pos = torch.zeros((B, T), dtype=torch.long)
+        ends = torch.arange(1, T + 1).repeat(B, 1)  # pads: a subtree of their own
+        flat_index: list[int] = []
+        targets: list[int] = []
+        n_cont: list[int] = []
+        for r, (row, (t_ids, t_pos, t_ends, where)) in enumerate(zip(rows, layouts, strict=True)):
+            n = len(t_ids)
+            ids[r, :n] = torch.tensor(t_ids, dtype=torch.long)
+            pos[r, :n] = torch.tensor(t_pos, dtype=torch.long)
+            ends[r, :n] = torch.tensor(t_ends, dtype=torch.long)
+            self.stats.tokens += n
+            k = 0
+            for item, part in row:
+                for j in part:
+                    s, c = item[j]
+                    flat_index += [r * T + x for x in where[k][len(s) - c - 1:]]
+                    targets += s[len(s) - c:]
+                    n_cont.append(c)
+                    k += 1
+        key = torch.arange(T)
+        # query a sees key b iff b <= a < ends[b]: b is a itself or one of its ancestors
+        allowed = (key[None, None, :] <= key[None, :, None]) & (key[None, :, None] < ends[:, None, :])
+        if self._window is not None:  # sliding-window attention counts positions, not flat indices
+            allowed &= (pos[:, :, None] - pos[:, None, :]) < self._window
+        mask = torch.zeros((B, 1, T, T), dtype=self._dtype).masked_fill_(
+            ~allowed[:, None], torch.finfo(self._dtype).min)
+        hidden, head = self._tree_forward(ids, mask, pos, torch.tensor(flat_index))
+        tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
+        ll = torch.empty(len(targets), dtype=torch.float32)
+        greedy = torch.empty(len(targets), dtype=torch.bool)
+        for a in range(0, len(targets), HEAD_ROWS):  # bound the (rows, vocab) logits in memory
+            logits = head(hidden[a: a + HEAD_ROWS]).float()
+            t = tgt[a: a + HEAD_ROWS]
+            ll[a: a + HEAD_ROWS] = torch.log_softmax(logits, -1).gather(-1, t[:, None])[:, 0].cpu()
+            greedy[a: a + HEAD_ROWS] = (logits.argmax(-1) == t).cpu()
+        out: list[list[tuple[float, bool]]] = []
+        a = k = 0
+        for row in rows:
+            for _, part in row:
+                unit = []
+                for _ in part:
+                    c = n_cont[k]
+                    unit.append((float(ll[a: a + c].sum()), bool(greedy[a: a + c].all())))
+                    a, k = a + c, k + 1
+                out.append(unit)
+        return out
+
+    def _tree_forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                      index: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The model on a packed batch: the rows ``index`` (into the flattened batch) of the last
+        hidden states and the output projection to apply to them (or of the logits, with the
+        identity, when the model's logits are not ``head(decoder(x))``)."""
         dev = self.device
-        out = self._forward(ids, attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                            use_cache=True, **{self._cache_kw: cache})
-        logits = out.logits
-        for k, (r, j) in enumerate(chunk):
-            s, c = items[group[r]][j]
-            q = qs[r]
-            start, end = len(s) - c - 1, len(s) - 1  # input positions predicting the continuation
-            lp = torch.log_softmax(logits[k, start - q: end - q].float(), dim=-1)
-            scores[group[r]][j] = self._gather(lp, s[len(s) - c:])
+        self.stats.forward_passes += 1
+        self.stats.padded_tokens += ids.numel()
+        kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev), "position_ids": pos.to(dev),
+                  "use_cache": False}
+        if self._head is not None:  # the decoder alone, then the output projection where scored
+            out = self._decoder(**kwargs)
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            head = self._head
+        else:
+            hidden, head = self.model(**kwargs).logits, _identity
+        return hidden.reshape(ids.numel(), -1)[index.to(dev)], head
 
     def _score_full(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         """Scores of many (sequence, n_cont) rows, batched by length (longest first), right-padded."""
@@ -440,41 +517,32 @@ class Scorer:
                     out.append(flat_scores[k: k + len(item)])
                     k += len(item)
                 return out
-            results: list[list[tuple[float, bool]] | None] = [None] * len(seqs)
-            # a lone sequence has nothing to share: one full pass beats a prefix pass + a suffix pass
-            cached = [i for i, item in enumerate(seqs) if len(item) > 1 and self._prefix_plan(item) > 0]
-            if self.strategy == "prefix" and cached:
-                got = self._try_prefix([seqs[i] for i in cached], desc)
-                if got is not None:
-                    for i, sc in zip(cached, got, strict=True):
-                        results[i] = sc
-            pending = [i for i, r in enumerate(results) if r is None]
-            if pending:  # no shared prefix (or no usable cache): score them in length-sorted batches
-                flat = [row for i in pending for row in seqs[i]]
-                flat_scores = self._score_full(flat)
-                k = 0
-                for i in pending:
-                    results[i] = flat_scores[k: k + len(seqs[i])]
-                    k += len(seqs[i])
-            return [r for r in results if r is not None]
+            got = self._try_trees(seqs, desc)
+            return got if got is not None else self._score_items(seqs, desc)  # now "full"
         finally:
             self.model.train(was_training)
 
-    def _try_prefix(self, items: list[list[tuple[list[int], int]]],
-                    desc: str = "scoring") -> list[list[tuple[float, bool]]] | None:
-        """Cross-item prefix scoring; None (after switching to ``full``) when the first window's
-        cache cannot be used or its scores differ from the plain computation."""
-        check = not self._prefix_checked
+    def _try_trees(self, items: list[list[tuple[list[int], int]]],
+                   desc: str = "scoring") -> list[list[tuple[float, bool]]] | None:
+        """Tree scoring; the first call checks one tree against the plain computation and, on a
+        difference, retries with the model's own logits, then falls back to ``full`` (None)."""
+        if self._prefix_checked:
+            return self._score_trees(items, desc=desc)
         self._prefix_checked = True
-        if not check:
-            return self._score_prefix_groups(items, desc=desc)
-        try:
-            return self._score_prefix_groups(items, check=True, desc=desc)
-        except _CacheMismatch as exc:
-            self._fall_back(str(exc))
-        except (TypeError, AttributeError, RuntimeError, ValueError, IndexError) as exc:
-            self._fall_back(f"KV-cache scoring failed ({type(exc).__name__}: {exc})")
-        return None
+        if self._window == 0:
+            self._fall_back("the model mixes sliding-window and full attention layers")
+            return None
+        while True:
+            try:
+                return self._score_trees(items, check=True, desc=desc)
+            except _CacheMismatch as exc:
+                why = str(exc)
+            except (TypeError, AttributeError, RuntimeError, ValueError, IndexError) as exc:
+                why = f"tree scoring failed ({type(exc).__name__}: {exc})"
+            if self._head is None:
+                self._fall_back(why)
+                return None
+            self._decoder, self._head = None, None  # the decoder/head split was the problem?
 
     def _fall_back(self, why: str) -> None:
         warnings.warn(f"{why}; scoring every choice in full instead", stacklevel=3)

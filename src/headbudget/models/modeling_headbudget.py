@@ -338,8 +338,9 @@ class HeadBudgetModel(HeadBudgetPreTrainedModel):
                 cache: Cache | None = None, use_cache: bool = False, output_attentions: bool = False):
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        if past + T > self.config.n_positions:
-            raise ValueError(f"sequence length {past + T} exceeds n_positions={self.config.n_positions}")
+        span = int(position_ids.max()) + 1 if position_ids is not None else past + T
+        if span > self.config.n_positions:
+            raise ValueError(f"sequence length {span} exceeds n_positions={self.config.n_positions}")
         if use_cache and cache is None:
             cache = DynamicCache()
         if position_ids is None:
@@ -364,7 +365,14 @@ class HeadBudgetModel(HeadBudgetPreTrainedModel):
 
     @staticmethod
     def _mask(attention_mask, B, T, past, device, window=None) -> torch.Tensor | None:
-        """Boolean (B, 1, T, past+T) mask, or None for the plain causal case (fast SDPA path)."""
+        """Boolean (B, 1, T, past+T) mask, or None for the plain causal case (fast SDPA path).
+
+        A 4-D ``attention_mask`` (boolean, or additive floats: 0 = attend) is taken as it is: e.g.
+        a token tree whose branches share a prefix, where position order is not index order."""
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if attention_mask.dtype == torch.bool:
+                return attention_mask
+            return attention_mask > torch.finfo(attention_mask.dtype).min / 2
         S = past + T
         if past == 0 and (attention_mask is None or bool(attention_mask.all())) and (window is None or S <= window):
             return None
