@@ -211,7 +211,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from headbudget.loading import load_model_and_tokenizer
-    from headbudget.pruning.pipeline import PruneJob, _LoadedLM, run_prune
+    from headbudget.pruning.pipeline import PruneJob, run_prune
+    from headbudget.pruning.workloads import LMWorkload
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,15 +231,15 @@ def main() -> None:
     for ev in sorted(out.glob("*/eval.json")):
         row = json.loads(ev.read_text())
         rows = [r for r in rows if (r["label"], r["ratio"]) != (row["label"], row["ratio"])] + [row]
-    loaded: _LoadedLM | None = None
+    loaded: LMWorkload | None = None
     base_job = PruneJob(str(base), "lm", None, "", data=args.data, context=args.context,
                         calib_windows=args.calib_windows, finetune_epochs=0, progress=False,
                         limit_eval=args.heldout_windows)
 
-    def get_loaded() -> _LoadedLM:
+    def get_loaded() -> LMWorkload:
         nonlocal loaded
         if loaded is None:
-            loaded = _LoadedLM(base_job)
+            loaded = LMWorkload(base_job)
             dense = next((r for r in rows if r["label"] == "dense"), None)
             if dense is not None:
                 loaded.dense_acc = {"heldout": dense["ppl_tinyshakespeare_heldout"]}

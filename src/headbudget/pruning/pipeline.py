@@ -23,7 +23,6 @@ parameters and forward FLOPs per token before and after), ``OUT/details.json``, 
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from collections.abc import Callable
@@ -31,7 +30,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from headbudget.io import atomic_write_dir
+from headbudget.pruning.workloads import (
+    ClassificationWorkload,
+    LMWorkload,
+    Workload,
+    load_workload,
+    model_adapter,
+)
 
 METHODS = ("cahp", "michel", "fisher", "magnitude", "random")
 
@@ -140,175 +145,7 @@ def check_job(job: PruneJob) -> None:
             raise ValueError(f"{name} must be >= 1, got {v}")
 
 
-def _device(job: PruneJob) -> Any:
-    import torch
-
-    return torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def _save(model: Any, tokenizer: Any, out: Path, sidecar: bool) -> None:
-    """``save_pretrained`` of model and tokenizer into one folder, atomically; ``sidecar`` adds
-    ``kept_heads.json`` (encoders, whose HF class cannot record per-layer head counts)."""
-    from headbudget.pruning.adapters import save_pruned
-
-    def write(tmp: Path) -> None:
-        if sidecar:
-            save_pruned(model, tmp, tokenizer)
-        else:
-            model.save_pretrained(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
-
-    atomic_write_dir(out, write)
-
-
-class _Loaded:
-    """Model, tokenizer and data of a classification job (loaded once, shared by prune-compare's methods)."""
-
-    metric_name = "accuracy"
-    n_classes: int | None
-
-    def __init__(self, job: PruneJob) -> None:
-        from headbudget.loading import load_model_and_tokenizer
-        from headbudget.pruning.tasks import get_task, load_task, subsample
-
-        t0 = time.perf_counter()
-        self.spec = get_task(job.task)
-        self.data = load_task(job.task, job.data_dir)
-        self.device = _device(job)
-        model, self.tokenizer = load_model_and_tokenizer(
-            job.model, "classifier", tokenizer=job.tokenizer, num_labels=self.spec.num_labels,
-            label_names=self.spec.label_names, seed=job.seed)
-        self._pristine = model  # a fresh deep copy per method (prune-compare)
-        self.train = subsample(self.data.train, job.limit_train, job.seed)
-        self.evals = {s: subsample(self.data.splits[s], job.limit_eval, job.seed) for s in self.data.eval_splits}
-        if not self.evals:
-            raise ValueError(f"task {job.task}: no evaluation split found in {job.data_dir}")
-        self.primary = next(iter(self.evals))
-        self.heads_total = sum(_adapter(model).head_counts())
-        self.load_seconds = time.perf_counter() - t0
-        self.dense_acc: dict[str, float] | None = None
-        self.n_classes = self.spec.num_labels
-
-    def fresh_model(self, job: PruneJob) -> Any:
-        return copy.deepcopy(self._pristine).to(self.device).eval()
-
-    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
-        from headbudget.pruning.finetune import evaluate_accuracy
-
-        return {
-            s: evaluate_accuracy(model, self.tokenizer, ex, 64, job.max_length, job.progress, f"{stage} {s}")
-            for s, ex in self.evals.items()
-        }
-
-    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
-        from headbudget.pruning.tasks import make_loader
-
-        return list(make_loader(self.train, self.tokenizer, job.batch_size, shuffle, job.seed, job.max_length))
-
-    def salience_batches(self, job: PruneJob) -> list[Any]:
-        """The first ``int(salience_fraction * n)`` training examples in file order (the published code)."""
-        from headbudget.pruning.tasks import make_loader
-
-        m = max(1, int(job.salience_fraction * len(self.train)))
-        return list(make_loader(self.train[:m], self.tokenizer, job.batch_size, False, job.seed, job.max_length))
-
-    def describe(self, job: PruneJob) -> dict[str, Any]:
-        return {"model": str(job.model), "task": job.task, "primary_split": self.primary,
-                "train_examples": len(self.train), "eval_examples": {s: len(v) for s, v in self.evals.items()}}
-
-    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
-        from headbudget.pruning.finetune import finetune
-
-        hist = finetune(model, self.tokenizer, {"train": self.train, **self.evals}, epochs=job.finetune_epochs,
-                        lr=job.lr, warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay,
-                        batch_size=job.batch_size, seed=job.seed, max_length=job.max_length, progress=job.progress)
-        return dict(hist["final"]), hist["epochs"]
-
-    def save(self, model: Any, out: Path) -> None:
-        _save(model, self.tokenizer, out, sidecar=True)
-
-
-class _LoadedLM:
-    """A causal LM, its tokenizer and the tokenized text of a ``task="lm"`` job (label-free CAHP;
-    metric: held-out perplexity, lower is better)."""
-
-    metric_name = "perplexity"
-    n_classes = None
-
-    def __init__(self, job: PruneJob) -> None:
-        from headbudget.loading import load_model_and_tokenizer
-        from headbudget.pruning.lm import lm_data
-
-        t0 = time.perf_counter()
-        self.device = _device(job)
-        model, self.tokenizer = load_model_and_tokenizer(job.model, "causal", tokenizer=job.tokenizer,
-                                                         as_headbudget=True)
-        cfg = model.config
-        n_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
-        if n_pos is not None and job.context > int(n_pos):
-            raise ValueError(f"context {job.context} exceeds the model's {n_pos} positions ({job.model})")
-        vocab = int(model.get_input_embeddings().weight.shape[0])
-        self.data = lm_data(self.tokenizer, str(job.data), context=job.context, calib_windows=job.calib_windows,
-                            heldout_fraction=job.heldout_fraction, vocab_size=vocab)
-        self.evals = {"heldout": self.data.heldout}
-        self.primary = "heldout"
-        self._pristine = model  # a fresh deep copy per method (prune-compare)
-        self.heads_total = sum(_adapter(model).head_counts())
-        self.load_seconds = time.perf_counter() - t0
-        self.dense_acc: dict[str, float] | None = None
-        self.last_eval: dict[str, Any] = {}
-
-    def fresh_model(self, job: PruneJob) -> Any:
-        return copy.deepcopy(self._pristine).to(self.device).eval()
-
-    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
-        from headbudget.pruning.lm import lm_perplexity
-
-        res = lm_perplexity(model, self.data, max_windows=job.limit_eval, progress=job.progress)
-        self.last_eval[stage] = res
-        return {"heldout": float(res["ppl"])}
-
-    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
-        from headbudget.pruning.lm import lm_batches
-
-        return lm_batches(self.data, job.batch_size, shuffle, job.seed)
-
-    def salience_batches(self, job: PruneJob) -> list[Any]:
-        """The first ``int(salience_fraction * n)`` calibration windows in text order."""
-        from headbudget.pruning.lm import lm_batches
-
-        m = max(1, int(job.salience_fraction * len(self.data.calib)))
-        return lm_batches(replace(self.data, calib=self.data.calib[:m]), job.batch_size, False, job.seed)
-
-    def describe(self, job: PruneJob) -> dict[str, Any]:
-        return {"model": str(job.model), "task": "lm", "data": str(job.data), "primary_split": "heldout",
-                "tokenizer": job.tokenizer or "the model's own",
-                "context": self.data.context, "tokens_total": self.data.tokens_total,
-                "calib_windows": len(self.data.calib), "heldout_tokens": len(self.data.heldout)}
-
-    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
-        from headbudget.pruning.lm import finetune_lm
-
-        hist = finetune_lm(model, self.data, epochs=job.finetune_epochs, lr=job.lr, warmup_ratio=job.warmup_ratio,
-                           weight_decay=job.weight_decay, batch_size=job.batch_size, seed=job.seed,
-                           progress=job.progress)
-        return self.evaluate(model, job, "finetuned"), hist
-
-    def save(self, model: Any, out: Path) -> None:
-        _save(model, self.tokenizer, out, sidecar=False)
-
-
-def _load(job: PruneJob) -> _Loaded | _LoadedLM:
-    return _LoadedLM(job) if job.task == "lm" else _Loaded(job)
-
-
-def _adapter(model: Any) -> Any:
-    from headbudget.pruning.adapters import get_adapter
-
-    return get_adapter(model)
-
-
-def _evaluate(model: Any, loaded: _Loaded | _LoadedLM, job: PruneJob, stage: str) -> dict[str, float]:
+def _evaluate(model: Any, loaded: Workload, job: PruneJob, stage: str) -> dict[str, float]:
     return loaded.evaluate(model, job, stage)
 
 
@@ -320,7 +157,7 @@ def _target_heads(job: PruneJob, heads_total: int) -> int | None:
     return None
 
 
-def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[str, Any]:
+def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     """Select, remove, fine-tune and report one method; returns ``{"report", "details"}``."""
     from headbudget.evaluation.cost import model_cost
     from headbudget.pruning import report as rpt
@@ -332,13 +169,13 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
     t_start = time.perf_counter()
     seconds: dict[str, float] = {}
     if loaded is None:
-        loaded = _load(job)
+        loaded = load_workload(job)
         seconds["load"] = loaded.load_seconds
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     model = loaded.fresh_model(job)
     cost_before = model_cost(model)
-    adapter = _adapter(model)
+    adapter = model_adapter(model)
     counts = adapter.head_counts()
     heads = [(layer, h) for layer, n in enumerate(counts) for h in range(n)]
     n_total = len(heads)
@@ -364,7 +201,7 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
     t = time.perf_counter()
     if job.method == "cahp":
         accuracy_fn = accuracy_ks = None
-        if job.curve == "accuracy" and target is None and isinstance(loaded, _Loaded):
+        if job.curve == "accuracy" and target is None and isinstance(loaded, ClassificationWorkload):
             curve_examples = loaded.evals[loaded.primary]
 
             def accuracy_fn(kept: list[int]) -> float:
@@ -430,7 +267,7 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
     accuracy = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
     details["metric_name"] = mname
     details[mname] = accuracy
-    if isinstance(loaded, _LoadedLM):
+    if isinstance(loaded, LMWorkload):
         details["perplexity_runs"] = {k: v for k, v in loaded.last_eval.items()}
     details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
     details["job"] = _job_fingerprint(job)
@@ -438,7 +275,7 @@ def run_prune(job: PruneJob, loaded: _Loaded | _LoadedLM | None = None) -> dict[
     report = rpt.build_report(job.method, n_total, kept_layers, knee_k, mss,
                               {"dense": dense[p], "pruned": pruned[p], "finetuned": finetuned.get(p)}, seconds,
                               cost)
-    if (isinstance(loaded, _LoadedLM) and job.method == "cahp" and target is None and job.knee_warn_ratio > 0
+    if (isinstance(loaded, LMWorkload) and job.method == "cahp" and target is None and job.knee_warn_ratio > 0
             and float(pruned[p]) > job.knee_warn_ratio * float(dense[p])):
         report["warning"] = (
             f"the knee keeps {report['heads_kept']}/{n_total} heads and held-out perplexity goes from "
@@ -523,7 +360,7 @@ def run_compare(job: PruneJob, methods: str, resume: bool = False,
         raise ValueError("without a forced head count (keep / keep_ratio) the first method must be cahp "
                          "(it sets the head count)")
     check_job(replace(job, method="cahp"))
-    loaded = _load(job)
+    loaded = load_workload(job)
     out = Path(job.out)
     rows: list[dict[str, Any]] = []
     if job.keep is not None:

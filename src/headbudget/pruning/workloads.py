@@ -1,0 +1,197 @@
+"""What one pruning job works on: the model, its tokenizer and data, loaded once and shared by
+``prune-compare``'s methods.  :class:`ClassificationWorkload` (``sst5``, ``mnli``: a classifier,
+accuracy) and :class:`LMWorkload` (``task="lm"``: a causal LM as a headbudget model, held-out
+perplexity) offer the same methods to :func:`headbudget.pruning.pipeline.run_prune`: ``fresh_model``,
+``evaluate``, ``batches``, ``salience_batches``, ``describe``, ``finetune``, ``save``.
+
+    >>> from headbudget.pruning.pipeline import PruneJob
+    >>> work = load_workload(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
+    ...                                                                              # doctest: +SKIP
+    >>> work.evaluate(work.fresh_model(job), job, "dense")                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from headbudget.io import atomic_write_dir
+
+if TYPE_CHECKING:
+    from headbudget.pruning.pipeline import PruneJob
+
+
+def _device(job: PruneJob) -> Any:
+    import torch
+
+    return torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _save(model: Any, tokenizer: Any, out: Path, sidecar: bool) -> None:
+    """``save_pretrained`` of model and tokenizer into one folder, atomically; ``sidecar`` adds
+    ``kept_heads.json`` (encoders, whose HF class cannot record per-layer head counts)."""
+    from headbudget.pruning.adapters import save_pruned
+
+    def write(tmp: Path) -> None:
+        if sidecar:
+            save_pruned(model, tmp, tokenizer)
+        else:
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+
+    atomic_write_dir(out, write)
+
+
+class ClassificationWorkload:
+    """Model, tokenizer and data of a classification job (loaded once, shared by prune-compare's methods)."""
+
+    metric_name = "accuracy"
+    n_classes: int | None
+
+    def __init__(self, job: PruneJob) -> None:
+        from headbudget.loading import load_model_and_tokenizer
+        from headbudget.pruning.tasks import get_task, load_task, subsample
+
+        t0 = time.perf_counter()
+        self.spec = get_task(job.task)
+        self.data = load_task(job.task, job.data_dir)
+        self.device = _device(job)
+        model, self.tokenizer = load_model_and_tokenizer(
+            job.model, "classifier", tokenizer=job.tokenizer, num_labels=self.spec.num_labels,
+            label_names=self.spec.label_names, seed=job.seed)
+        self._pristine = model  # a fresh deep copy per method (prune-compare)
+        self.train = subsample(self.data.train, job.limit_train, job.seed)
+        self.evals = {s: subsample(self.data.splits[s], job.limit_eval, job.seed) for s in self.data.eval_splits}
+        if not self.evals:
+            raise ValueError(f"task {job.task}: no evaluation split found in {job.data_dir}")
+        self.primary = next(iter(self.evals))
+        self.heads_total = sum(model_adapter(model).head_counts())
+        self.load_seconds = time.perf_counter() - t0
+        self.dense_acc: dict[str, float] | None = None
+        self.n_classes = self.spec.num_labels
+
+    def fresh_model(self, job: PruneJob) -> Any:
+        return copy.deepcopy(self._pristine).to(self.device).eval()
+
+    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
+        from headbudget.pruning.finetune import evaluate_accuracy
+
+        return {
+            s: evaluate_accuracy(model, self.tokenizer, ex, 64, job.max_length, job.progress, f"{stage} {s}")
+            for s, ex in self.evals.items()
+        }
+
+    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
+        from headbudget.pruning.tasks import make_loader
+
+        return list(make_loader(self.train, self.tokenizer, job.batch_size, shuffle, job.seed, job.max_length))
+
+    def salience_batches(self, job: PruneJob) -> list[Any]:
+        """The first ``int(salience_fraction * n)`` training examples in file order (the published code)."""
+        from headbudget.pruning.tasks import make_loader
+
+        m = max(1, int(job.salience_fraction * len(self.train)))
+        return list(make_loader(self.train[:m], self.tokenizer, job.batch_size, False, job.seed, job.max_length))
+
+    def describe(self, job: PruneJob) -> dict[str, Any]:
+        return {"model": str(job.model), "task": job.task, "primary_split": self.primary,
+                "train_examples": len(self.train), "eval_examples": {s: len(v) for s, v in self.evals.items()}}
+
+    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
+        from headbudget.pruning.finetune import finetune
+
+        hist = finetune(model, self.tokenizer, {"train": self.train, **self.evals}, epochs=job.finetune_epochs,
+                        lr=job.lr, warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay,
+                        batch_size=job.batch_size, seed=job.seed, max_length=job.max_length, progress=job.progress)
+        return dict(hist["final"]), hist["epochs"]
+
+    def save(self, model: Any, out: Path) -> None:
+        _save(model, self.tokenizer, out, sidecar=True)
+
+
+class LMWorkload:
+    """A causal LM, its tokenizer and the tokenized text of a ``task="lm"`` job (label-free CAHP;
+    metric: held-out perplexity, lower is better)."""
+
+    metric_name = "perplexity"
+    n_classes = None
+
+    def __init__(self, job: PruneJob) -> None:
+        from headbudget.loading import load_model_and_tokenizer
+        from headbudget.pruning.lm import lm_data
+
+        t0 = time.perf_counter()
+        self.device = _device(job)
+        model, self.tokenizer = load_model_and_tokenizer(job.model, "causal", tokenizer=job.tokenizer,
+                                                         as_headbudget=True)
+        cfg = model.config
+        n_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        if n_pos is not None and job.context > int(n_pos):
+            raise ValueError(f"context {job.context} exceeds the model's {n_pos} positions ({job.model})")
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        self.data = lm_data(self.tokenizer, str(job.data), context=job.context, calib_windows=job.calib_windows,
+                            heldout_fraction=job.heldout_fraction, vocab_size=vocab)
+        self.evals = {"heldout": self.data.heldout}
+        self.primary = "heldout"
+        self._pristine = model  # a fresh deep copy per method (prune-compare)
+        self.heads_total = sum(model_adapter(model).head_counts())
+        self.load_seconds = time.perf_counter() - t0
+        self.dense_acc: dict[str, float] | None = None
+        self.last_eval: dict[str, Any] = {}
+
+    def fresh_model(self, job: PruneJob) -> Any:
+        return copy.deepcopy(self._pristine).to(self.device).eval()
+
+    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
+        from headbudget.pruning.lm import lm_perplexity
+
+        res = lm_perplexity(model, self.data, max_windows=job.limit_eval, progress=job.progress)
+        self.last_eval[stage] = res
+        return {"heldout": float(res["ppl"])}
+
+    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
+        from headbudget.pruning.lm import lm_batches
+
+        return lm_batches(self.data, job.batch_size, shuffle, job.seed)
+
+    def salience_batches(self, job: PruneJob) -> list[Any]:
+        """The first ``int(salience_fraction * n)`` calibration windows in text order."""
+        from headbudget.pruning.lm import lm_batches
+
+        m = max(1, int(job.salience_fraction * len(self.data.calib)))
+        return lm_batches(replace(self.data, calib=self.data.calib[:m]), job.batch_size, False, job.seed)
+
+    def describe(self, job: PruneJob) -> dict[str, Any]:
+        return {"model": str(job.model), "task": "lm", "data": str(job.data), "primary_split": "heldout",
+                "tokenizer": job.tokenizer or "the model's own",
+                "context": self.data.context, "tokens_total": self.data.tokens_total,
+                "calib_windows": len(self.data.calib), "heldout_tokens": len(self.data.heldout)}
+
+    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
+        from headbudget.pruning.lm import finetune_lm
+
+        hist = finetune_lm(model, self.data, epochs=job.finetune_epochs, lr=job.lr, warmup_ratio=job.warmup_ratio,
+                           weight_decay=job.weight_decay, batch_size=job.batch_size, seed=job.seed,
+                           progress=job.progress)
+        return self.evaluate(model, job, "finetuned"), hist
+
+    def save(self, model: Any, out: Path) -> None:
+        _save(model, self.tokenizer, out, sidecar=False)
+
+
+Workload = ClassificationWorkload | LMWorkload
+
+
+def load_workload(job: PruneJob) -> Workload:
+    """The workload of ``job``: a causal LM for ``task="lm"``, else a classifier."""
+    return LMWorkload(job) if job.task == "lm" else ClassificationWorkload(job)
+
+
+def model_adapter(model: Any) -> Any:
+    """The head adapter of ``model`` (imported late: adapters pull in the model families)."""
+    from headbudget.pruning.adapters import get_adapter
+
+    return get_adapter(model)
