@@ -238,7 +238,7 @@ def test_scaled_logits_are_caught_and_the_model_logits_used(gpt2, tok):
             out.logits = out.logits * 2
             return out
 
-    model = Doubled(gpt2)
+    model = Doubled(gpt2).eval()  # (a new Module is in training mode; the scorer restores it)
     exs = load_examples("piqa", FIXTURES)
     sc = Scorer(model, tok, progress=False)
     got = sc.score(exs)
@@ -262,7 +262,7 @@ def test_cache_mismatch_falls_back_to_full(gpt2, tok):
             return out
 
     exs = load_examples("piqa", FIXTURES)
-    sc = Scorer(NoCache(gpt2), tok, progress=False)
+    sc = Scorer(NoCache(gpt2).eval(), tok, progress=False)  # eval: the scorer restores the mode
     with pytest.warns(UserWarning, match="scoring every choice in full"):
         got = sc.score(exs)
     assert sc.strategy == "full" and len(sc.stats.fallbacks) == 1
@@ -413,7 +413,7 @@ def test_attention_window_rules():
     full layers mixed (Gemma 2/3) cannot share one mask: 0, and the scorer falls back to full."""
     from types import SimpleNamespace
 
-    from headbudget.evaluation.zeroshot import _attention_window
+    from headbudget.evaluation.scorer import _attention_window
 
     def model(**cfg):
         return SimpleNamespace(config=SimpleNamespace(**cfg))
@@ -438,3 +438,20 @@ def test_mixed_window_layers_fall_back_to_full(tok):
     for ex, scores in zip(exs, got, strict=True):
         assert scores == pytest.approx([hand_score(llama, tok, c, k)
                                         for c, k in zip(ex.contexts, ex.continuations)], abs=1e-4)
+
+
+def test_unbranched_rows_run_without_a_mask(gpt2, tok):
+    """Perplexity windows (one unbranched sequence per row, no padding) take the plain causal path:
+    no (L, L) mask is built; the scores are the plain ones."""
+    rows = [(list(range(40, 80)), 30), (list(range(90, 130)), 39)]
+    fast = Scorer(gpt2, tok, batch_size=2, progress=False)
+    masks = []
+    inner = fast._tree_forward
+    fast._tree_forward = lambda ids, mask, *a: masks.append(mask) or inner(ids, mask, *a)
+    got = fast.score_rows(rows)
+    assert masks == [None]
+    with torch.no_grad():
+        for (ids, n), (ll, _) in zip(rows, got, strict=True):
+            logp = torch.log_softmax(gpt2(torch.tensor([ids[:-1]])).logits[0], -1)
+            want = sum(float(logp[t - 1, ids[t]]) for t in range(len(ids) - n, len(ids)))
+            assert ll == pytest.approx(want, abs=1e-4)

@@ -3,7 +3,8 @@
 from lm_eval.tasks.hellaswag.utils import preprocess
 from lm_eval.tasks.winogrande.preprocess_winogrande import doc_to_choice, doc_to_target, doc_to_text
 
-__all__ = ["doc_to_choice", "doc_to_target", "doc_to_text", "process_hellaswag"]
+__all__ = ["doc_to_choice", "doc_to_target", "doc_to_text", "mmlu_style_choices", "mmlu_style_text",
+           "process_hellaswag"]
 
 
 def process_hellaswag(dataset):
@@ -18,3 +19,17 @@ def process_hellaswag(dataset):
         return {"query": query, "choices": [preprocess(e) for e in doc["endings"]], "gold": int(doc["label"])}
 
     return dataset.map(one)
+
+
+LETTERS = "ABCDEFGH"
+
+
+def mmlu_style_text(doc):
+    """MMLU's prompt for an ARC row: the question, lettered options, "Answer:"."""
+    options = "".join(f"{LETTERS[i]}. {text}\n" for i, text in enumerate(doc["choices"]["text"]))
+    return f"{doc['question'].strip()}\n{options}Answer:"
+
+
+def mmlu_style_choices(doc):
+    """One letter per option (lm-eval adds the target delimiter: " A", " B", ...)."""
+    return list(LETTERS[: len(doc["choices"]["text"])])

@@ -153,8 +153,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="first N examples per task")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--strategy", default="prefix", choices=["prefix", "full"],
-                   help="prefix: shared context once via the KV cache (default); full: every choice "
-                   "in full, batched by length")
+                   help="prefix: each document's choices (and documents sharing a few-shot context) "
+                   "as one token trie, shared tokens run once (default); full: every choice in full, "
+                   "batched by length")
     p.add_argument("--json", help="write the report here (headbudget's keys and lm-eval's results, "
                    "configs, versions, n-shot[, samples])")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -24,7 +24,7 @@ __all__ = ["evaluate_tasks", "evaluate_suite", "evaluate_harness", "register_lm_
 
 _LAZY = {
     "evaluate_tasks": "headbudget.evaluation.zeroshot",
-    "Scorer": "headbudget.evaluation.zeroshot",
+    "Scorer": "headbudget.evaluation.scorer",
     "evaluate_suite": "headbudget.evaluation.suite",
     "evaluate_harness": "headbudget.evaluation.harness",
     "perplexity": "headbudget.evaluation.perplexity",

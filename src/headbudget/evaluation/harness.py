@@ -4,8 +4,9 @@ lm-eval (the optional extra, ``pip install "headbudget[lmeval]"``) builds the re
 names, groups, YAML files of the user's own (``include_path``), few-shot contexts and seeds -- and
 computes the metrics; :class:`HeadBudgetLM` answers its ``loglikelihood`` and
 ``loglikelihood_rolling`` requests with :class:`headbudget.evaluation.zeroshot.Scorer`: the
-requests of one document (its choices) share one prefix pass through the KV cache, batched across
-documents, so a few-shot context is run once per document instead of once per choice.
+requests of one document (its choices) become one token trie, and documents whose prompts share a
+long prefix (a fixed few-shot context, as MMLU's first-n sampler gives) share rows, so shared tokens
+run once per pass instead of once per choice and per document.
 
     >>> from headbudget.evaluation.harness import evaluate_harness
     >>> out = evaluate_harness(model, tok, ["arc_easy_local"], include_path="my_tasks/",
@@ -37,8 +38,8 @@ import numpy as np
 import torch
 from lm_eval.api.model import LM
 
+from headbudget.evaluation.scorer import Scorer
 from headbudget.evaluation.suite import parse_seed
-from headbudget.evaluation.zeroshot import Scorer
 
 SUPPORTED_OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 DEFAULT_BATCH_SIZE = 16
