@@ -102,6 +102,26 @@ def test_same_results_as_lm_eval_hf_backend(model_dir, num_fewshot):
         assert ours["n-shot"]["hb_mc"] == 2
 
 
+def test_fixed_few_shot_context_shared_across_documents(tmp_path):
+    """MMLU-style few-shot (description + the same first-n shots for every document): the documents
+    share rows under one copy of the context; log-likelihoods equal lm-eval's hf backend's."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=512, vocab_size=257,
+                               bos_token_id=256, eos_token_id=256)).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    ref = _run(HFLM(pretrained=str(tmp_path), batch_size=4, device="cpu"), ["hb_mc_fixed"], 3)
+    ours = _run("headbudget", ["hb_mc_fixed"], 3, model_args=f"pretrained={tmp_path},batch_size=4")
+    a, b = _lls(ours, "hb_mc_fixed"), _lls(ref, "hb_mc_fixed")
+    assert len(a) == 11
+    np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), rtol=1e-5, atol=1e-4)
+    prompts = [s["arguments"][0][0] for s in sorted(ours["samples"]["hb_mc_fixed"], key=lambda s: s["doc_id"])]
+    shared = len(os.path.commonprefix(prompts[4:]))  # documents 0-3 skip themselves among the shots
+    assert shared > 100 and ours["results"]["hb_mc_fixed"]["acc,none"] == ref["results"]["hb_mc_fixed"]["acc,none"]
+
+
 def test_predictions_do_not_depend_on_batch_size(model_dir):
     """Built-in and lm-eval tasks, zero- and few-shot: identical predictions (and log-likelihoods
     to float rounding) at batch sizes 1, 7 and 32."""

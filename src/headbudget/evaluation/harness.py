@@ -273,7 +273,7 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
         elif task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=seeds[3])
-    model_s0 = lm.seconds
+    model_s0, passes0 = lm.seconds, lm.scorer.stats.forward_passes
     lm.records.clear()  # predictions of this run only
     res = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
                              log_samples=log_samples, fewshot_as_multiturn=True)
@@ -286,7 +286,7 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     out["predictions"] = harness_predictions(lm, loaded["tasks"])
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out["model_seconds"] = round(lm.seconds - model_s0, 3)
-    out["forward_passes"] = lm.scorer.stats.forward_passes
+    out["forward_passes"] = lm.scorer.stats.forward_passes - passes0  # of this run (lm may be reused)
     return out
 
 
