@@ -122,6 +122,25 @@ def test_fixed_few_shot_context_shared_across_documents(tmp_path):
     assert shared > 100 and ours["results"]["hb_mc_fixed"]["acc,none"] == ref["results"]["hb_mc_fixed"]["acc,none"]
 
 
+def test_loglikelihood_task_type_equals_hf_backend(model_dir):
+    """output_type ``loglikelihood`` (lambada's shape: perplexity of the last word, acc = greedy):
+    the same log-likelihoods and is_greedy flags as lm-eval's hf backend, so the same metrics."""
+    from lm_eval.models.huggingface import HFLM
+
+    ref = _run(HFLM(pretrained=str(model_dir), batch_size=1, device="cpu"), ["hb_lambada"])
+    ours = _run("headbudget", ["hb_lambada"], model_args=f"pretrained={model_dir},batch_size=3")
+
+    def resps(res):
+        return [s["filtered_resps"][0] for s in sorted(res["samples"]["hb_lambada"], key=lambda s: s["doc_id"])]
+
+    a, b = resps(ours), resps(ref)
+    assert len(a) == 4 and [g for _, g in a] == [g for _, g in b]
+    np.testing.assert_allclose([x for x, _ in a], [x for x, _ in b], rtol=1e-5, atol=1e-4)
+    assert ours["results"]["hb_lambada"]["acc,none"] == ref["results"]["hb_lambada"]["acc,none"]
+    assert ours["results"]["hb_lambada"]["perplexity,none"] == pytest.approx(
+        ref["results"]["hb_lambada"]["perplexity,none"], rel=1e-5)
+
+
 def test_predictions_do_not_depend_on_batch_size(model_dir):
     """Built-in and lm-eval tasks, zero- and few-shot: identical predictions (and log-likelihoods
     to float rounding) at batch sizes 1, 7 and 32."""

@@ -455,3 +455,28 @@ def test_unbranched_rows_run_without_a_mask(gpt2, tok):
             logp = torch.log_softmax(gpt2(torch.tensor([ids[:-1]])).logits[0], -1)
             want = sum(float(logp[t - 1, ids[t]]) for t in range(len(ids) - n, len(ids)))
             assert ll == pytest.approx(want, abs=1e-4)
+
+
+def test_is_greedy_matches_the_plain_argmax(gpt2, tok):
+    """``is_greedy`` (lambada's acc): True exactly when every continuation token is the plain
+    model's argmax -- a one-byte continuation chosen as the argmax, one that is not, and a
+    two-byte one checked against the plain logits -- through one trie per item."""
+    items = []
+    with torch.no_grad():
+        for ctx in ("Q: abc", "The cat sat on", "x = 1 +", "Hello"):  # no trailing space: it
+            ids = tok.encode(ctx)                                      # would join the continuation
+            best = int(gpt2(torch.tensor([ids])).logits[0, -1].argmax())
+            text = tok.decode([best])
+            if tok.encode(ctx + text)[len(ids):] != [best]:
+                continue  # a byte that does not round-trip alone
+            other = next(c for c in "zq#" if tok.encode(ctx + c)[len(ids):] != [best])
+            items.append([(ctx, text), (ctx, other), (ctx, text + other)])
+    assert len(items) >= 2
+    got = Scorer(gpt2, tok, progress=False).score_pairs(items)
+    for item, scores in zip(items, got, strict=True):
+        assert [g for _, g in scores][:2] == [True, False]
+        ctx, cont = item[2]
+        whole, n = tok.encode(ctx + cont), len(tok.encode(ctx))
+        with torch.no_grad():
+            logits = gpt2(torch.tensor([whole[:-1]])).logits[0]
+        assert scores[2][1] == all(int(logits[t - 1].argmax()) == whole[t] for t in range(n, len(whole)))
