@@ -26,7 +26,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -41,7 +40,6 @@ import torch.nn.functional as F
 from headbudget.data.loader import train_batch, val_batches
 from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text
-from headbudget.schedules import HeadSchedule, ModelPreset, get_preset, schedule_from_spec
 from headbudget.threads import configure_threads
 from headbudget.train.checkpoint import (
     CheckpointError,
@@ -52,6 +50,15 @@ from headbudget.train.checkpoint import (
     save_checkpoint,
 )
 from headbudget.train.config import RunConfig
+from headbudget.train.memory import PeakMemory
+from headbudget.train.setup import (
+    build_model,
+    build_schedule,
+    data_tokenizer_spec,
+    lr_at,
+    param_groups,
+    resolve_vocab_size,
+)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -79,153 +86,6 @@ class TrainResult:
         d["model_dir"] = str(self.model_dir) if self.model_dir else None
         d.pop("history")
         return d
-
-
-# ---------------------------------------------------------------------------- model construction
-def model_preset(cfg: RunConfig) -> ModelPreset:
-    """The config's preset with its shape overrides (``model.n_layers`` etc.) applied."""
-    from dataclasses import replace
-
-    p = get_preset(cfg.model.preset)
-    changes = {k: getattr(cfg.model, k) for k in ("n_layers", "d_model", "n_heads", "prism_max_head_dim",
-                                                    "prism_min_head_dim") if getattr(cfg.model, k) is not None}
-    return replace(p, **changes) if changes else p
-
-
-def build_schedule(cfg: RunConfig) -> HeadSchedule:
-    return schedule_from_spec(cfg.model.schedule, model_preset(cfg))
-
-
-def data_tokenizer_spec(cfg: RunConfig) -> str:
-    """The data tokenizer spec; ``"model"`` means the tokenizer saved at the root of ``model.init``."""
-    if cfg.data.tokenizer != "model":
-        return cfg.data.tokenizer
-    if not cfg.model.init:
-        raise ValueError("data.tokenizer=model needs model.init (the model whose tokenizer to use)")
-    from headbudget.loading import HF_TOKENIZER_FILES, resolve_model
-
-    src = resolve_model(cfg.model.init)
-    if not src.is_local or not any((src.where / f).is_file() for f in HF_TOKENIZER_FILES):
-        raise ValueError(f"{cfg.model.init}: no tokenizer saved with the model; set data.tokenizer "
-                         "(e.g. --set data.tokenizer=hf:DIR)")
-    return f"hf:{src.where}"
-
-
-def resolve_vocab_size(cfg: RunConfig, tokenizer_vocab: int) -> int:
-    if cfg.model.init:  # the model's own vocabulary; build_model checks the tokenizer fits it
-        return tokenizer_vocab
-    if cfg.model.vocab_size is None:
-        return int(math.ceil(tokenizer_vocab / 64) * 64)
-    if cfg.model.vocab_size < tokenizer_vocab:
-        raise ValueError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens"
-        )
-    return cfg.model.vocab_size
-
-
-def build_model(cfg: RunConfig, vocab_size: int):
-    """A freshly initialised :class:`HeadBudgetForCausalLM` for the config (seed the RNG first),
-    or the model of ``model.init`` converted to headbudget (pruned layouts kept as they are)."""
-    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
-
-    if cfg.model.init:
-        from headbudget.loading import load_model
-
-        model = load_model(cfg.model.init, kind="causal", as_headbudget=True).float().train()
-        if model.config.n_positions < cfg.train.context:
-            raise ValueError(f"{cfg.model.init}: the model has {model.config.n_positions} positions, "
-                             f"shorter than train.context={cfg.train.context}")
-        if model.config.vocab_size < vocab_size:
-            raise ValueError(f"{cfg.model.init}: the tokenizer has {vocab_size} tokens but the model's "
-                             f"vocabulary is {model.config.vocab_size}")
-        model.config.dropout = cfg.model.dropout
-        return model
-
-    n_pos = cfg.model.n_positions or cfg.train.context
-    if n_pos < cfg.train.context:
-        raise ValueError(f"model.n_positions={n_pos} is shorter than train.context={cfg.train.context}")
-    mcfg = HeadBudgetConfig(schedule=build_schedule(cfg), vocab_size=vocab_size, n_positions=n_pos,
-                            dropout=cfg.model.dropout, bias=cfg.model.bias)
-    return HeadBudgetForCausalLM(mcfg)
-
-
-def _clean_name(name: str) -> str:
-    """Parameter name without DDP/FSDP/compile wrapper prefixes."""
-    for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float,
-                 decay_names: set[str] | None = None) -> list[dict[str, Any]]:
-    """Weight decay on matrices (linear and embedding weights), none on biases and LayerNorms.
-
-    ``decay_names`` (computed on the unwrapped model) is needed under FSDP, whose flattened shards
-    no longer have the parameters' shapes."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():  # shared (tied) tensors are listed once
-        if not p.requires_grad:
-            continue
-        wd = _clean_name(name) in decay_names if decay_names is not None else p.dim() >= 2
-        (decay if wd else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
-    t = cfg.train
-    if t.warmup_steps > 0 and step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    floor = t.lr * t.min_lr_ratio
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-# ---------------------------------------------------------------------------- helpers
-class PeakMemory:
-    """Peak memory during a block: CUDA allocator peak, or sampled process RSS on CPU (approximate)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def rss() -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:  # not Linux
-            import resource
-
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak_bytes = max(self.peak_bytes, self.rss())
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.peak_bytes = self.rss()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self.peak_bytes = max(self.peak_bytes, self.rss())
-
-    @property
-    def peak_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        return self.peak_bytes / 2**20
 
 
 def _dist_env() -> tuple[int, int, int]:
