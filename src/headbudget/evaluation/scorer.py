@@ -1,14 +1,16 @@
 """The log-likelihood engine behind ``headbudget eval``: continuations scored through token tries.
 
-Speed (``strategy="prefix"``): the choices of one item share a token prefix (the context; for
-winogrande the sentence up to the blank).  Each item becomes one token tree -- the prefix once, then
-every choice's remaining tokens -- scored in a single forward pass with a 4-D attention mask and
-per-token positions, so each choice's tokens see exactly the keys of its plain sequence.  Short trees
-share rows (packed, no cross-talk), so a pass of ``batch_size`` rows is mostly real tokens, and the
-output projection and log-softmax run only where a continuation token is scored: a small model
-spends a fifth of its per-token work in that projection, which lm-eval computes at every position.
-The first pass checks one tree against the plain computation; a model that ignores the mask or
-positions falls back to ``strategy="full"`` (every choice's whole sequence, batched by length).
+``strategy="prefix"`` (the default): the choices of one document share a token prefix (the
+context; for winogrande the sentence up to the blank), and documents given the same few-shot
+context share a longer one.  Their sequences are merged into a token trie laid out depth-first in
+one row (:meth:`Scorer._layout`); token ``a`` attends to token ``b`` iff ``b`` is ``a`` or one of its
+ancestors, passed as a 4-D attention mask with every token's own position, so each choice sees
+exactly the keys of its plain sequence and every shared token runs once.  Short tries share rows,
+neighbouring documents with a long common prefix share rows under one copy of it, and the output
+projection and log-softmax run only where a continuation token is scored (a small model spends about
+a fifth of its per-token work there; lm-eval's hf backend computes it at every position).  The first
+pass checks one document against the plain computation; a model that ignores 4-D masks or positions
+falls back to ``strategy="full"`` (every choice's whole sequence, batched by length).
 
     >>> scorer = Scorer(model, tokenizer, batch_size=16)                   # doctest: +SKIP
     >>> scorer.score_pairs([[("Q: 2+2\\nA:", " 4"), ("Q: 2+2\\nA:", " 5")]])   # doctest: +SKIP
@@ -133,7 +135,7 @@ class Scorer:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.progress = progress
         self.stats = ScoreStats(strategy=strategy)
-        self._prefix_checked = False
+        self._trie_checked = False
         self._dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self._decoder, self._head = _split_output_head(model)
         self._window = _attention_window(model)
@@ -445,9 +447,9 @@ class Scorer:
                    desc: str = "scoring") -> list[list[tuple[float, bool]]] | None:
         """Tree scoring; the first call checks one tree against the plain computation and, on a
         difference, retries with the model's own logits, then falls back to ``full`` (None)."""
-        if self._prefix_checked:
+        if self._trie_checked:
             return self._score_trees(items, desc=desc)
-        self._prefix_checked = True
+        self._trie_checked = True
         if self._window == 0:
             self._fall_back("the model mixes sliding-window and full attention layers")
             return None
