@@ -141,6 +141,17 @@ def test_loglikelihood_task_type_equals_hf_backend(model_dir):
         ref["results"]["hb_lambada"]["perplexity,none"], rel=1e-5)
 
 
+def test_hub_task_offline_is_one_line(model_dir, capsys):
+    """A task whose dataset is on the hub, run offline: exit 2 and one line naming the task and the
+    way out (a local YAML), no traceback."""
+    from headbudget.cli.main import main
+
+    rc = main(["eval", str(model_dir), "--tasks", "hb_hub", "--include-path", str(TASKS_DIR), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "cannot load the data of lm-eval task(s) hb_hub" in err and "--include-path" in err
+
+
 def test_predictions_do_not_depend_on_batch_size(model_dir):
     """Built-in and lm-eval tasks, zero- and few-shot: identical predictions (and log-likelihoods
     to float rounding) at batch sizes 1, 7 and 32."""

@@ -51,17 +51,17 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from headbudget.evaluation.suite import check_eval_args, evaluate_suite, format_report
+    from headbudget.evaluation.suite import evaluate_suite, format_report, prepare_suite
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    check_eval_args(tasks, data_dir=args.data_dir, include_path=args.include_path,
-                    num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit)
+    harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
+                                  num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit)
     model, tok = _load(args)
     report = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, include_path=args.include_path,
                             num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
                             batch_size=args.batch_size, strategy=args.strategy, device=args.device,
                             log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
-                            progress=not args.quiet)
+                            progress=not args.quiet, harness_tasks=harness_tasks)
     print(format_report(report))
     d = report["details"]
     for t, s in d["task_seconds"].items():

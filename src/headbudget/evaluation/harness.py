@@ -224,6 +224,10 @@ def load_harness_tasks(tasks: Sequence[str], include_path: Any = None) -> tuple[
     except (KeyError, FileNotFoundError) as exc:
         msg = exc.args[0] if exc.args else exc
         raise ValueError(f"cannot build lm-eval task(s) {', '.join(tasks)}: {msg}") from None
+    except (ConnectionError, OSError) as exc:  # a hub dataset while offline, or unreachable
+        raise ValueError(f"cannot load the data of lm-eval task(s) {', '.join(tasks)}: {exc}; offline, "
+                         "point a task YAML at local files and pass its folder with --include-path "
+                         "(see benchmarks/lm_eval_tasks)") from None
     generation = sorted(f"{n} ({t.OUTPUT_TYPE})" for n, t in loaded["tasks"].items()
                         if t.OUTPUT_TYPE not in SUPPORTED_OUTPUT_TYPES)
     if generation:
@@ -239,14 +243,15 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
                      limit: int | float | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                      strategy: str = "prefix", device: str | None = None, log_samples: bool = False,
                      bootstrap_iters: int = 100000, progress: bool = True,
-                     lm: HeadBudgetLM | None = None) -> dict[str, Any]:
+                     lm: HeadBudgetLM | None = None, loaded: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate ``model`` on lm-eval tasks as ``lm_eval.simple_evaluate`` does (same seeds, same
     ``num_fewshot`` override rule, same ``evaluate``), scoring with :class:`HeadBudgetLM`.
 
     Returns lm-eval's result dict (``results``, ``groups``, ``configs``, ``versions``, ``n-shot``,
     ``higher_is_better``, ``n-samples``, ``samples`` when ``log_samples``, ``config``) plus
     ``predictions`` (per multiple-choice task, the argmax choice of each document, by doc id),
-    ``seconds`` and ``model_seconds``.
+    ``seconds`` and ``model_seconds``.  ``loaded``: the tasks as :func:`load_harness_tasks` returned
+    them (to fail on a task before loading a model), else they are loaded here.
     """
     from lm_eval import evaluator
     from lm_eval.utils import set_torch_seed
@@ -255,7 +260,8 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
         raise ValueError(f"--num-fewshot must be >= 0, got {num_fewshot}")
     t0 = time.perf_counter()
     seeds = parse_seed(seed)
-    _, loaded = load_harness_tasks(tasks, include_path)
+    if loaded is None:
+        _, loaded = load_harness_tasks(tasks, include_path)
     if lm is None:
         lm = HeadBudgetLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                           strategy=strategy, device=device, progress=progress)

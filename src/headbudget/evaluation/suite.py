@@ -109,6 +109,26 @@ def split_tasks(tasks: Sequence[str], *, num_fewshot: int | None = None,
     return builtin, [t for t in tasks if t not in builtin]
 
 
+def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
+                  num_fewshot: int | None = None, seed: Any = None,
+                  limit: int | None = None) -> dict[str, Any] | None:
+    """Check the arguments and load the lm-eval tasks among ``tasks`` (their data included), so that a
+    bad flag, an unknown or generation task or unreachable data fails before the model is loaded;
+    returns what :func:`evaluate_suite` takes as ``harness_tasks`` (None without lm-eval tasks).
+
+        >>> pre = prepare_suite(["arc_easy_local"], include_path="benchmarks/lm_eval_tasks")  # doctest: +SKIP
+        >>> evaluate_suite(model, tok, ["arc_easy_local"], include_path=..., harness_tasks=pre)  # doctest: +SKIP
+    """
+    check_eval_args(tasks, data_dir=data_dir, include_path=include_path, num_fewshot=num_fewshot,
+                    seed=seed, limit=limit)
+    _, harness = split_tasks(tasks, num_fewshot=num_fewshot, include_path=include_path)
+    if not harness:
+        return None
+    from headbudget.evaluation.harness import load_harness_tasks
+
+    return load_harness_tasks(harness, include_path)[1]
+
+
 def _lm_eval_keys(res: dict[str, Any], filt: str = "none") -> dict[str, Any]:
     """headbudget's metric keys -> lm-eval's ``"metric,filter"`` keys (``n`` has no counterpart)."""
     return {f"{k},{filt}": v for k, v in res.items() if k != "n"}
@@ -123,8 +143,12 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
                    include_path: Any = None, num_fewshot: int | None = None, seed: Any = None,
                    limit: int | None = None, batch_size: int = 16, strategy: str = "prefix",
                    device: str | None = None, log_samples: bool = False,
-                   bootstrap_iters: int = 100000, progress: bool = True) -> dict[str, Any]:
+                   bootstrap_iters: int = 100000, progress: bool = True,
+                   harness_tasks: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate ``tasks`` (built-in and lm-eval) and return the combined report (module docstring).
+
+    ``harness_tasks``: the lm-eval tasks already loaded by :func:`prepare_suite` (which fails on a
+    bad task before any model is loaded).
 
     ``details`` holds ``model``-independent run facts: ``task_seconds`` and ``forward_passes`` per
     built-in task, ``lm_eval`` (its tasks' seconds, model seconds and forward passes, scored
@@ -146,7 +170,7 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
                                num_fewshot=num_fewshot, seed=seed, limit=limit,
                                batch_size=batch_size, strategy=strategy, device=device,
                                log_samples=log_samples, bootstrap_iters=bootstrap_iters,
-                               progress=progress)
+                               progress=progress, loaded=harness_tasks)
         for name, res in out["results"].items():
             plain = _plain_keys(res)
             n = out.get("n-samples", {}).get(name, {}).get("effective")
