@@ -46,29 +46,32 @@ def _head_rows(heads: Sequence[int], dim: int, device: torch.device, offset: int
 class HeadAdapter:
     """Common machinery; subclasses describe one model family.
 
-    Subclasses implement ``_out_proj(li)`` (the module whose input is the concatenated head outputs),
-    ``_out_head_dim(li)`` (per-head width of that input), ``_attn_module(li)`` (the module whose
-    forward returns ``(output, attention_probs)``), ``head_counts``, ``kv_head_counts`` and
-    ``_remove(li, keep)`` (physical removal keeping current head indices ``keep``).
+    ``layers`` is the model's stack of blocks.  Subclasses implement ``_attn_module(li)`` (the
+    module whose forward returns ``(output, attention_probs)``), ``_out_proj(li)`` (the module whose
+    input is the concatenated head outputs), ``_out_head_dim(li)`` (per-head width of that input),
+    ``head_counts``, ``kv_head_counts`` when key/value heads are grouped, and ``_remove(li, keep)``
+    (physical removal keeping current head indices ``keep``).
     """
 
     family: str = ""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, layers: nn.ModuleList) -> None:
         self.model = model
+        self.layers = layers
 
     # ----------------------------------------------------------------- bookkeeping
     @property
     def num_layers(self) -> int:
-        raise NotImplementedError
+        return len(self.layers)
 
     def head_counts(self) -> list[int]:
         """Current number of query heads in every layer."""
         raise NotImplementedError
 
     def kv_head_counts(self) -> list[int]:
-        """Current number of (physically stored) key/value heads in every layer."""
-        raise NotImplementedError
+        """Current number of (physically stored) key/value heads in every layer; one per query head
+        unless the family groups them."""
+        return self.head_counts()
 
     def _initial_heads(self, layer: int) -> int:
         return self.head_counts()[layer]

@@ -23,34 +23,20 @@ class BertAdapter(HeadAdapter):
 
     family = "bert"
 
-    def __init__(self, model: nn.Module, layers: nn.ModuleList) -> None:
-        super().__init__(model)
-        self.layers = layers
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def _self(self, li: int) -> nn.Module:
+    def _attn_module(self, li: int) -> nn.Module:
         return self.layers[li].attention.self
 
     def head_counts(self) -> list[int]:
-        return [int(self._self(li).num_attention_heads) for li in range(self.num_layers)]
-
-    def kv_head_counts(self) -> list[int]:
-        return self.head_counts()
+        return [int(self._attn_module(li).num_attention_heads) for li in range(self.num_layers)]
 
     def _out_proj(self, li: int) -> nn.Module:
         return self.layers[li].attention.output.dense
 
     def _out_head_dim(self, li: int) -> int:
-        return int(self._self(li).attention_head_size)
-
-    def _attn_module(self, li: int) -> nn.Module:
-        return self._self(li)
+        return int(self._attn_module(li).attention_head_size)
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
-        sa = self._self(li)
+        sa = self._attn_module(li)
         d = int(sa.attention_head_size)
         rows = _head_rows(keep, d, sa.query.weight.device)
         for lin in (sa.query, sa.key, sa.value):
@@ -66,34 +52,20 @@ class GPT2Adapter(HeadAdapter):
 
     family = "gpt2"
 
-    def __init__(self, model: nn.Module, blocks: nn.ModuleList) -> None:
-        super().__init__(model)
-        self.blocks = blocks
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.blocks)
-
-    def _attn(self, li: int) -> nn.Module:
-        return self.blocks[li].attn
+    def _attn_module(self, li: int) -> nn.Module:
+        return self.layers[li].attn
 
     def head_counts(self) -> list[int]:
-        return [int(self._attn(li).num_heads) for li in range(self.num_layers)]
-
-    def kv_head_counts(self) -> list[int]:
-        return self.head_counts()
+        return [int(self._attn_module(li).num_heads) for li in range(self.num_layers)]
 
     def _out_proj(self, li: int) -> nn.Module:
-        return self._attn(li).c_proj
+        return self._attn_module(li).c_proj
 
     def _out_head_dim(self, li: int) -> int:
-        return int(self._attn(li).head_dim)
-
-    def _attn_module(self, li: int) -> nn.Module:
-        return self._attn(li)
+        return int(self._attn_module(li).head_dim)
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
-        attn = self._attn(li)
+        attn = self._attn_module(li)
         d = int(attn.head_dim)
         split = int(attn.split_size)
         dev = attn.c_attn.weight.device
@@ -120,26 +92,18 @@ class LlamaAdapter(HeadAdapter):
 
     family = "llama"
 
-    def __init__(self, model: nn.Module, layers: nn.ModuleList) -> None:
-        super().__init__(model)
-        self.layers = layers
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def _attn(self, li: int) -> nn.Module:
+    def _attn_module(self, li: int) -> nn.Module:
         return self.layers[li].self_attn
 
     def head_counts(self) -> list[int]:
         return [
-            self._attn(li).q_proj.out_features // int(self._attn(li).head_dim)
+            self._attn_module(li).q_proj.out_features // int(self._attn_module(li).head_dim)
             for li in range(self.num_layers)
         ]
 
     def kv_head_counts(self) -> list[int]:
         return [
-            self._attn(li).k_proj.out_features // int(self._attn(li).head_dim)
+            self._attn_module(li).k_proj.out_features // int(self._attn_module(li).head_dim)
             for li in range(self.num_layers)
         ]
 
@@ -158,13 +122,10 @@ class LlamaAdapter(HeadAdapter):
         return {li: list(v) for li, v in self._state()["kv"].items()}
 
     def _out_proj(self, li: int) -> nn.Module:
-        return self._attn(li).o_proj
+        return self._attn_module(li).o_proj
 
     def _out_head_dim(self, li: int) -> int:
-        return int(self._attn(li).head_dim)
-
-    def _attn_module(self, li: int) -> nn.Module:
-        return self._attn(li)
+        return int(self._attn_module(li).head_dim)
 
     def _check_removal(self, li: int, keep: list[int], partial_groups: str = "keep", **opts: Any) -> None:
         if partial_groups not in ("keep", "refuse"):
@@ -181,7 +142,7 @@ class LlamaAdapter(HeadAdapter):
                     )
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
-        attn = self._attn(li)
+        attn = self._attn_module(li)
         d = int(attn.head_dim)
         state = self._state()
         kv_orig = state["kv"][li]
@@ -225,27 +186,23 @@ class HeadBudgetAdapter(HeadAdapter):
 
     family = "headbudget"
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.transformer.h)
-
-    def _attn(self, li: int) -> nn.Module:
-        return self.model.transformer.h[li].attn
-
-    def head_counts(self) -> list[int]:
-        return [int(self._attn(li).n_heads) for li in range(self.num_layers)]
-
-    def kv_head_counts(self) -> list[int]:
-        return [int(self._attn(li).n_kv_heads) for li in range(self.num_layers)]
-
-    def _out_proj(self, li: int) -> nn.Module:
-        return self._attn(li).o_proj
-
-    def _out_head_dim(self, li: int) -> int:
-        return int(self._attn(li).v_head_dim)
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, model.transformer.h)
 
     def _attn_module(self, li: int) -> nn.Module:
-        return self._attn(li)
+        return self.layers[li].attn
+
+    def head_counts(self) -> list[int]:
+        return [int(self._attn_module(li).n_heads) for li in range(self.num_layers)]
+
+    def kv_head_counts(self) -> list[int]:
+        return [int(self._attn_module(li).n_kv_heads) for li in range(self.num_layers)]
+
+    def _out_proj(self, li: int) -> nn.Module:
+        return self._attn_module(li).o_proj
+
+    def _out_head_dim(self, li: int) -> int:
+        return int(self._attn_module(li).v_head_dim)
 
     @torch.no_grad()
     def attention_probs(self, **inputs: Any) -> list[torch.Tensor]:
@@ -259,7 +216,7 @@ class HeadBudgetAdapter(HeadAdapter):
 
     def _check_removal(self, li: int, keep: list[int], **opts: Any) -> None:
         n = self.head_counts()[li]
-        self._attn(li).plan_pruning([h for h in range(n) if h not in keep])  # raises before any change
+        self._attn_module(li).plan_pruning([h for h in range(n) if h not in keep])  # raises before any change
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
         n = self.head_counts()[li]
