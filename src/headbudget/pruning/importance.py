@@ -242,17 +242,17 @@ def head_weight_norms(adapter: Any) -> list[np.ndarray]:
         d = int(adapter._out_head_dim(layer))
         o = adapter._out_proj(layer).weight.detach().float()
         if family == "gpt2":  # Conv1D weights are [in, out]
-            attn = adapter._attn(layer)
+            attn = adapter._attn_module(layer)
             split = int(attn.split_size)
             w = attn.c_attn.weight.detach().float().T  # [3 * split, in]
             sq = sum(_rows_sq(w, n, d, k * split) for k in range(3)) + _rows_sq(o, n, d)
         else:
             n_kv = adapter.kv_head_counts()[layer]
             if family == "bert":
-                sa = adapter._self(layer)
+                sa = adapter._attn_module(layer)
                 q, k, v = sa.query.weight, sa.key.weight, sa.value.weight
             elif family in ("llama", "headbudget"):
-                attn = adapter._attn(layer)
+                attn = adapter._attn_module(layer)
                 if family == "headbudget":
                     p = attn.projections()
                     q, k, v = p["q"][0], p["k"][0], p["v"][0]
@@ -263,7 +263,7 @@ def head_weight_norms(adapter: Any) -> list[np.ndarray]:
             qd = q.shape[0] // n
             kd, vd = k.shape[0] // n_kv, v.shape[0] // n_kv
             # The kv head each query head reads (unequal groups after pruning a grouped-query model).
-            kv_index = getattr(adapter._attn(layer), "kv_index", None) if family == "headbudget" else None
+            kv_index = getattr(adapter._attn_module(layer), "kv_index", None) if family == "headbudget" else None
             group = torch.tensor(kv_index if kv_index is not None else [h // (n // n_kv) for h in range(n)])
             sq = (_rows_sq(q, n, qd) + _rows_sq(k, n_kv, kd)[group] + _rows_sq(v, n_kv, vd)[group]
                   + _rows_sq(o.T.contiguous(), n, d))
