@@ -65,7 +65,7 @@ def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
-class _CacheMismatch(RuntimeError):
+class _TreeMismatch(RuntimeError):
     """The tree scores of the self-check differ from the plain ones."""
 
 
@@ -214,7 +214,7 @@ class Scorer:
             stack.extend((c, depth + 1) for c in reversed(children[node].values()))
         return ids, pos, ends, [[flat[n] for n in path] for path in paths]
 
-    def _split_tree(self, item: list[tuple[list[int], int]]) -> list[list[int]]:
+    def _units(self, item: list[tuple[list[int], int]]) -> list[list[int]]:
         """Choice indices per unit, so that no unit's tree is longer than the model's context (a
         long item's choices are spread over several units, each with its own copy of the prefix)."""
         inputs = [s[:-1] for s, _ in item]
@@ -234,12 +234,12 @@ class Scorer:
     def _score_trees(self, items: list[list[tuple[list[int], int]]], check: bool = False,
                      desc: str = "scoring") -> list[list[tuple[float, bool]]]:
         """Scores of many items through token tries (see :meth:`_layout`): each row of a pass is the
-        trie of a few items' choices (see :meth:`_rows`), so a prefix shared by an item's choices, or
+        trie of a few items' choices (see :meth:`_passes`), so a prefix shared by an item's choices, or
         by several items (a fixed few-shot context), runs once, in the same pass as what follows it.
         The output projection runs only at the scored positions.  ``check``: after the first pass,
-        compare one of its items with :meth:`_score_full` and raise :class:`_CacheMismatch` if they
+        compare one of its items with :meth:`_score_full` and raise :class:`_TreeMismatch` if they
         differ."""
-        units = [(i, part) for i, item in enumerate(items) for part in self._split_tree(item)]
+        units = [(i, part) for i, item in enumerate(items) for part in self._units(item)]
         scores: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(item) for item in items]
         bar = tqdm(total=len(items), desc=desc, disable=not self.progress, leave=False)
         for rows in self._passes(items, units):
@@ -255,7 +255,7 @@ class Scorer:
                 mine = [scores[i][j][0] for j in part]
                 if not np.allclose(mine, ref, rtol=1e-4, atol=1e-3):
                     bar.close()
-                    raise _CacheMismatch(f"tree scores differ from plain scores ({mine} vs {ref})")
+                    raise _TreeMismatch(f"tree scores differ from plain scores ({mine} vs {ref})")
             bar.update(sum(1 for _, part in flat if part[0] == 0))
         bar.close()
         return scores
@@ -267,27 +267,26 @@ class Scorer:
         :data:`SHARED_ROW_EXTRA_TOKENS`; then, longest first, a pass takes at most ``batch_size``
         rows (fewer when their (L, L) masks would exceed :data:`MASK_ELEMENTS`) of ``L`` = max(its
         longest row, :data:`MIN_ROW_TOKENS`) tokens, each topped up with the shortest rows that fit."""
-        def first(u: tuple[int, list[int]]) -> list[int]:
-            return items[u[0]][u[1][0]][0][:-1]
-
         def size(u: tuple[int, list[int]]) -> int:  # trie tokens: sorted lengths minus shared prefixes
             seqs = sorted(items[u[0]][j][0][:-1] for j in u[1])
             return len(seqs[0]) + sum(len(b) - _common_prefix_len([a, b]) for a, b in zip(seqs, seqs[1:]))
 
+        firsts = [items[i][part[0]][0][:-1] for i, part in units]  # each unit's first choice's input
         groups: list[list[tuple[int, list[int]]]] = []
         lengths: list[int] = []
         prev: list[int] = []
         cap = 0
-        for u in sorted(units, key=first):
-            n, shared = size(u), _common_prefix_len([prev, first(u)]) if groups else 0
+        for k in sorted(range(len(units)), key=firsts.__getitem__):
+            n = size(units[k])
+            shared = _common_prefix_len([prev, firsts[k]]) if groups else 0
             if shared >= SHARE_MIN_TOKENS and lengths[-1] + n - shared <= cap:
-                groups[-1].append(u)
+                groups[-1].append(units[k])
                 lengths[-1] += n - shared
             else:
-                groups.append([u])
+                groups.append([units[k]])
                 lengths.append(n)
                 cap = n + SHARED_ROW_EXTRA_TOKENS
-            prev = first(u)
+            prev = firsts[k]
         order = sorted(range(len(groups)), key=lambda g: -lengths[g])
         lo, hi = 0, len(order)
         while lo < hi:
@@ -456,7 +455,7 @@ class Scorer:
         while True:
             try:
                 return self._score_trees(items, check=True, desc=desc)
-            except _CacheMismatch as exc:
+            except _TreeMismatch as exc:
                 why = str(exc)
             except (TypeError, AttributeError, RuntimeError, ValueError, IndexError) as exc:
                 why = f"tree scoring failed ({type(exc).__name__}: {exc})"
