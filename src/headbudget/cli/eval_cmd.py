@@ -139,7 +139,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "winogrande,copa) or lm-eval task/group names and YAML files (pip install "
                    "\"headbudget[lmeval]\")")
     p.add_argument("--include-path", help="folder of lm-eval task YAML files of your own (as lm-eval's "
-                   "flag)")
+                   "flag); a requested task's !function imports and runs Python files from that folder, "
+                   "so use only folders you trust")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks (as lm-eval; "
                    "a built-in name with N > 0 runs lm-eval's task of that name)")
     p.add_argument("--seed", default=None, help="lm-eval's seeds: one integer for all, or "

@@ -18,7 +18,10 @@ names whatever the wrapper.
 
 Nothing here unpickles arbitrary objects: the checkpoint holds tensors only (optimizer hyper-parameters
 come from the config), DCP's ``.metadata`` is read with an unpickler that admits only DCP's own metadata
-classes, ``rng_rank*.pt`` is read with ``torch.load(weights_only=True)`` and the rest is JSON.
+classes, ``rng_rank*.pt`` is read with ``torch.load(weights_only=True)`` (torch >= 2.6: 2.5's can be
+bypassed, CVE-2025-32434) and the rest is JSON.  Every file ``.metadata`` names must be a regular file
+inside the checkpoint folder: a crafted ``../other_run/__0_0.distcp``, ``/dev/zero`` or a FIFO is
+refused before anything is read.
 
     >>> import tempfile, torch
     >>> model = torch.nn.Linear(4, 2)
@@ -41,6 +44,7 @@ import pickle
 import random
 import re
 import shutil
+import stat
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,11 +145,46 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not part of DCP metadata)")
 
 
+def _regular_file(path: Path) -> Path:
+    """``path`` if it is a regular file (so opening it cannot block on a FIFO or read a device forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint file ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: not a regular file; refusing to read it")
+    return path
+
+
+def _check_storage(ckpt: Path, md: Any) -> None:
+    """Every file ``.metadata`` points at is a regular file inside ``ckpt`` holding the bytes it claims."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    root = os.path.realpath(ckpt)
+    sizes: dict[str, int] = {}
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(rel, str):
+            raise CheckpointError(f"{ckpt}: .metadata has a storage entry {info!r} that is not a file slice")
+        if rel not in sizes:
+            real = os.path.realpath(os.path.join(root, rel))
+            if os.path.commonpath([root, real]) != root or real == root:
+                raise CheckpointError(f"{ckpt}: .metadata points at {rel!r}, outside the checkpoint folder; "
+                                      "refusing to read it")
+            sizes[rel] = os.stat(_regular_file(Path(real))).st_size
+        offset, length = info.offset, info.length
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                and 0 <= length and offset + length <= sizes[rel]):
+            raise CheckpointError(f"{ckpt}: .metadata reads bytes {offset}+{length} of {rel!r}, "
+                                  f"which has {sizes[rel]}")
+
+
 def read_metadata(path: str | os.PathLike):
-    """DCP's ``.metadata`` of a checkpoint, unpickled safely; every entry must be a tensor."""
+    """DCP's ``.metadata`` of a checkpoint, unpickled safely; every entry must be a tensor stored in a
+    regular file inside the checkpoint folder."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta_path = Path(path) / ".metadata"
+    meta_path = _regular_file(Path(path) / ".metadata")
     try:
         with open(meta_path, "rb") as f:
             md = _MetadataUnpickler(f).load()
@@ -154,6 +193,7 @@ def read_metadata(path: str | os.PathLike):
     for key, item in getattr(md, "state_dict_metadata", {}).items():
         if not isinstance(item, TensorStorageMetadata):  # DCP would torch.load(weights_only=False) it
             raise CheckpointError(f"{meta_path}: entry {key!r} is not a tensor; refusing to load it")
+    _check_storage(Path(path), md)
     return md
 
 
@@ -170,6 +210,17 @@ def _safe_reader(path: Path):
             return md
 
     return SafeReader(str(path))
+
+
+def require_safe_torch_load(version: str | None = None) -> None:
+    """Refuse to ``torch.load(weights_only=True)`` on torch < 2.6, whose check can be bypassed (CVE-2025-32434).
+
+    >>> require_safe_torch_load("2.6.0")      # returns; "2.5.1" raises CheckpointError naming the CVE
+    """
+    v = torch.torch_version.TorchVersion(version or torch.__version__)
+    if v < (2, 6):
+        raise CheckpointError(f"torch {v} cannot load checkpoints safely (weights_only=True can be bypassed, "
+                              "CVE-2025-32434); install torch >= 2.6")
 
 
 # ---------------------------------------------------------------------------- save / load
@@ -250,7 +301,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    p = Path(path) / STATE_FILE
+    p = _regular_file(Path(path) / STATE_FILE)
     try:
         return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -267,10 +318,19 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    require_safe_torch_load()
     path = Path(path)
     meta = read_trainer_state(path)
     read_metadata(path)  # a clear error here rather than one wrapped in DCP's per-rank exception
     on, rank = _dist()
+    rng_file = path / f"rng_rank{rank}.pt"
+    saved_rng = None
+    if restore_rng and rng_file.is_file():  # read before the model changes, so a bad file leaves it as it was
+        try:
+            saved_rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+            raise CheckpointError(f"{rng_file}: not a headbudget RNG state ({str(exc).strip().splitlines()[0]})") \
+                from None
     state, param_groups = _tensor_state(model, optimizer)
     with _single_process_ok():
         dcp.load(state, storage_reader=_safe_reader(path), no_dist=not on)
@@ -281,13 +341,12 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict={"state": state["optim"]["state"], "param_groups": param_groups})
-    rng_file = path / f"rng_rank{rank}.pt"
-    meta["rng_restored"] = False
-    if restore_rng and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
-        meta["rng_restored"] = True
+    meta["rng_restored"] = saved_rng is not None
+    if saved_rng is not None:
+        set_rng_state(saved_rng)
     return meta
 
 
 __all__ = ["CheckpointError", "checkpoint_path", "latest_checkpoint", "legacy_checkpoints", "list_checkpoints",
-           "load_checkpoint", "read_metadata", "read_trainer_state", "rng_state", "save_checkpoint", "set_rng_state"]
+           "load_checkpoint", "read_metadata", "read_trainer_state", "require_safe_torch_load", "rng_state",
+           "save_checkpoint", "set_rng_state"]
