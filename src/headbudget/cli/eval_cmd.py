@@ -13,23 +13,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from headbudget.io import atomic_write_json
 from headbudget.threads import add_threads_flag
-
-
-def _clean_nan(obj: Any) -> Any:
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean_nan(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean_nan(v) for v in obj]
-    return obj
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -51,8 +40,10 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from headbudget.evaluation.lm_eval_files import check_output_args, write_lm_eval_files
     from headbudget.evaluation.suite import evaluate_suite, format_report, prepare_suite
 
+    check_output_args(output_path=args.output_path, json_path=args.json, log_samples=args.log_samples)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
                                   num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit)
@@ -65,17 +56,25 @@ def run_eval(args: argparse.Namespace) -> int:
     print(format_report(report))
     d = report["details"]
     for t, s in d["task_seconds"].items():
-        print(f"{t}: {report['results'][t]['n']} examples, {d['forward_passes'][t]} forward "
+        print(f"{t}: {report['n-samples'][t]['effective']} examples, {d['forward_passes'][t]} forward "
               f"passes, {s:.1f}s")
     if "lm_eval" in d:
         h = d["lm_eval"]
         print(f"lm-eval tasks {','.join(h['tasks'])}: {h['forward_passes']} forward passes, "
               f"{h['seconds']:.1f}s ({h['model_seconds']:.1f}s scoring)")
     print(f"total: {report['seconds']:.1f}s")
+    report["details"]["model"] = str(args.model)
+    model_args = ",".join(f"{k}={v}" for k, v in (("pretrained", args.model), ("gguf_file", args.gguf_file),
+                                                  ("tokenizer", args.tokenizer)) if v)
+    written = []
+    if args.output_path:
+        written += write_lm_eval_files(report, model_name=str(args.model), model_args=model_args,
+                                       output_path=args.output_path)
     if args.json:
-        report["details"]["model"] = str(args.model)
-        atomic_write_json(args.json, _clean_nan(report))
-        print(f"wrote {args.json}")
+        written += write_lm_eval_files(report, model_name=str(args.model), model_args=model_args,
+                                       json_path=args.json)
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -145,8 +144,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "a built-in name with N > 0 runs lm-eval's task of that name)")
     p.add_argument("--seed", default=None, help="lm-eval's seeds: one integer for all, or "
                    "PYTHON,NUMPY,TORCH,FEWSHOT (default 0,1234,1234,1234)")
-    p.add_argument("--log-samples", action="store_true", help="per-document records in the JSON "
-                   "(lm-eval's `samples`)")
+    p.add_argument("--log-samples", action="store_true", help="also write lm-eval's per-document "
+                   "samples_<task>_<datetime>.jsonl files (needs --output-path or --json)")
     p.add_argument("--bootstrap-iters", type=int, default=100000,
                    help="lm-eval's bootstrap resamples for non-mean stderrs (0: none)")
     p.add_argument("--data-dir", help="local JSONL files (e.g. ../shared/data/zeroshot); default: "
@@ -157,8 +156,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="prefix: each document's choices (and documents sharing a few-shot context) "
                    "as one token trie, shared tokens run once (default); full: every choice in full, "
                    "batched by length")
-    p.add_argument("--json", help="write the report here (headbudget's keys and lm-eval's results, "
-                   "configs, versions, n-shot[, samples])")
+    p.add_argument("--output-path", help="folder for lm-eval's files, as lm-eval's --output_path: "
+                   "DIR/<model>/results_<datetime>.json (+ samples_<task>_<datetime>.jsonl with "
+                   "--log-samples); headbudget's own fields under the key \"headbudget\"")
+    p.add_argument("--json", help="write lm-eval's results dict to exactly this file (samples files, "
+                   "with --log-samples, in its folder)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_eval)
 

@@ -9,14 +9,16 @@ shared-prefix :class:`~headbudget.evaluation.zeroshot.Scorer`.
     >>> from headbudget.evaluation.suite import evaluate_suite
     >>> rep = evaluate_suite(model, tok, ["piqa", "arc_easy_5shot"], data_dir="../shared/data/zeroshot",
     ...                      include_path="benchmarks/lm_eval_tasks", limit=100)   # doctest: +SKIP
-    >>> rep["results"]["piqa"]["acc"] == rep["results"]["piqa"]["acc,none"]      # doctest: +SKIP
-    True
+    >>> rep["results"]["piqa"]["acc,none"], rep["n-samples"]["piqa"]["effective"]  # doctest: +SKIP
+    (0.62, 100)
 
-The report holds headbudget's keys (``results[task]`` with ``acc``, ``acc_stderr``, ``acc_norm``,
-``acc_norm_stderr``, ``n``; ``predictions``; ``seconds``; ``details``) and lm-eval's
-(``results[task]`` also with ``alias`` and ``"acc,none"``-style keys; ``configs``, ``versions``,
-``n-shot``, ``higher_is_better``, ``n-samples``, ``groups``/``group_subtasks`` for groups, and
-``samples`` with ``log_samples``), so tools written for either read it.
+The report is what ``lm_eval.simple_evaluate`` returns for the same tasks -- ``results`` (per task
+``name``, ``alias``, ``sample_len`` and ``"acc,none"``-style keys only, so ``lm_eval.utils.make_table``
+prints each metric once), ``groups`` when a group aggregates, ``group_subtasks``, ``configs``,
+``versions``, ``n-shot``, ``higher_is_better``, ``n-samples``, ``config`` and, with ``log_samples``,
+``samples`` (lm-eval's in-memory records) -- plus headbudget's own ``predictions``, ``seconds`` and
+``details``.  :func:`headbudget.evaluation.lm_eval_files.write_lm_eval_files` writes it as lm-eval's
+files, headbudget's fields under one ``"headbudget"`` key.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from importlib.util import find_spec
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from headbudget.evaluation.tasks import TASKS, get_task, load_examples
+from headbudget.evaluation.tasks import TASKS, get_task, iter_jsonl, load_examples
 from headbudget.evaluation.zeroshot import evaluate_tasks, format_table
 
 DEFAULT_SEEDS = (0, 1234, 1234, 1234)  # lm-eval's --seed default: python, numpy, torch, few-shot
@@ -130,7 +133,8 @@ def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_
 
 
 def _lm_eval_keys(res: dict[str, Any], filt: str = "none") -> dict[str, Any]:
-    """headbudget's metric keys -> lm-eval's ``"metric,filter"`` keys (``n`` has no counterpart)."""
+    """headbudget's metric keys -> lm-eval's ``"metric,filter"`` keys (``n`` is lm-eval's
+    ``sample_len``)."""
     return {f"{k},{filt}": v for k, v in res.items() if k != "n"}
 
 
@@ -158,8 +162,15 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
                     seed=seed, limit=limit)
     builtin, harness = split_tasks(tasks, num_fewshot=num_fewshot, include_path=include_path)
     t0 = time.perf_counter()
-    rep: dict[str, Any] = {"results": {}, "predictions": {}, "configs": {}, "versions": {},
-                           "n-shot": {}, "higher_is_better": {}, "n-samples": {}}
+    rep: dict[str, Any] = {"results": {}, "group_subtasks": {}, "configs": {}, "versions": {},
+                           "n-shot": {}, "higher_is_better": {}, "n-samples": {}, "predictions": {}}
+    seeds = parse_seed(seed)
+    # lm-eval's config (its model's get_model_info included); model_args is the caller's to name
+    config: dict[str, Any] = {
+        "model": "headbudget", "model_args": None, "model_class": type(model).__name__,
+        "strategy": strategy, "batch_size": batch_size, "device": device, "limit": limit,
+        "bootstrap_iters": bootstrap_iters, "random_seed": seeds[0], "numpy_seed": seeds[1],
+        "torch_seed": seeds[2], "fewshot_seed": seeds[3]}
     details: dict[str, Any] = {"task_seconds": {}, "forward_passes": {}, "limit": limit,
                                "num_fewshot": num_fewshot, "batch_size": batch_size}
     samples: dict[str, list[dict[str, Any]]] = {}
@@ -171,20 +182,17 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
                                batch_size=batch_size, strategy=strategy, device=device,
                                log_samples=log_samples, bootstrap_iters=bootstrap_iters,
                                progress=progress, loaded=harness_tasks)
-        for name, res in out["results"].items():
-            plain = _plain_keys(res)
-            n = out.get("n-samples", {}).get(name, {}).get("effective")
-            rep["results"][name] = {**plain, **({"n": n} if n is not None else {}), **res}
-        for key in ("configs", "versions", "n-shot", "higher_is_better", "n-samples"):
+        rep["results"].update(out["results"])
+        for key in ("group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples"):
             rep[key].update(out.get(key, {}))
-        for key in ("groups", "group_subtasks"):
-            if out.get(key):
-                rep[key] = out[key]
+        if out.get("groups"):
+            rep["groups"] = out["groups"]
+        config.update({k: v for k, v in out["config"].items() if k != "model_args"})
         rep["predictions"].update(out["predictions"])
         samples.update(out.get("samples") or {})
         details["lm_eval"] = {"tasks": harness, "seconds": out["seconds"],
                               "model_seconds": out["model_seconds"],
-                              "forward_passes": out["forward_passes"], "config": out["config"]}
+                              "forward_passes": out["forward_passes"]}
     if builtin:
         scores: dict[str, list[list[float]]] = {}
         got = evaluate_tasks(model, tokenizer, builtin, data_dir=data_dir, limit=limit,
@@ -193,7 +201,10 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
         for name in builtin:
             res = got["results"][name]
             spec = get_task(name)
-            rep["results"][name] = {**res, "alias": name, **_lm_eval_keys(res)}
+            metrics = _lm_eval_keys(res)
+            if bootstrap_iters <= 0 or res["n"] < 2:  # lm-eval reports no stderr then
+                metrics.update({k: "N/A" for k in metrics if k.split(",")[0].endswith("_stderr")})
+            rep["results"][name] = {"name": name, "alias": name, "sample_len": res["n"], **metrics}
             rep["predictions"][name] = got["predictions"][name]
             rep["versions"][name] = _LM_EVAL_VERSIONS.get(name, 1.0)
             rep["n-shot"][name] = 0
@@ -212,30 +223,58 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
             if log_samples:
                 samples[name] = _builtin_samples(name, data_dir, limit, scores[name],
                                                  got["predictions"][name])
-    rep["seconds"] = round(time.perf_counter() - t0, 3)
-    rep["details"] = details
+    rep["config"] = config
+    rep.update(_tokenizer_info(tokenizer, config.get("max_length")))
     if log_samples:
         rep["samples"] = samples
+    rep["seconds"] = round(time.perf_counter() - t0, 3)
+    rep["details"] = details
     return rep
+
+
+def _tokenizer_info(tok: Any, max_length: int | None) -> dict[str, Any]:
+    """lm-eval's ``add_tokenizer_info`` fields (special tokens as ``[token, "id"]``)."""
+    info: dict[str, Any] = {
+        f"tokenizer_{kind}_token": [getattr(tok, f"{kind}_token", None), str(getattr(tok, f"{kind}_token_id", None))]
+        for kind in ("pad", "eos", "bos")}
+    return {**info, "eot_token_id": getattr(tok, "eos_token_id", None), "max_length": max_length}
+
+
+def _builtin_docs(name: str, data_dir: str | None, limit: int | None) -> list[dict[str, Any]]:
+    """The rows :func:`load_examples` built the task's examples from, in the same order."""
+    spec = get_task(name)
+    if data_dir is not None:
+        rows = (row for _, row in iter_jsonl(Path(data_dir) / spec.local_file))
+        return list(islice(rows, limit))
+    import datasets  # the hub's rows, cached by load_examples' own call
+
+    split = spec.hf_split if limit is None else f"{spec.hf_split}[:{limit}]"
+    return [dict(r) for r in datasets.load_dataset(spec.hf_path, spec.hf_name, split=split)]
 
 
 def _builtin_samples(name: str, data_dir: str | None, limit: int | None,
                      scores: list[list[float]], preds: list[int]) -> list[dict[str, Any]]:
-    """lm-eval-style per-document records of a built-in task (``doc`` is omitted: the row is the
-    JSONL line ``doc_id + 1`` of the task's file)."""
+    """A built-in task's per-document records in lm-eval's evaluator form (``doc`` is the task
+    file's row; ``arguments`` (context, continuation) per choice; ``resps`` ``[[(loglik, False)]]``:
+    multiple-choice metrics do not read is_greedy, which the built-in scorer does not compute)."""
     import numpy as np
 
+    from headbudget.evaluation.lm_eval_files import doc_hash, hash_string
+
     out = []
-    for i, (ex, lls, pred) in enumerate(zip(load_examples(name, data_dir, limit), scores, preds,
-                                            strict=True)):
+    examples = load_examples(name, data_dir, limit)
+    docs = _builtin_docs(name, data_dir, limit)
+    for i, (ex, doc, lls, pred) in enumerate(zip(examples, docs, scores, preds, strict=True)):
         norm = int(np.argmax(np.asarray(lls) / np.asarray(ex.norm_lengths)))
+        metrics = list(get_task(name).metrics)
         rec: dict[str, Any] = {
-            "doc_id": i, "target": ex.target,
-            "arguments": [[c, k] for c, k in zip(ex.contexts, ex.continuations, strict=True)],
-            "resps": [[[ll, False]] for ll in lls], "filtered_resps": [[ll, False] for ll in lls],
-            "filter": "none", "metrics": list(get_task(name).metrics),
+            "doc_id": i, "doc": doc, "target": ex.target,
+            "arguments": [(c, k) for c, k in zip(ex.contexts, ex.continuations, strict=True)],
+            "resps": [[(ll, False)] for ll in lls], "filtered_resps": [(ll, False) for ll in lls],
+            "filter": "none", "metrics": metrics, "doc_hash": doc_hash(doc),
+            "prompt_hash": hash_string(ex.contexts[0]), "target_hash": hash_string(str(ex.target)),
             "acc": float(pred == ex.target)}
-        if "acc_norm" in rec["metrics"]:
+        if "acc_norm" in metrics:
             rec["acc_norm"] = float(norm == ex.target)
         out.append(rec)
     return out
@@ -243,15 +282,16 @@ def _builtin_samples(name: str, data_dir: str | None, limit: int | None,
 
 def format_report(rep: dict[str, Any]) -> str:
     """The built-in tasks' table, then lm-eval's own table for its tasks (and groups)."""
-    builtin = {k: v for k, v in rep["results"].items() if k in rep["details"]["task_seconds"]}
+    builtin = {k: {**{m: float("nan") if x == "N/A" else x for m, x in _plain_keys(v).items()},
+                   "n": v["sample_len"]}
+               for k, v in rep["results"].items() if k in rep["details"]["task_seconds"]}
     parts = [format_table({"results": builtin})] if builtin else []
     if "lm_eval" in rep["details"]:
         from lm_eval.utils import make_table
 
-        lm = {k: {kk: vv for kk, vv in v.items() if "," in kk or kk == "alias"}
-              for k, v in rep["results"].items() if k not in builtin}
+        lm = {k: v for k, v in rep["results"].items() if k not in builtin}
         sub = {"results": lm, "versions": rep["versions"], "n-shot": rep["n-shot"],
-               "higher_is_better": rep["higher_is_better"]}
+               "higher_is_better": rep["higher_is_better"], "group_subtasks": rep["group_subtasks"]}
         parts.append(make_table(sub))
         if rep.get("groups"):
             parts.append(make_table({**sub, "groups": rep["groups"]}, "groups"))
