@@ -55,6 +55,9 @@ CASES = [
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 16}}),
     ("llama", {"head_dim": 32}),  # heads x head_dim != hidden_size
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16}}),
     ("mistral", {"sliding_window": 6}),
     ("qwen2", {}),
 ]
@@ -109,3 +112,90 @@ def test_unsupported_family_is_named():
                                       intermediate_size=64, vocab_size=50))
     with pytest.raises(ConversionError, match="model_type 'bert' cannot be converted"):
         to_headbudget(bert)
+
+
+# ----------------------------------------------------------------------------- built on meta, no copy
+def _old_conversion(hf):
+    """What to_headbudget did before it built on the meta device: a random fp32 model, weights copied."""
+    from headbudget.models.convert import (
+        _gpt2_to_headbudget_state,
+        _llama_to_headbudget_state,
+        config_from_hf,
+    )
+
+    config = config_from_hf(hf.config)
+    hb = HeadBudgetForCausalLM(config)
+    convert = _gpt2_to_headbudget_state if config.family == "gpt2" else _llama_to_headbudget_state
+    hb.load_state_dict(convert(hf.state_dict(), config.n_layer), strict=False)
+    if config.tie_word_embeddings:
+        hb.tie_weights()
+    return hb.to(next(hf.parameters()).dtype).eval()
+
+
+@pytest.mark.parametrize("family, over, dtype", [
+    ("gpt2", {}, torch.float32), ("llama", {}, torch.float32), ("llama", {"tie_word_embeddings": True}, torch.float32),
+    ("llama", {}, torch.bfloat16), ("gpt2", {}, torch.bfloat16),
+])
+def test_conversion_keeps_dtype_and_device_and_gives_the_old_logits_exactly(family, over, dtype):
+    hf = make(family, **over).to(dtype)
+    hb = to_headbudget(hf)
+    tensors = [*hb.parameters(), *hb.buffers()]
+    assert {t.dtype for t in tensors} == {dtype} and {t.device for t in tensors} == {torch.device("cpu")}
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert torch.equal(hb(ids, attention_mask=mask).logits, _old_conversion(hf)(ids, attention_mask=mask).logits)
+    tied = hb.config.tie_word_embeddings
+    assert tied == (family == "gpt2" or "tie_word_embeddings" in over)
+    assert (hb.lm_head.weight is hb.transformer.wte.weight) == tied
+    assert hb.num_parameters() == hf.num_parameters()
+
+
+def test_conversion_shares_the_inputs_tensors_instead_of_copying_them():
+    hf = make("llama")
+    hb = to_headbudget(hf)
+    pairs = [(hb.transformer.wte.weight, hf.model.embed_tokens.weight), (hb.lm_head.weight, hf.lm_head.weight),
+             (hb.transformer.h[1].mlp.up_proj.weight, hf.model.layers[1].mlp.up_proj.weight),
+             (hb.transformer.h[2].attn.o_proj.weight, hf.model.layers[2].self_attn.o_proj.weight)]
+    assert all(a.data_ptr() == b.data_ptr() for a, b in pairs)
+    assert hb.transformer.h[0].attn.qkv_proj.weight.data_ptr() != hf.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert not hb.training
+
+
+# ----------------------------------------------------------------------------- options refused at conversion
+@pytest.mark.parametrize("over, message", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+     "llama partial_rotary_factor=0.5 is not supported (rotary over the whole head only)"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+     "llama rope_type='dynamic' is not supported (supported: default, linear, llama3, yarn)"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0,
+                          "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                          "original_max_position_embeddings": 16}},
+     "llama rope_type='longrope' is not supported (supported: default, linear, llama3, yarn)"),
+])
+def test_rope_options_that_cannot_work_are_refused_at_conversion_in_one_line(over, message):
+    hf = make("llama", **over)
+    with pytest.raises(ConversionError) as err:
+        to_headbudget(hf)
+    assert str(err.value) == message
+
+
+def test_gpt2_cross_attention_is_refused_at_conversion():
+    with pytest.raises(ConversionError, match=r"^GPT-2 add_cross_attention=True is not supported"):
+        to_headbudget(make("gpt2", add_cross_attention=True))
+
+
+def test_headbudget_config_with_dynamic_rope_is_refused_at_load_not_at_forward(tmp_path):
+    import json
+
+    from headbudget.loading import load_model
+
+    hb = to_headbudget(make("llama"))
+    hb.save_pretrained(tmp_path / "m")
+    cfg_file = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as err:
+        load_model(tmp_path / "m")
+    assert str(err.value) == (f"{tmp_path / 'm'}: cannot load a causal language model (rope_type='dynamic' is not "
+                              "supported (supported: default, linear, llama3, yarn))")

