@@ -304,3 +304,23 @@ def test_a_failed_write_leaves_no_files(model_dir, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         files.write_lm_eval_files(rep, model_name="m", output_path=tmp_path / "o")
     assert [p for p in (tmp_path / "o").rglob("*") if p.is_file()] == []
+
+
+def test_builtin_stderr_is_na_where_lm_eval_gives_none(model_dir):
+    """As lm-eval: no stderr with --bootstrap-iters 0 or a single document ("N/A", which make_table prints;
+    a null there made it raise), a number otherwise."""
+    from lm_eval.utils import make_table
+
+    from headbudget.evaluation.suite import evaluate_suite, format_report
+    from headbudget.loading import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(model_dir))
+    for limit, iters, want_na in ((None, 0, True), (1, 100000, True), (None, 100000, False)):
+        rep = evaluate_suite(model, tok, ["piqa"], data_dir=str(FIXTURES), limit=limit, bootstrap_iters=iters,
+                             progress=False)
+        res = rep["results"]["piqa"]
+        assert (res["acc_stderr,none"] == res["acc_norm_stderr,none"] == "N/A") == want_na
+        assert isinstance(res["acc,none"], float)
+        rows = [line for line in make_table(rep).splitlines() if "acc" in line]
+        assert len(rows) == 2 and all(("N/A" in line) == want_na for line in rows)
+        assert format_report(rep).count("|piqa") == 1
