@@ -31,8 +31,12 @@ def _attention_widths(model: nn.Module) -> list[tuple[int, int]]:
     widths = []
     for mod in model.modules():
         q, o = getattr(mod, "q_proj", None), getattr(mod, "o_proj", None)
-        if isinstance(q, nn.Linear) and isinstance(o, nn.Linear):  # Llama/Mistral/Qwen2, headbudget
+        if isinstance(q, nn.Linear) and isinstance(o, nn.Linear):  # Llama/Mistral/Qwen2
             widths.append((q.out_features, o.in_features))
+            continue
+        if isinstance(getattr(mod, "qkv_proj", None), nn.Linear) and isinstance(o, nn.Linear) \
+                and hasattr(mod, "qk_head_dim"):  # headbudget: one fused q|k|v projection
+            widths.append((mod.n_heads * mod.qk_head_dim, o.in_features))
             continue
         sa, out = getattr(mod, "self", None), getattr(mod, "output", None)
         if isinstance(getattr(sa, "query", None), nn.Linear) and isinstance(getattr(out, "dense", None), nn.Linear):
