@@ -258,9 +258,10 @@ def test_compress_cli(tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().out
     # user errors: exit 2 with a one-line message
     assert main(["compress", str(tmp_path / "model"), "--keep", "1.5", "--out", str(out)]) == 2
-    assert main(["compress", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert main(["compress", str(tmp_path / "nope"), "--out", str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
     assert "--keep must be in (0, 1]" in err and "nope: no such model file or folder" in err
+    assert not (tmp_path / "out2").exists()  # the refused command left no folder behind
 
 
 def test_compress_cli_on_hf_gpt2_directory(tmp_path):

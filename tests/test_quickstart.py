@@ -41,6 +41,13 @@ def test_tiny_quickstart_writes_report_and_timings(tmp_path, capsys):
         att = json.loads((out / "attention.json").read_text())
         assert [r["n_heads"] for r in att["prism"]["layers"]] == [2, 4, 8]
         assert "## Attention distance" in report
-    # a second run reuses the prepared data
-    assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1"]) == 0
+    # a second run into the same folder is refused in one line, the results untouched ...
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out} already holds another run's results (" in err
+    assert "add --overwrite to replace them, or choose another --out" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # ... and with --overwrite replaces them, reusing the prepared data (data-cache/ is kept)
+    assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1", "--overwrite"]) == 0
     assert "(cached)" in capsys.readouterr().out

@@ -92,8 +92,11 @@ def test_checkpoints_are_atomic_and_keep_last_k(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(d, 5, model, opt, keep_last=3)
     monkeypatch.undo()
-    # the half-written step 5 is only a hidden temp dir: not listed, not latest, older ones untouched
-    assert (d / ".step_000005.tmp").is_dir()
+    # the failed step 5 left nothing (its hidden temp dir is removed); older ones untouched
+    assert sorted(p.name for p in d.iterdir()) == ["latest", "step_000002", "step_000003", "step_000004"]
+    # what a kill -9 mid-write leaves is only a hidden temp dir: not listed, not latest
+    (d / ".step_000005.tmp").mkdir()
+    (d / ".step_000005.tmp" / "__0_0.distcp").write_bytes(b"half")
     assert [p.name for p in list_checkpoints(d)] == ["step_000002", "step_000003", "step_000004"]
     assert ckpt.latest_checkpoint(d).name == "step_000004" and (d / "latest").read_text().strip() == "step_000004"
     fresh = torch.nn.Linear(3, 2)

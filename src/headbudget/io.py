@@ -1,6 +1,9 @@
 """Atomic file writes: a temp file in the same folder, then ``os.replace``.
 
-Nothing half-written is ever left at the target path, even if the process dies mid-write.
+Nothing half-written is ever left at the target path, even if the process dies mid-write, and a
+failed write removes its temporary file.  Written files and folders get the permissions an ordinary
+``open``/``mkdir`` would give them under the user's umask (``tempfile`` alone would make them 0600/0700,
+and so does safetensors for ``model.safetensors``): :func:`follow_umask`.
 
     >>> from headbudget.io import atomic_write_json
     >>> p = atomic_write_json("/tmp/headbudget-io-example.json", {"ok": True})
@@ -11,9 +14,84 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+
+class NotUTF8Error(ValueError):
+    """A text file that is not UTF-8: names the file, the byte, its offset and line."""
+
+
+def _not_utf8(path: str | os.PathLike, raw: bytes, exc: UnicodeDecodeError, base: int = 0,
+              line: int | None = None) -> NotUTF8Error:
+    offset = base + exc.start
+    line = line if line is not None else raw.count(b"\n", 0, exc.start) + 1
+    return NotUTF8Error(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {offset}, line {line})")
+
+
+def read_text_file(path: str | os.PathLike) -> str:
+    """The text of a UTF-8 file; any other encoding is one :class:`NotUTF8Error` line naming the file
+    and the byte offset (Python's own message names neither).
+
+    >>> read_text_file("corpus.txt")     # a latin-1 file: "corpus.txt: not UTF-8 text (byte 0xe9 at offset 41, line 2)"
+    """
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, raw, exc) from None
+
+
+def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """``(line_number, line)`` of a UTF-8 file read line by line (JSONL); bytes that are not UTF-8 are one
+    :class:`NotUTF8Error` line naming the file, the byte offset and the line."""
+    offset = 0
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, raw, exc, base=offset, line=lineno) from None
+            offset += len(raw)
+
+
+def current_umask() -> int:
+    """This process's umask (read from /proc where it exists: setting it to read it is not thread-safe)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | os.PathLike) -> Path:
+    """Give ``path`` (a file, or a folder and everything in it) the mode a plain ``open``/``mkdir`` would:
+    0666/0777 minus the umask.
+
+    >>> follow_umask("runs/demo/model")   # after save_pretrained, whose model.safetensors is 0600
+    PosixPath('runs/demo/model')
+    """
+    path = Path(path)
+    mask = current_umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    if path.is_dir() and not path.is_symlink():
+        os.chmod(path, dir_mode)
+        for root, dirs, files in os.walk(path):
+            for name in dirs:
+                if not os.path.islink(os.path.join(root, name)):
+                    os.chmod(os.path.join(root, name), dir_mode)
+            for name in files:
+                if not os.path.islink(os.path.join(root, name)):
+                    os.chmod(os.path.join(root, name), file_mode)
+    elif path.is_file() and not path.is_symlink():
+        os.chmod(path, file_mode)
+    return path
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -22,6 +100,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
@@ -46,9 +125,10 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         write(tmp)
+        follow_umask(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -78,6 +158,7 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=suffix[1:])
+        follow_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

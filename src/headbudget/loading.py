@@ -308,12 +308,55 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file
     else:
-        _check_role(_read_config(src), "causal", src.where)
+        config = _read_config(src)
+        _check_role(config, "causal", src.where)
+        if src.is_local:
+            check_weight_shapes(Path(src.where), config)
     try:
         return AutoModelForCausalLM.from_pretrained(str(src.where), **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         where = Path(src.where) / src.gguf_file if src.gguf_file else src.where
         raise ValueError(f"{where}: cannot load a causal language model ({_first_line(exc)})") from None
+
+
+class WeightsMismatchError(ValueError):
+    """Saved weights whose shapes do not fit the model their config describes (names file and tensor)."""
+
+
+def check_weight_shapes(folder: Path, config: Any) -> None:
+    """Read the headers of ``folder``'s ``*.safetensors`` files (no tensor data) and compare each tensor's
+    shape with the model ``config`` builds (on the meta device): a truncated or corrupt file, or a config
+    edited to another layout (e.g. its kv heads), is one ValueError naming the file and the first tensor,
+    instead of transformers' multi-line load report and a RuntimeError.
+
+    >>> check_weight_shapes(Path("runs/prism/model"), AutoConfig.from_pretrained("runs/prism/model"))
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return
+    from safetensors import SafetensorError, safe_open
+
+    expected: dict[str, tuple[int, ...]] | None = None
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                shapes = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{f}: not a readable safetensors file ({exc})") from None
+        if expected is None:
+            from transformers import AutoModelForCausalLM
+
+            try:
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config)
+            except Exception:  # an architecture from_config cannot build: from_pretrained says why
+                return
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        for key, shape in shapes.items():
+            if key in expected and expected[key] != shape:
+                raise WeightsMismatchError(
+                    f"{f}: tensor {key} has shape {list(shape)}, but {folder / 'config.json'} describes a model "
+                    f"whose {key} is {list(expected[key])}; the config does not belong to these weights")
 
 
 def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: int,

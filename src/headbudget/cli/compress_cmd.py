@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from headbudget.io import read_text_file
 from headbudget.threads import add_threads_flag
 
 
@@ -47,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", default=None,
                    help="comma list of kept fractions: compare all three allocations at each (needs --data)")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
     add_threads_flag(p)  # applied by cli.main (headbudget.threads)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -65,7 +68,7 @@ def read_groups(path: str) -> list | dict:
     if not p.is_file():
         raise FileNotFoundError(f"--groups: no file {path}")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_text_file(p))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
     if isinstance(data, dict):  # {"layer": groups}: layers not named are allocated
@@ -87,6 +90,7 @@ def read_groups(path: str) -> list | dict:
 
 def run(args: argparse.Namespace) -> int:
     from headbudget.compression.pipeline import format_report, run_compress
+    from headbudget.run_dir import claim_output_dir
 
     _fraction(args.keep, "--keep")
     sweep = None
@@ -102,12 +106,13 @@ def run(args: argparse.Namespace) -> int:
     groups = read_groups(args.groups) if args.groups else None
     if groups is not None and args.method != "group":
         raise ValueError("--groups only applies to --method group")
-    report = run_compress(
-        args.model, args.method, args.keep, args.allocation, args.out, data=args.data, tokenizer=args.tokenizer,
-        sweep=sweep, groups=groups, context=args.context, stride=args.stride, max_windows=args.max_windows,
-        max_tokens=args.max_tokens, strength=args.strength, progress=not args.no_progress,
-        threads=args.threads,
-    )
+    with claim_output_dir(args.out, command="headbudget compress", overwrite=args.overwrite):
+        report = run_compress(
+            args.model, args.method, args.keep, args.allocation, args.out, data=args.data,
+            tokenizer=args.tokenizer, sweep=sweep, groups=groups, context=args.context, stride=args.stride,
+            max_windows=args.max_windows, max_tokens=args.max_tokens, strength=args.strength,
+            progress=not args.no_progress, threads=args.threads,
+        )
     print(format_report(report))
     print(f"wrote {Path(args.out) / 'model'}, {Path(args.out) / 'report.json'}"
           + (f", {Path(args.out) / 'sweep.png'}" if sweep else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from headbudget.run_dir import claim_output_dir
 from headbudget.threads import add_threads_flag
 
 
@@ -55,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=int, default=None)
     add_threads_flag(s)  # applied by cli.main (headbudget.threads); the experiment keeps it
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
     s.set_defaults(func=run_saturation_cmd)
 
     n = esub.add_parser(
@@ -76,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--seeds", help="comma list of seeds (default 0,1)")
     add_threads_flag(n)
     n.add_argument("--no-progress", action="store_true")
+    n.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
     n.set_defaults(func=run_ngram_cmd)
 
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -112,8 +117,9 @@ def run_saturation_cmd(args: argparse.Namespace) -> int:
         over["seed"] = args.seed
     over.setdefault("threads", 0)  # 0: keep what cli.main's --threads policy chose
     cfg = replace(cfg, **over)
-    result = run_saturation(cfg, progress=not args.no_progress)
-    json_path, png_path = write_saturation(result, args.out)
+    with claim_output_dir(args.out, command="headbudget experiment saturation", overwrite=args.overwrite):
+        result = run_saturation(cfg, progress=not args.no_progress)
+        json_path, png_path = write_saturation(result, args.out)
     print(format_saturation(result))
     print(f"wrote {json_path} and {png_path}")
     return 0
@@ -147,8 +153,9 @@ def run_ngram_cmd(args: argparse.Namespace) -> int:
         over["head_counts"] = None
     over.setdefault("threads", 0)  # 0: keep what cli.main's --threads policy chose
     cfg = replace(cfg, **over)
-    result = run_ngram(cfg, progress=not args.no_progress)
-    json_path, png_path = write_ngram(result, args.out)
+    with claim_output_dir(args.out, command="headbudget experiment ngram", overwrite=args.overwrite):
+        result = run_ngram(cfg, progress=not args.no_progress)
+        json_path, png_path = write_ngram(result, args.out)
     print(format_ngram(result))
     print(f"wrote {json_path} and {png_path}")
     return 0

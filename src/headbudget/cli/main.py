@@ -7,12 +7,18 @@ does not pay for importing scikit-learn.
 
 Errors a user can fix (bad flag values, malformed files, invalid schedules) are raised as
 ``ValueError``/``FileNotFoundError``/``KeyError`` subclasses and printed here as one line with exit code 2.
+So are the anticipated failures of the machine and of files from elsewhere (:func:`anticipated_error`):
+permission denied, a file where a folder should be (or the reverse), disk full, read-only file systems,
+unreadable safetensors files and pickles ``torch.load(weights_only=True)`` refuses.  Anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import pickle
 import sys
 
 # command name -> module implementing it (module.register(subparsers))
@@ -35,6 +41,34 @@ COMMANDS: dict[str, str] = {
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
+
+
+#: OSError numbers that mean "the machine or the path", not a bug: disk full, quota, read-only, ...
+_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR,
+                        errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EFBIG, errno.ENOTEMPTY, errno.ELOOP})
+
+
+def anticipated_error(exc: BaseException) -> str | None:
+    """The one-line message of an anticipated error (None: a bug, whose traceback is shown).
+
+    >>> anticipated_error(OSError(errno.ENOSPC, "No space left on device", "runs/a/model.safetensors"))
+    'runs/a/model.safetensors: No space left on device'
+    """
+    if isinstance(exc, (CLIError, ValueError, FileNotFoundError, KeyError)):
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        return str(msg)
+    if isinstance(exc, OSError) and exc.errno in _OS_ERRNOS:
+        where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+        return f"{where}: {exc.strerror}" if where else (exc.strerror or str(exc))
+    if isinstance(exc, pickle.UnpicklingError):  # torch.load(weights_only=True): several lines, keep the cause
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        cause = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("WeightsUnpickler error:")),
+                     lines[0] if lines else "")
+        cause = cause.split(" Please use `torch.serialization", 1)[0]
+        return f"refusing to unpickle a file that holds more than tensors: {cause}"
+    if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error (import-free check)
+        return f"unreadable safetensors file: {exc}"
+    return None
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -74,13 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "validate", None):  # checks needing no torch: a --set typo costs no torch import
+            args.validate(args)
         if "threads" in vars(args):  # the one thread policy (headbudget.threads), before any work
             from headbudget.threads import configure_threads
 
             configure_threads(args.threads)
         return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, KeyError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    except Exception as exc:
+        msg = anticipated_error(exc)
+        if msg is None:
+            raise
         print(f"headbudget {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

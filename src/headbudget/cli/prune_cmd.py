@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from headbudget.pruning.pipeline import METHODS, PruneJob, run_compare, run_prune
+from headbudget.run_dir import claim_output_dir
 
 
 # --------------------------------------------------------------------------- argparse
@@ -85,6 +86,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="seeded subsample of each eval split (lm: at most N held-out windows)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
 
 
 def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
@@ -111,12 +114,13 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
     if args.epochs < 1:
         raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
-    summary = run_finetune(
-        args.model, args.task, args.data_dir, args.out, epochs=args.epochs, lr=args.lr,
-        warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, batch_size=args.batch_size,
-        seed=args.seed, max_length=args.max_length, train_limit=args.limit_train, eval_limit=args.limit_eval,
-        max_steps=args.max_steps, device=args.device, progress=not args.no_progress,
-    )
+    with claim_output_dir(args.out, command="headbudget finetune", overwrite=args.overwrite):
+        summary = run_finetune(
+            args.model, args.task, args.data_dir, args.out, epochs=args.epochs, lr=args.lr,
+            warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, batch_size=args.batch_size,
+            seed=args.seed, max_length=args.max_length, train_limit=args.limit_train, eval_limit=args.limit_eval,
+            max_steps=args.max_steps, device=args.device, progress=not args.no_progress,
+        )
     accs = ", ".join(f"{s} {a:.4f}" for s, a in summary.get("final", {}).items())
     print(f"fine-tuned {args.model} on {args.task}: {accs}; saved to {args.out}")
     return 0
@@ -135,7 +139,9 @@ def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy") 
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    res = run_prune(_job(args, args.method))
+    job = _job(args, args.method)
+    with claim_output_dir(args.out, command="headbudget prune", overwrite=args.overwrite):
+        res = run_prune(job)
     if res["report"].get("warning"):
         print(f"warning: {res['report']['warning']}", file=sys.stderr)
     _print_report(res["report"], args.out, res["details"].get("metric_name", "accuracy"))
@@ -143,7 +149,10 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    summary = run_compare(_job(args), args.methods)
+    job = _job(args)
+    with claim_output_dir(args.out, command="headbudget prune-compare", resume=args.resume,
+                          overwrite=args.overwrite):
+        summary = run_compare(job, args.methods, resume=args.resume)
     for r in summary["rows"]:
         if r.get("warning"):
             print(f"warning: {r['label']}: {r['warning']}", file=sys.stderr)
@@ -173,6 +182,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
     p.set_defaults(func=_cmd_finetune)
 
     p = subparsers.add_parser("prune", help="prune attention heads (CAHP or a baseline), fine-tune, report",
@@ -187,4 +198,6 @@ def register(subparsers: Any) -> None:
     _add_common(p)
     p.add_argument("--methods", default="cahp,michel,fisher,magnitude,random",
                    help="comma list; cahp@D sets CAHP's polynomial degree (e.g. cahp@2,cahp@6,michel)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse every method already finished in --out with the same settings; run the rest")
     p.set_defaults(func=_cmd_compare)

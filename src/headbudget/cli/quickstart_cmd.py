@@ -11,11 +11,11 @@ stage took.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from headbudget.io import atomic_write_json, atomic_write_text
 from headbudget.train.config import RunConfig, apply_overrides, resolve_config_path
 
 #: ``--tiny`` (hidden, for tests): seconds instead of minutes.
@@ -79,14 +79,29 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _validate(args: argparse.Namespace) -> None:
+    """The config with --tiny and --set, read before torch is imported (cli.main calls it first)."""
+    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over train.threads
+    args.cfg = quickstart_config(args.overrides + ([f"train.threads={threads}"] if threads else []), tiny=args.tiny)
+
+
 def cmd_quickstart(args: argparse.Namespace) -> int:
+    from headbudget.run_dir import claim_output_dir
+
+    if getattr(args, "cfg", None) is None:
+        _validate(args)
+    cfg = args.cfg
+    # its data-cache/ is a cache, not a result: kept by --overwrite, never a reason to refuse
+    with claim_output_dir(args.out, command="headbudget quickstart", overwrite=args.overwrite, keep=("data-cache",)):
+        return _quickstart(args, cfg)
+
+
+def _quickstart(args: argparse.Namespace, cfg: RunConfig) -> int:
     _quiet_transformers()
     from headbudget.train.compare import prepare_for, run_compare
 
     t_all = time.perf_counter()
     out = Path(args.out)
-    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over train.threads
-    cfg = quickstart_config(args.overrides + ([f"train.threads={threads}"] if threads else []), tiny=args.tiny)
     if args.cache_dir:
         cfg = cfg.replace(data={"cache_dir": args.cache_dir})
     elif cfg.data.cache_dir is None:
@@ -133,8 +148,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         text += "\n" + att
     text += "\n## Quickstart stage times\n\n| stage | seconds |\n|---|---:|\n" + "".join(
         f"| {k} | {v:.1f} |\n" for k, v in timings.items())
-    report.write_text(text)
-    (out / "timings.json").write_text(json.dumps(timings, indent=2))
+    atomic_write_text(report, text)
+    atomic_write_json(out / "timings.json", timings)
     print("      stage times: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
     print(f"      report: {report}\n      curves: {out / 'loss_curves.png'}\n      numbers: {out / 'compare.json'}")
     if att is not None:
@@ -150,5 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", help="data cache (default OUT/data-cache)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a quickstart config key, e.g. --set train.steps=300")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier quickstart in --out (without it such a folder is refused)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_quickstart)
+    p.set_defaults(func=cmd_quickstart, validate=_validate)

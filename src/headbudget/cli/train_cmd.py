@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -34,6 +35,11 @@ def _load(args: argparse.Namespace) -> RunConfig:
     return load_config(path, args.overrides + ([f"train.threads={threads}"] if threads else []))
 
 
+def _validate(args: argparse.Namespace) -> None:
+    """Read the config and its --set overrides before torch is imported (cli.main calls it first)."""
+    args.cfg = _load(args)
+
+
 def _is_main() -> bool:
     import os
 
@@ -48,11 +54,11 @@ def _quiet_transformers() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = getattr(args, "cfg", None) or _load(args)
     _quiet_transformers()
-    from headbudget.train.checkpoint import legacy_checkpoints, list_checkpoints
+    from headbudget.run_dir import claim_output_dir
     from headbudget.train.trainer import Trainer, TrainingDivergedError
 
-    cfg = _load(args)
     if args.init:  # continue a saved model; its tokenizer unless data.tokenizer is set explicitly
         explicit_tok = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in args.overrides)
         cfg = cfg.replace(model={"init": args.init}, **({} if explicit_tok else {"data": {"tokenizer": "model"}}))
@@ -61,12 +67,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.seed is not None:
         cfg = cfg.replace(seed=args.seed)
     out = Path(args.out or cfg.out or f"runs/{cfg.name}-{cfg.model.schedule}-s{cfg.seed}")
-    if not args.resume and (list_checkpoints(out / "checkpoints") or legacy_checkpoints(out / "checkpoints")):
-        raise ValueError(f"{out} already holds checkpoints: add --resume to continue, or choose another --out")
     t0 = time.perf_counter()
+    # one writer: rank 0 holds the folder for the whole job (torchrun stops the others if it refuses)
+    claim = claim_output_dir(out, command="headbudget train", resume=args.resume, overwrite=args.overwrite) \
+        if _is_main() else contextlib.nullcontext(out)
     try:
-        trainer = Trainer(cfg, out, resume=args.resume)
-        result = trainer.run()
+        with claim:
+            trainer = Trainer(cfg, out, resume=args.resume)
+            result = trainer.run()
     except TrainingDivergedError as exc:
         print(f"headbudget train: stopped: {exc}", file=sys.stderr)
         return 3
@@ -83,10 +91,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    cfg = getattr(args, "cfg", None) or _load(args)
     _quiet_transformers()
+    from headbudget.run_dir import claim_output_dir
     from headbudget.train.compare import parse_schedules, run_compare
 
-    cfg = _load(args)
     schedules = parse_schedules(args.schedules)
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
@@ -99,7 +108,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         on_run.i += 1
 
     on_run.i = 1
-    summary = run_compare(cfg, schedules, args.seeds, out, save_models=not args.no_save_models, on_run=on_run)
+    with claim_output_dir(out, command="headbudget compare", overwrite=args.overwrite):
+        summary = run_compare(cfg, schedules, args.seeds, out, save_models=not args.no_save_models, on_run=on_run)
     print()
     print((out / "report.md").read_text().split("## Reading")[0].split("\n\n", 2)[-1].strip())
     print(f"\ncompare.json, report.md, loss_curves.png in {out}  ({summary['wall_s']:.0f}s)")
@@ -135,7 +145,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init", metavar="DIR",
                    help="start from a saved model (pruned/compressed ones too): its layout, weights and tokenizer; "
                         "fresh optimizer; data and training settings from CONFIG")
-    p.set_defaults(func=cmd_train)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    p.set_defaults(func=cmd_train, validate=_validate)
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
                        description="Writes compare.json, report.md and loss_curves.png.")
@@ -146,7 +158,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, default=1, help="number of seeds (config seed, seed+1, ...)")
     p.add_argument("--out", help="output directory (default runs/compare-NAME)")
     p.add_argument("--no-save-models", action="store_true", help="do not write each run's model/ folder")
-    p.set_defaults(func=cmd_compare)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier comparison in --out (without it such a folder is refused)")
+    p.set_defaults(func=cmd_compare, validate=_validate)
 
     p = sub.add_parser("prepare", help="tokenize a data source into cached train/val memmaps",
                        description="Prepare (or find in the cache) the data of a config or of --source.")

@@ -20,9 +20,9 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from headbudget.data import synthetic
+from headbudget.io import iter_text_lines, read_text_file
 
 DEFAULT_SYNTHETIC_WORDS = 1_000_000
 
@@ -112,19 +112,18 @@ def read_source(spec: str, *, seed: int = 0, max_chars: int | None = None,
         files = _resolve_files(path)
         docs: list[str] = []
         for f in files:
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise SourceError(f"{f}:{lineno}: invalid JSON ({exc.msg})") from None
-                    if not isinstance(row, dict) or fieldname not in row:
-                        raise SourceError(f"{f}:{lineno}: no field {fieldname!r} in this JSON line")
-                    if not isinstance(row[fieldname], str):
-                        raise SourceError(f"{f}:{lineno}: field {fieldname!r} is not a string")
-                    docs.append(row[fieldname])
+            for lineno, line in iter_text_lines(f):  # bad bytes: file, offset, line
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SourceError(f"{f}:{lineno}: invalid JSON ({exc.msg})") from None
+                if not isinstance(row, dict) or fieldname not in row:
+                    raise SourceError(f"{f}:{lineno}: no field {fieldname!r} in this JSON line")
+                if not isinstance(row[fieldname], str):
+                    raise SourceError(f"{f}:{lineno}: field {fieldname!r} is not a string")
+                docs.append(row[fieldname])
         docs = _truncate(docs, max_chars)
         return TextSource(spec, "jsonl", docs, source_key(spec, seed, max_chars), files)
     if kind == "hf":
@@ -132,10 +131,7 @@ def read_source(spec: str, *, seed: int = 0, max_chars: int | None = None,
     files = _resolve_files(spec)
     docs = []
     for f in files:
-        try:
-            text = Path(f).read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise SourceError(f"{f}: not UTF-8 text (byte {exc.start})") from None
+        text = read_text_file(f)  # not UTF-8: one line naming the file and the byte offset
         docs += [p for p in text.split("\n\n") if p.strip()] if split_blank_lines else [text]
     docs = _truncate(docs, max_chars)
     return TextSource(spec, "text", docs, source_key(spec, seed, max_chars), files)

@@ -202,9 +202,46 @@ def task_manager(tasks: Sequence[str], include_path: str | Sequence[str] | None 
     return TaskManager(include_path=[str(p) for p in paths] or None)
 
 
+def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
+    """A ValueError naming the YAML file under ``include_path`` that lm-eval skipped because it does not
+    parse (the one mentioning ``name`` first), with the YAML error; None when every file parses."""
+    import yaml
+
+    class _AnyTag(yaml.SafeLoader):  # lm-eval's !function tags parse; only the syntax is checked
+        pass
+
+    _AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
+    paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
+    bad: list[tuple[bool, Path, str]] = []
+    for root in paths:
+        for f in sorted(Path(root).rglob("*.yaml")):
+            try:
+                raw = f.read_bytes()
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad.append((name.encode() in raw, f,
+                            f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"))
+                continue
+            except OSError:
+                continue
+            try:
+                yaml.load(text, Loader=_AnyTag)  # noqa: S506 (a SafeLoader subclass)
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                bad.append((name in text, Path(f"{f}{where}"), f"invalid YAML ({problem})"))
+    if not bad:
+        return None
+    _, path, why = sorted(bad, key=lambda b: not b[0])[0]
+    return ValueError(f"{path}: {why}; lm-eval skips such a file, so task {name!r} is not defined")
+
+
 def _unknown_task(name: str, tm: Any, include_path: Any) -> ValueError:
     from headbudget.evaluation.tasks import TASKS
 
+    if include_path and (malformed := _malformed_yaml(include_path, name)) is not None:
+        return malformed
     near = difflib.get_close_matches(name, [*TASKS, *tm.all_tasks], n=3)
     where = "lm-eval's task library" + (f" or --include-path {include_path}" if include_path else "")
     hint = f"; did you mean {', '.join(near)}?" if near else ""

@@ -29,7 +29,9 @@ def read_text(source: str | Path, *, hf_config: str | None = None, split: str = 
     (the guide's ``"\\n\\n".join(ds["text"])``)."""
     p = Path(source)
     if p.is_file():
-        return p.read_text(encoding="utf-8")
+        from headbudget.io import read_text_file
+
+        return read_text_file(p)  # not UTF-8: one line naming the file and the byte offset
     if p.suffix or str(source).startswith((".", "/", "~")) or p.is_dir():
         raise FileNotFoundError(f"--data: no file {source}")
     name, _, config = str(source).partition(":")

@@ -266,17 +266,18 @@ register_task(TaskSpec(
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, row)`` for the non-blank lines of a JSONL file."""
+    from headbudget.io import iter_text_lines
+
     path = Path(path)
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") \
-                    from None
-            yield lineno, row
+    for lineno, line in iter_text_lines(path):  # not UTF-8: one line naming the file and the byte offset
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") \
+                from None
+        yield lineno, row
 
 
 def _examples(spec: TaskSpec, rows: Iterator[tuple[int, Any]], source: str,

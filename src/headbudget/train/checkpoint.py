@@ -256,6 +256,24 @@ def _tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
 
 
+def _check_shapes(path: Path, md: Any, state: dict[str, Any]) -> None:
+    """CheckpointError naming the first tensor whose saved shape differs from the model's (DCP would raise
+    it wrapped in a per-rank CheckpointException with a traceback per rank)."""
+    saved = getattr(md, "state_dict_metadata", {}) or {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, torch.Tensor) and prefix in saved:
+            want = list(getattr(saved[prefix], "size", value.shape))
+            if want != list(value.shape):
+                raise CheckpointError(f"{path}: tensor {prefix} is {want} in the checkpoint but {list(value.shape)} "
+                                      "in the model: the checkpoint was written by a model of another shape")
+
+    walk("", state)
+
+
 def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, meta: dict[str, Any] | None = None,
                     keep_last: int = 2) -> Path:
@@ -276,14 +294,20 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
         tmp.mkdir()
     _barrier(on)
-    state, _ = _tensor_state(model, optimizer)
-    with _single_process_ok():
-        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not on)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    _barrier(on)
+    try:
+        state, _ = _tensor_state(model, optimizer)
+        with _single_process_ok():
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not on)
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        _barrier(on)
+        if rank == 0:
+            record = dict(meta or {}, step=step, world_size=world)
+            atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=1))
+    except BaseException:  # disk full, killed, ...: no half-written .step_*.tmp left behind
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0:
-        record = dict(meta or {}, step=step, world_size=world)
-        atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=1))
         if final.exists():  # rewritten after resuming from an older step: swap, then drop the old one
             old = d / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -321,7 +345,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     require_safe_torch_load()
     path = Path(path)
     meta = read_trainer_state(path)
-    read_metadata(path)  # a clear error here rather than one wrapped in DCP's per-rank exception
+    md = read_metadata(path)  # a clear error here rather than one wrapped in DCP's per-rank exception
     on, rank = _dist()
     rng_file = path / f"rng_rank{rank}.pt"
     saved_rng = None
@@ -332,6 +356,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             raise CheckpointError(f"{rng_file}: not a headbudget RNG state ({str(exc).strip().splitlines()[0]})") \
                 from None
     state, param_groups = _tensor_state(model, optimizer)
+    _check_shapes(path, md, state)
     with _single_process_ok():
         dcp.load(state, storage_reader=_safe_reader(path), no_dist=not on)
     if optimizer is None:

@@ -29,6 +29,8 @@ from typing import Any
 
 import yaml
 
+from headbudget.io import read_text_file
+
 
 class ConfigError(ValueError):
     """An invalid config file or override (message names the file and key)."""
@@ -126,7 +128,7 @@ class RunConfig:
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} not found")
         try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+            raw = yaml.safe_load(read_text_file(p))  # not UTF-8: names the file and the byte offset
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark else str(p)

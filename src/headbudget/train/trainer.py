@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from headbudget.data.loader import train_batch, val_batches
 from headbudget.data.prepare import PreparedData, prepare_data
-from headbudget.io import atomic_write_text
+from headbudget.io import atomic_write_dir, atomic_write_text
 from headbudget.threads import configure_threads
 from headbudget.train.checkpoint import (
     CheckpointError,
@@ -93,6 +93,48 @@ def _dist_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
+_WATCHING_LAUNCHER = False
+
+
+def die_with_launcher() -> None:
+    """End this process (SIGTERM) when its parent, the ``torchrun`` launcher, dies, even by ``kill -9``.
+
+    Without it the workers of a killed launcher train on as orphans to the end of the run and race a
+    later ``--resume`` in the same folder.  Linux: ``prctl(PR_SET_PDEATHSIG)``; elsewhere a daemon
+    thread that notices the parent pid change.  Called by every :class:`Trainer` of a multi-process run.
+
+    >>> die_with_launcher()   # in a torchrun worker: gone within a second of its launcher
+    """
+    global _WATCHING_LAUNCHER
+    if _WATCHING_LAUNCHER:
+        return
+    import signal
+
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            pr_set_pdeathsig = 1
+            if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) == 0:
+                _WATCHING_LAUNCHER = True
+                if os.getppid() != parent:  # it died before the signal was armed
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    import threading
+
+    threading.Thread(target=watch, name="headbudget-launcher-watch", daemon=True).start()
+    _WATCHING_LAUNCHER = True
+
+
 # ---------------------------------------------------------------------------- trainer
 class Trainer:
     """Train one model from a :class:`RunConfig` into ``out_dir``.
@@ -119,6 +161,8 @@ class Trainer:
         self.data = data
         self.save_model = save_model
         self.rank, self.world, self.local_rank = _dist_env()
+        if self.world > 1:  # a worker of torchrun: no orphan training on if the launcher is killed
+            die_with_launcher()
         #: set by run() when ``resume`` found the run already finished (nothing was trained or written)
         self.already_finished = False
         self._check()
@@ -390,15 +434,11 @@ class Trainer:
         model_dir = None
         if self.save_model:
             if is_main:
-                model_dir = self.out / "model"
-                tmp_dir = self.out / ".model.tmp"
-                export.save_pretrained(str(tmp_dir))
-                data.tokenizer.save(tmp_dir)  # HF tokenizer files at the model root: AutoTokenizer opens it
-                if model_dir.exists():
-                    import shutil
+                def write_model(tmp_dir: Path) -> None:
+                    export.save_pretrained(str(tmp_dir))
+                    data.tokenizer.save(tmp_dir)  # HF tokenizer files at the model root: AutoTokenizer opens it
 
-                    shutil.rmtree(model_dir)
-                os.replace(tmp_dir, model_dir)
+                model_dir = atomic_write_dir(self.out / "model", write_model)
         tps_mean = float(np.mean(tps_values)) if tps_values else 0.0
         result = TrainResult(
             out_dir=self.out, model_dir=model_dir, steps=t.steps, tokens=t.steps * tokens_per_step,
