@@ -114,6 +114,8 @@ def format_table(report: dict[str, Any]) -> str:
                 continue
             name = f"{task:<11}" if first else " " * 11
             n = f"{res['n']:>5}" if first else " " * 5
-            lines.append(f"|{name}|{n}|{m:<8}|↑  |{res[m]:.4f}|±  |{res[m + '_stderr']:.4f}|")
+            se = res[m + "_stderr"]
+            se = f"{se:.4f}" if isinstance(se, (int, float)) and se == se else "   N/A"  # NaN: one document
+            lines.append(f"|{name}|{n}|{m:<8}|↑  |{res[m]:.4f}|±  |{se}|")
             first = False
     return "\n".join(lines)
