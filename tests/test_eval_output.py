@@ -319,6 +319,7 @@ def test_builtin_stderr_is_na_where_lm_eval_gives_none(model_dir):
         rep = evaluate_suite(model, tok, ["piqa"], data_dir=str(FIXTURES), limit=limit, bootstrap_iters=iters,
                              progress=False)
         res = rep["results"]["piqa"]
+        assert rep["n-samples"]["piqa"] == {"original": 3, "effective": limit or 3}  # the file has 3 rows
         assert (res["acc_stderr,none"] == res["acc_norm_stderr,none"] == "N/A") == want_na
         assert isinstance(res["acc,none"], float)
         rows = [line for line in make_table(rep).splitlines() if "acc" in line]

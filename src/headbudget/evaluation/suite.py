@@ -209,7 +209,8 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
             rep["versions"][name] = _LM_EVAL_VERSIONS.get(name, 1.0)
             rep["n-shot"][name] = 0
             rep["higher_is_better"][name] = {m: True for m in spec.metrics}
-            rep["n-samples"][name] = {"original": res["n"], "effective": res["n"]}
+            rep["n-samples"][name] = {"original": _builtin_size(name, data_dir, limit, res["n"]),
+                                      "effective": res["n"]}
             rep["configs"][name] = {
                 "task": name, "output_type": "multiple_choice", "num_fewshot": 0,
                 "target_delimiter": spec.target_delimiter, "metric_list": [
@@ -238,6 +239,15 @@ def _tokenizer_info(tok: Any, max_length: int | None) -> dict[str, Any]:
         f"tokenizer_{kind}_token": [getattr(tok, f"{kind}_token", None), str(getattr(tok, f"{kind}_token_id", None))]
         for kind in ("pad", "eos", "bos")}
     return {**info, "eot_token_id": getattr(tok, "eos_token_id", None), "max_length": max_length}
+
+
+def _builtin_size(name: str, data_dir: str | None, limit: int | None, n: int) -> int:
+    """lm-eval's ``n-samples.original``: the documents in the task's file (``--limit`` or not); from
+    the hub, the ``n`` scored when a limit cut the split (counting it would load it whole)."""
+    if data_dir is None or limit is None or n < limit:
+        return n
+    with (Path(data_dir) / get_task(name).local_file).open(encoding="utf-8") as fh:
+        return sum(1 for line in fh if line.strip())
 
 
 def _builtin_docs(name: str, data_dir: str | None, limit: int | None) -> list[dict[str, Any]]:
