@@ -1,0 +1,199 @@
+"""Every anticipated error is one line, exit 2 (issue 18 §3); an unexpected one keeps its traceback."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import headbudget.cli.experiment_cmd as experiment_cmd
+from headbudget.cli.main import main
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def _refused_pickle() -> pickle.UnpicklingError:
+    buf = io.BytesIO()
+    torch.save({"x": _Payload()}, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        return exc
+    raise AssertionError("torch.load(weights_only=True) accepted a payload")
+
+
+def _safetensors_error(tmp_path: Path) -> Exception:
+    from safetensors.torch import load_file, save_file
+
+    f = tmp_path / "w.safetensors"
+    save_file({"w": torch.zeros(64)}, str(f))
+    f.write_bytes(f.read_bytes()[:100])
+    try:
+        load_file(str(f))
+    except Exception as exc:  # safetensors_rust.SafetensorError
+        return exc
+    raise AssertionError("a truncated safetensors file loaded")
+
+
+def _one_line(capsys, monkeypatch, exc: BaseException) -> tuple[int, str]:
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(experiment_cmd, "run_ngram_cmd", fail)
+    rc = main(["experiment", "ngram"])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exc, line", [
+    (PermissionError(errno.EACCES, "Permission denied", "/data/run/summary.json"),
+     "/data/run/summary.json: Permission denied"),
+    (IsADirectoryError(errno.EISDIR, "Is a directory", "/data/out.json"), "/data/out.json: Is a directory"),
+    (NotADirectoryError(errno.ENOTDIR, "Not a directory", "/data/file/out"), "/data/file/out: Not a directory"),
+    (OSError(errno.ENOSPC, "No space left on device", "/data/run/model.safetensors"),
+     "/data/run/model.safetensors: No space left on device"),
+    (OSError(errno.EROFS, "Read-only file system", "/mnt/ro/run"), "/mnt/ro/run: Read-only file system"),
+    (OSError(errno.EXDEV, "Invalid cross-device link", "/a", "/b"), None),  # not anticipated: traceback
+])
+def test_os_errors_are_one_line(capsys, monkeypatch, exc, line):
+    if line is None:
+        with pytest.raises(OSError):
+            _one_line(capsys, monkeypatch, exc)
+        return
+    rc, err = _one_line(capsys, monkeypatch, exc)
+    assert (rc, err) == (2, f"headbudget experiment: error: {line}\n")
+
+
+def test_refused_pickles_and_bad_safetensors_are_one_line(capsys, monkeypatch, tmp_path):
+    rc, err = _one_line(capsys, monkeypatch, _refused_pickle())
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("headbudget experiment: error: refusing to unpickle a file that holds more than tensors: "
+                          "Unsupported global: GLOBAL ")
+    assert err.endswith("GLOBAL print was not an allowed global by default.\n")  # the payload's callable
+    rc, err = _one_line(capsys, monkeypatch, _safetensors_error(tmp_path))
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("headbudget experiment: error: unreadable safetensors file: Error while deserializing")
+
+
+def test_an_unexpected_error_keeps_its_traceback(capsys, monkeypatch):
+    with pytest.raises(ZeroDivisionError):
+        _one_line(capsys, monkeypatch, ZeroDivisionError("division by zero"))
+    with pytest.raises(RuntimeError):
+        _one_line(capsys, monkeypatch, RuntimeError("a bug"))
+
+
+def _tiny_llama(d: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def test_weights_that_do_not_fit_their_config_name_the_file_and_tensor(tmp_path):
+    from headbudget.loading import WeightsMismatchError, load_model
+
+    d = _tiny_llama(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_key_value_heads"] = 1  # kv heads that do not match the weights
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightsMismatchError) as info:
+        load_model(d)
+    assert str(info.value) == (
+        f"{d / 'model.safetensors'}: tensor model.layers.0.self_attn.k_proj.weight has shape [16, 32], but "
+        f"{d / 'config.json'} describes a model whose model.layers.0.self_attn.k_proj.weight is [8, 32]; "
+        "the config does not belong to these weights")
+
+
+def test_train_init_on_a_truncated_model_is_one_line(tmp_path, capsys):
+    d = _tiny_llama(tmp_path / "m")
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    capsys.readouterr()  # save_pretrained's progress bar
+    rc = main(["train", "quickstart", "--init", str(d), "--out", str(tmp_path / "run"),
+               "--set", "data.source=synthetic:20000", "--set", "data.tokenizer=byte",
+               "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.steps=1",
+               "--set", "train.context=16", "--set", "train.batch_size=2", "--set", "train.progress=false"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err == (f"headbudget train: error: {weights}: not a readable safetensors file (Error while deserializing "
+                   "header: incomplete metadata, file not fully covered)\n")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.tmp"))
+
+
+def test_resume_from_a_checkpoint_of_another_shape_names_the_tensor(tmp_path):
+    from headbudget.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    small = torch.nn.Linear(3, 2)
+    path = save_checkpoint(tmp_path / "ck", 1, small, torch.optim.AdamW(small.parameters()))
+    big = torch.nn.Linear(4, 2)
+    before = big.weight.detach().clone()
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, big, torch.optim.AdamW(big.parameters()))
+    assert str(info.value) == (f"{path}: tensor model.weight is [2, 3] in the checkpoint but [2, 4] in the model: "
+                               "the checkpoint was written by a model of another shape")
+    assert torch.equal(big.weight, before)
+
+
+def test_a_set_typo_is_refused_before_torch_is_imported():
+    code = textwrap.dedent("""
+        import sys
+        from headbudget.cli.main import main
+        rcs = [main(["train", "quickstart", "--set", "train.stpes=3"]),
+               main(["compare", "quickstart", "--set", "train.stpes=3"]),
+               main(["quickstart", "--set", "train.stpes=3"])]
+        print(rcs, "torch" in sys.modules)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "[2, 2, 2] False"
+    assert res.stderr.splitlines() == [f"headbudget {c}: error: --set 'train.stpes=3': unknown key 'train.stpes'"
+                                       for c in ("train", "compare", "quickstart")]
+
+
+def test_non_utf8_files_name_the_file_and_byte_offset(tmp_path, capsys):
+    from headbudget.data.sources import read_source
+    from headbudget.evaluation.perplexity import read_text
+    from headbudget.evaluation.tasks import iter_jsonl
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_bytes(b"name: x\n# caf\xe9\n")
+    assert main(["train", str(cfg)]) == 2
+    assert capsys.readouterr().err == f"headbudget train: error: {cfg}: not UTF-8 text (byte 0xe9 at offset 13, line 2)\n"
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"hello\n\nworld \xff\xfe\n")
+    with pytest.raises(ValueError, match=rf"^{text}: not UTF-8 text \(byte 0xff at offset 13, line 3\)$"):
+        read_source(str(text))
+    with pytest.raises(ValueError, match=rf"^{text}: not UTF-8 text \(byte 0xff at offset 13, line 3\)$"):
+        read_text(str(text))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'{"text": "a"}\n{"text": "\x81"}\n')
+    with pytest.raises(ValueError, match=rf"^{rows}: not UTF-8 text \(byte 0x81 at offset 24, line 2\)$"):
+        list(iter_jsonl(rows))
+    with pytest.raises(ValueError, match=rf"^{rows}: not UTF-8 text \(byte 0x81 at offset 24, line 2\)$"):
+        read_source(f"jsonl:{rows}:text")
+
+
+def test_malformed_include_path_yaml_names_the_file_and_the_yaml_error(tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "good.yaml").write_text("task: hb_good\ndataset_path: json\nprocess_docs: !function utils.p\n")
+    (tasks / "bad.yaml").write_text("task: hb_bad\ndataset_path: json\n  output_type: [multiple_choice\n")
+    rc = main(["eval", str(tmp_path / "no-model"), "--tasks", "hb_bad", "--include-path", str(tasks), "--quiet"])
+    assert rc == 2
+    assert capsys.readouterr().err == (
+        f"headbudget eval: error: {tasks / 'bad.yaml'}:3:14: invalid YAML (mapping values are not allowed here); "
+        "lm-eval skips such a file, so task 'hb_bad' is not defined\n")
