@@ -1,5 +1,7 @@
-"""Peak memory of ``to_headbudget`` on SmolLM2-135M: the converted model built on the meta device (now)
-against the previous way (a randomly initialised fp32 copy, then the weights copied in).
+"""Peak memory of to_headbudget converting SmolLM2-135M, now and the previous way.
+
+Now: the converted model is built on the meta device and takes the input's tensors.  Previously: a
+randomly initialised fp32 copy, then the weights copied in and the result cast to the input's dtype.
 
 Each mode runs in a fresh subprocess: load the HF Llama from the GGUF (dequantised, fp32, optionally
 cast to bf16), give freed heap back to the OS (``malloc_trim``), reset the kernel's peak-RSS counter

@@ -150,6 +150,15 @@ def test_conversion_keeps_dtype_and_device_and_gives_the_old_logits_exactly(fami
     assert hb.num_parameters() == hf.num_parameters()
 
 
+def test_conversion_keeps_a_non_cpu_device():
+    """Without a GPU: a model on the meta device converts to one on the meta device (same code path as cuda)."""
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE)).to(torch.float16)
+    hb = to_headbudget(hf)
+    assert {(t.device.type, t.dtype) for t in hb.parameters()} == {("meta", torch.float16)}
+    assert hb.num_parameters() == hf.num_parameters()
+
+
 def test_conversion_shares_the_inputs_tensors_instead_of_copying_them():
     hf = make("llama")
     hb = to_headbudget(hf)

@@ -140,7 +140,7 @@ def _assemble(config: HeadBudgetConfig, sd: dict[str, torch.Tensor]) -> HeadBudg
     if config.tie_word_embeddings:
         hb.lm_head.weight = hb.transformer.wte.weight
     left = [n for n, t in (*hb.named_parameters(), *hb.named_buffers()) if t.is_meta]
-    if left:
+    if left and not any(t.is_meta for t in sd.values()):  # (a model on the meta device converts to one)
         raise ConversionError(f"{config.family} conversion left {left} without weights")
     return hb.eval()
 
