@@ -310,3 +310,14 @@ def test_workers_die_with_their_killed_launcher(tmp_path):
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_prepared_data_and_analysis_files_follow_the_umask(tmp_path, umask022):
+    from headbudget.analysis.attention import write_json
+    from headbudget.data.prepare import prepare_data
+
+    data = prepare_data("synthetic:2000", "byte", tmp_path / "cache", progress=False)
+    write_json({"layers": []}, tmp_path / "attention.json")
+    for f in (data.directory / "meta.json", tmp_path / "attention.json"):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f  # were 0600 (tempfile.mkstemp)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -27,8 +27,6 @@ The summary is ``{"local_window", "n_sequences", "n_tokens", "layers": [{"layer"
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -186,29 +184,21 @@ def attention_summary_from_text(model: torch.nn.Module, tokenizer: Any, text: st
 
 
 def write_json(summary: Mapping[str, Any], path: str | Path) -> Path:
-    """Write ``summary`` as JSON atomically (temp file then ``os.replace``)."""
-    import json
+    """Write ``summary`` as JSON atomically (temp file then ``os.replace``; the umask's permissions)."""
+    from headbudget.io import atomic_write_json
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(summary, fh, indent=2)
-    os.replace(tmp, path)
-    return path
+    return atomic_write_json(path, summary)
 
 
 def _save_fig(fig: Any, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    from headbudget.io import save_figure
+
+    try:
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def _draw(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 
 from headbudget.data.sources import read_source, source_key
 from headbudget.data.tokenizers import Tokenizer, make_tokenizer, read_tokenizer
+from headbudget.io import atomic_write_json
 
 PREP_VERSION = 1
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "headbudget", "data")
@@ -273,8 +273,5 @@ def prepare_data(
         "val_fraction": val_fraction,
         **counts,
     }
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".meta.json.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, meta_path)
+    atomic_write_json(meta_path, meta)
     return PreparedData(directory, meta, tok, reused=False)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from headbudget.io import atomic_write_json
+from headbudget.io import atomic_write_json, follow_umask
 from headbudget.pruning.adapters import get_adapter, save_pruned
 from headbudget.pruning.tasks import Example, TaskData, get_task, load_task, make_loader, subsample
 
@@ -257,6 +257,7 @@ def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Pat
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120)
+        follow_umask(tmp)
         os.replace(tmp, path)
     finally:
         plt.close(fig)
@@ -274,8 +275,8 @@ def save_classifier(model: nn.Module, tokenizer: Any, out: str | os.PathLike[str
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        return out
-    return save_pruned(model, out, tokenizer)
+        return follow_umask(out)  # safetensors writes model.safetensors 0600
+    return follow_umask(save_pruned(model, out, tokenizer))
 
 
 def run_finetune(

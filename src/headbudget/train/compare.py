@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from headbudget.data.prepare import PreparedData, prepare_data
-from headbudget.io import atomic_write_text
+from headbudget.io import atomic_write_text, follow_umask
 from headbudget.train.config import RunConfig
 from headbudget.train.trainer import Trainer, TrainResult, build_schedule
 
@@ -235,7 +235,11 @@ def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=120)
+        follow_umask(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)  # a failed write leaves no temp file
     return path
