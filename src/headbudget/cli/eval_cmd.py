@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from headbudget.io import atomic_write_json
+from headbudget.run_dir import check_output_file
 from headbudget.threads import add_threads_flag
 
 
@@ -44,6 +45,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from headbudget.evaluation.suite import evaluate_suite, format_report, prepare_suite
 
     check_output_args(output_path=args.output_path, json_path=args.json, log_samples=args.log_samples)
+    if args.json:  # a real write probe too (a read-only folder), before the evaluation, not after it
+        check_output_file(args.json, "--json")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
                                   num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit)
@@ -80,6 +83,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_perplexity(args: argparse.Namespace) -> int:
     from headbudget.evaluation.perplexity import perplexity, read_text
+
+    if args.json:  # checked before the model loads, not after the scoring
+        check_output_file(args.json, "--json")
 
     text = read_text(args.data, split=args.split)
     model, tok = _load(args)
@@ -126,6 +132,14 @@ def run_attention(args: argparse.Namespace) -> int:
         plot_distance_comparison(summaries, out / "distance_comparison.png")
     print(f"wrote {out}/")
     return 0
+
+
+def _attention_in_out(args: argparse.Namespace) -> int:
+    """``run_attention`` holding ``--out`` (headbudget.run_dir: another run's results refused, one writer)."""
+    from headbudget.run_dir import claim_output_dir
+
+    with claim_output_dir(args.out, command="headbudget attention", overwrite=args.overwrite):
+        return run_attention(args)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -182,11 +196,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     p.add_argument("--data", required=True, help="text file, or HF dataset NAME[:CONFIG]")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
     p.add_argument("--compare", help="a second model, plotted side by side")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--n-seqs", type=int, default=4)
     p.add_argument("--local-window", type=int, default=8)
-    p.set_defaults(func=run_attention)
+    p.set_defaults(func=_attention_in_out)
 
 
 if __name__ == "__main__":  # pragma: no cover

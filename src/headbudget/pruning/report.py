@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from headbudget.io import atomic_write_text  # re-exported for the CLI
+from headbudget.io import atomic_write_text, follow_umask  # atomic_write_text: re-exported for the CLI
 
 __all__ = [
     "REPORT_KEYS",
@@ -189,6 +189,7 @@ def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        follow_umask(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
