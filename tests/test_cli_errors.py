@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -197,3 +198,38 @@ def test_malformed_include_path_yaml_names_the_file_and_the_yaml_error(tmp_path,
     assert capsys.readouterr().err == (
         f"headbudget eval: error: {tasks / 'bad.yaml'}:3:14: invalid YAML (mapping values are not allowed here); "
         "lm-eval skips such a file, so task 'hb_bad' is not defined\n")
+
+
+def test_eval_and_perplexity_json_in_a_read_only_folder_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):  # root ignores chmod: refuse where the first byte would be written
+        if dir is not None and Path(dir) == ro:
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return real_mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n")
+    missing = str(tmp_path / "no-model")  # loading it would be a different error: the check comes first
+    assert main(["perplexity", missing, "--data", str(text), "--json", str(ro / "p.json")]) == 2
+    assert capsys.readouterr().err == (f"headbudget perplexity: error: --json {ro / 'p.json'}: cannot write in "
+                                       f"{ro} (Permission denied)\n")
+    assert main(["eval", missing, "--tasks", "piqa", "--json", str(ro / "e.json")]) == 2
+    assert capsys.readouterr().err == (f"headbudget eval: error: --json {ro / 'e.json'}: cannot write in "
+                                       f"{ro} (Permission denied)\n")
+    assert os.listdir(ro) == []
+
+
+def test_attention_out_is_held_by_the_guard(tmp_path, capsys):
+    out = tmp_path / "attn"
+    out.mkdir()
+    (out / "distance_prism.png").write_bytes(b"png")
+    assert main(["attention", str(tmp_path / "m"), "--data", "x.txt", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"headbudget attention: error: --out {out} already holds another run's "
+                                       "results (distance_prism.png): add --overwrite to replace them, or "
+                                       "choose another --out\n")
