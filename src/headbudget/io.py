@@ -56,6 +56,18 @@ def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
             offset += len(raw)
 
 
+def refused_pickle_reason(exc: BaseException) -> str:
+    """The one line of ``torch.load(weights_only=True)``'s several that says what it refused.
+
+    >>> refused_pickle_reason(exc)   # 'Trying to load unsupported GLOBAL posix.system whose module posix is blocked.'
+    """
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("WeightsUnpickler error:"):
+            return ln.split(":", 1)[1].strip().split(" Please use `torch.serialization", 1)[0]
+    return next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else type(exc).__name__)
+
+
 def current_umask() -> int:
     """This process's umask (read from /proc where it exists: setting it to read it is not thread-safe)."""
     try:

@@ -61,11 +61,9 @@ def anticipated_error(exc: BaseException) -> str | None:
         where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
         return f"{where}: {exc.strerror}" if where else (exc.strerror or str(exc))
     if isinstance(exc, pickle.UnpicklingError):  # torch.load(weights_only=True): several lines, keep the cause
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        cause = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("WeightsUnpickler error:")),
-                     lines[0] if lines else "")
-        cause = cause.split(" Please use `torch.serialization", 1)[0]
-        return f"refusing to unpickle a file that holds more than tensors: {cause}"
+        from headbudget.io import refused_pickle_reason
+
+        return f"refusing to unpickle a file that holds more than tensors: {refused_pickle_reason(exc)}"
     if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error (import-free check)
         return f"unreadable safetensors file: {exc}"
     return None
