@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import zipfile
@@ -54,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from headbudget.io import refused_pickle_reason
 
 KINDS = ("causal", "classifier")
 # Files whose presence makes a folder a Hugging Face tokenizer folder.
@@ -317,6 +320,9 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
     except (OSError, ValueError, KeyError) as exc:
         where = Path(src.where) / src.gguf_file if src.gguf_file else src.where
         raise ValueError(f"{where}: cannot load a causal language model ({_first_line(exc)})") from None
+    except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) refused a .bin file's pickle
+        raise ValueError(f"{src.where}: refusing to load its weights, a pickle holding more than tensors "
+                         f"({refused_pickle_reason(exc)})") from None
 
 
 class WeightsMismatchError(ValueError):
@@ -387,6 +393,9 @@ def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: 
                                                                            dtype=dtype)
             except (OSError, ValueError, KeyError) as exc:
                 raise ValueError(f"{src.where}: cannot load a sequence classifier ({_first_line(exc)})") from None
+            except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) refused a .bin file's pickle
+                raise ValueError(f"{src.where}: refusing to load its weights, a pickle holding more than tensors "
+                                 f"({refused_pickle_reason(exc)})") from None
             finally:
                 hf_logging.set_verbosity(verbosity)
     if getattr(model.config, "num_labels", num_labels) != num_labels:
