@@ -233,3 +233,30 @@ def test_attention_out_is_held_by_the_guard(tmp_path, capsys):
     assert capsys.readouterr().err == (f"headbudget attention: error: --out {out} already holds another run's "
                                        "results (distance_prism.png): add --overwrite to replace them, or "
                                        "choose another --out\n")
+
+
+class _System:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_model_whose_bin_weights_hide_code_is_one_line_naming_the_folder(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from headbudget.loading import load_model
+
+    d = tmp_path / "m"
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10, n_positions=8))
+    model.config.save_pretrained(d)
+    state = dict(model.state_dict(), payload=_System(tmp_path / "pwned"))
+    torch.save(state, d / "pytorch_model.bin")
+    with pytest.raises(ValueError) as info:
+        load_model(d)
+    assert str(info.value) == (f"{d}: refusing to load its weights, a pickle holding more than tensors (Trying to "
+                               "load unsupported GLOBAL posix.system whose module posix is blocked.)")
+    assert not (tmp_path / "pwned").exists()
