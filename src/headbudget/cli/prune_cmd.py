@@ -70,6 +70,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="cahp --allocation importance: number of clusters (default 30)")
     p.add_argument("--importance-batches", type=int, default=None,
                    help="baselines: training batches their gradient importance uses (default all)")
+    p.add_argument("--gate-lr", type=float, default=0.5,
+                   help="pipelined-dsp / joint-dsp / pass: learning rate of the head logits (published: 0.5)")
+    p.add_argument("--gate-epochs", type=int, default=1,
+                   help="pipelined-dsp / joint-dsp / pass: passes over the training batches for gate training")
+    p.add_argument("--gate-cooldown", type=int, default=None,
+                   help="pipelined-dsp / joint-dsp: steps to anneal the temperature 1000 -> 1e-8 (default: the "
+                        "published SST-5 setting, 90 pipelined / 270 joint)")
+    p.add_argument("--attattr-examples", type=int, default=200,
+                   help="attattr: first N examples of the primary evaluation split (published: 200)")
+    p.add_argument("--attattr-steps", type=int, default=20,
+                   help="attattr: integrated-gradients steps (published: 20)")
     p.add_argument("--finetune-epochs", type=int, default=None,
                    help="recovery fine-tuning epochs (default 3; 0 for --task lm, where an epoch is one pass "
                         "over the calibration windows)")
@@ -104,7 +115,8 @@ def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
         context=args.context, calib_windows=args.calib_windows, heldout_fraction=args.heldout_fraction,
         salience_order=args.salience_order,
         knee_warn_ratio=args.knee_warn_ratio, representative=args.representative, allocation=args.allocation,
-        n_clusters=args.clusters,
+        n_clusters=args.clusters, gate_lr=args.gate_lr, gate_epochs=args.gate_epochs,
+        gate_cooldown=args.gate_cooldown, attattr_examples=args.attattr_examples, attattr_steps=args.attattr_steps,
         **(dict(ddof=0, var_floor=None, var_eps=1e-10, tsne_dtype="float64") if args.legacy_signatures else {}),
     )
 

@@ -38,7 +38,13 @@ from headbudget.pruning.workloads import (
     model_adapter,
 )
 
-METHODS = ("cahp", "michel", "fisher", "magnitude", "random")
+METHODS = ("cahp", "michel", "fisher", "magnitude", "random", "pipelined-dsp", "joint-dsp", "pass", "attattr")
+# Settings only these methods read; a job's fingerprint carries them only for these methods, so earlier runs of
+# the other methods stay resumable.
+_METHOD_FIELDS = {"pipelined-dsp": ("gate_lr", "gate_epochs", "gate_cooldown"),
+                  "joint-dsp": ("gate_lr", "gate_epochs", "gate_cooldown"),
+                  "pass": ("gate_lr", "gate_epochs"),
+                  "attattr": ("attattr_examples", "attattr_steps")}
 
 
 @dataclass
@@ -97,6 +103,15 @@ class PruneJob:
     representative: str | None = None
     allocation: str | None = None
     n_clusters: int | None = None
+    # gate-training baselines (pipelined-dsp, joint-dsp, pass; :mod:`headbudget.pruning.gated`): the published
+    # SST-5 settings -- logit learning rate 0.5, DSP cooldown 90 (pipelined) / 270 (joint) steps (None: those);
+    # joint-dsp trains the weights at ``lr``
+    gate_lr: float = 0.5
+    gate_epochs: int = 1
+    gate_cooldown: int | None = None
+    # attattr (:mod:`headbudget.pruning.attattr`): the first N examples of the primary evaluation split, m steps
+    attattr_examples: int = 200
+    attattr_steps: int = 20
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -131,6 +146,19 @@ def check_job(job: PruneJob) -> None:
             f"method {job.method} needs a head count (keep or keep_ratio): baselines are forced to a head "
             "count; prune-compare takes it from CAHP"
         )
+    if job.method == "attattr" and job.task == "lm":
+        raise ValueError("method attattr attributes a class probability: it needs a classification task "
+                         "(sst5, mnli), not lm")
+    if job.gate_lr <= 0:
+        raise ValueError(f"gate_lr must be > 0, got {job.gate_lr}")
+    if job.gate_epochs < 1:
+        raise ValueError(f"gate_epochs must be >= 1, got {job.gate_epochs}")
+    if job.gate_cooldown is not None and job.gate_cooldown < 1:
+        raise ValueError(f"gate_cooldown must be >= 1 step, got {job.gate_cooldown}")
+    if job.attattr_examples < 1:
+        raise ValueError(f"attattr_examples must be >= 1, got {job.attattr_examples}")
+    if job.attattr_steps < 1:
+        raise ValueError(f"attattr_steps must be >= 1, got {job.attattr_steps}")
     if job.curve not in ("mss", "accuracy"):
         raise ValueError(f"curve must be 'mss' or 'accuracy', got {job.curve!r}")
     if job.mss not in ("mean", "nearest"):
@@ -163,7 +191,14 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     from headbudget.pruning import report as rpt
     from headbudget.pruning.cahp import cahp_select, kept_by_layer
     from headbudget.pruning.finetune import evaluate_accuracy
-    from headbudget.pruning.importance import ImportanceContext, gate_mask, prune_spec, select_by_method
+    from headbudget.pruning.importance import (
+        ImportanceContext,
+        flatten,
+        gate_mask,
+        prune_spec,
+        select_by_method,
+        select_top,
+    )
 
     check_job(job)
     t_start = time.perf_counter()
@@ -231,6 +266,28 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
                        mss_variant=job.mss, pool_size=job.pool_size, perplexity=job.perplexity)
         plots.append(str(rpt.plot_mss(mss, knee_k, out / "mss.png", f"MSS ({job.mss}), knee k = {knee_k}")))
         plots.append(str(rpt.plot_embedding(sel.embedding, sel.labels, heads, kept, out / "embedding.png")))
+    elif job.method in ("pipelined-dsp", "joint-dsp", "pass"):
+        from headbudget.pruning.gated import GateSettings, train_gates
+
+        assert target is not None
+        settings = GateSettings(lr=job.gate_lr, epochs=job.gate_epochs, cooldown=job.gate_cooldown,
+                                weight_lr=job.lr, seed=job.seed)
+        gated = train_gates(job.method, adapter, model, imp_batches[: job.importance_batches], target, settings,
+                            progress=job.progress)
+        seconds["select"] = time.perf_counter() - t
+        kept = gated.kept
+        details.update(scores=gated.logits, gate_training=gated.info, gate_history=gated.history)
+    elif job.method == "attattr":
+        from headbudget.pruning.attattr import attattr_scores
+
+        assert target is not None and isinstance(loaded, ClassificationWorkload)
+        examples = loaded.evals[loaded.primary][: job.attattr_examples]
+        attr = attattr_scores(adapter, model, loaded.tokenizer, examples, steps=job.attattr_steps,
+                              max_length=job.max_length, progress=job.progress)
+        seconds["select"] = time.perf_counter() - t
+        kept = select_top(attr, target)
+        details.update(scores=flatten(attr), attattr={"split": loaded.primary, "examples": len(examples),
+                                                      "steps": job.attattr_steps})
     else:
         assert target is not None
         ctx = ImportanceContext(adapter, model, imp_batches[: job.importance_batches], seed=job.seed,
@@ -274,7 +331,7 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     p = loaded.primary
     report = rpt.build_report(job.method, n_total, kept_layers, knee_k, mss,
                               {"dense": dense[p], "pruned": pruned[p], "finetuned": finetuned.get(p)}, seconds,
-                              cost)
+                              cost, n_layers=len(counts))
     if (isinstance(loaded, LMWorkload) and job.method == "cahp" and target is None and job.knee_warn_ratio > 0
             and float(pruned[p]) > job.knee_warn_ratio * float(dense[p])):
         report["warning"] = (
@@ -327,6 +384,11 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     for k in ("representative", "allocation", "n_clusters"):  # added later: unset keeps older runs resumable
         if d[k] is None:
             del d[k]
+    mine = _METHOD_FIELDS.get(job.method, ())
+    for fields in _METHOD_FIELDS.values():
+        for k in fields:
+            if k not in mine:
+                d.pop(k, None)
     return json.loads(json.dumps(d, default=str))
 
 
@@ -388,8 +450,11 @@ def run_compare(job: PruneJob, methods: str, resume: bool = False,
         rep = res["report"]
         if method == "cahp" and not forced:
             last_cahp = (rep["heads_kept"], label)
+        depth = rpt.depth_profile(rep["kept"], len(rep["kept"]))
         row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "count_from": count_from,
-               "kept": rep["kept"], "knee_k": rep["knee_k"], "metric": res["details"][loaded.metric_name],
+               "kept": rep["kept"], "knee_k": rep["knee_k"], "mean_depth": rep.get("mean_depth", depth[0]),
+               "middle_third_share": rep.get("middle_third_share", depth[1]),
+               "metric": res["details"][loaded.metric_name],
                "seconds": rep["seconds"], "cost": rep["cost"]}
         if rep.get("warning"):
             row["warning"] = rep["warning"]

@@ -2,11 +2,12 @@
 
 ``report.json`` is exactly::
 
-    {"method", "heads_total", "heads_kept", "kept": {"<layer>": [heads]}, "knee_k",
-     "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...},
+    {"method", "heads_total", "heads_kept", "kept": {"<layer>": [heads]}, "mean_depth",
+     "middle_third_share", "knee_k", "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...},
      "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context"}}
 
-(``metric`` holds the primary dev-split accuracy -- for ``--task lm`` the held-out perplexity, lower
+(``mean_depth`` and ``middle_third_share`` measure where the kept heads sit, see :func:`depth_profile`;
+``metric`` holds the primary dev-split accuracy -- for ``--task lm`` the held-out perplexity, lower
 is better; ``null`` where a stage did not run).  Everything
 else (every split's accuracy, salience, clusters, embedding) goes to ``details.json``.
 
@@ -34,6 +35,7 @@ __all__ = [
     "atomic_write_text",
     "build_report",
     "compare_markdown",
+    "depth_profile",
     "plot_accuracy_vs_heads",
     "plot_embedding",
     "plot_heads_per_layer",
@@ -42,7 +44,8 @@ __all__ = [
     "write_json",
 ]
 
-REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "knee_k", "mss", "metric", "seconds", "cost")
+REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "mean_depth", "middle_third_share", "knee_k", "mss",
+               "metric", "seconds", "cost")
 METRIC_KEYS = ("dense", "pruned", "finetuned")
 
 
@@ -64,6 +67,27 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(_jsonable(obj), indent=1) + "\n")
 
 
+def depth_profile(kept: Mapping[int | str, Sequence[int]], n_layers: int) -> tuple[float, float]:
+    """``(mean_depth, middle_third_share)`` of the kept heads (proximity bias).
+
+    A head in layer ``l`` of ``n_layers`` has normalised depth ``l / (n_layers - 1)`` (0 first layer, 1 last;
+    0 when there is one layer).  ``mean_depth`` averages it over the kept heads; ``middle_third_share`` is
+    the share of kept heads whose depth lies in [1/3, 2/3] (12 layers: layers 4-7; 6 layers: 2-3).
+
+        >>> depth_profile({0: [0, 1], 1: [2], 2: [], 3: [0]}, 4)
+        (0.3333333333333333, 0.25)
+    """
+    if n_layers < 1:
+        raise ValueError(f"depth_profile needs at least one layer, got {n_layers}")
+    layers = [int(layer) for layer, hs in kept.items() for _ in hs]
+    if not layers:
+        return 0.0, 0.0
+    span = n_layers - 1
+    depth = [layer / span if span else 0.0 for layer in layers]
+    middle = [layer for layer in layers if span and span <= 3 * layer <= 2 * span]
+    return float(sum(depth) / len(depth)), len(middle) / len(layers)
+
+
 def build_report(
     method: str,
     heads_total: int,
@@ -73,17 +97,24 @@ def build_report(
     metric: Mapping[str, float | None],
     seconds: Mapping[str, float],
     cost: Mapping[str, Mapping[str, int]] | None = None,
+    n_layers: int | None = None,
 ) -> dict[str, Any]:
     """The ``report.json`` dict, keys in the fixed order (``kept`` keyed by layer as strings).
+
+    ``n_layers`` (default: the highest layer in ``kept`` + 1) normalises the depths of :func:`depth_profile`.
 
     ``cost`` is ``{"before": model_cost(dense), "after": model_cost(pruned)}``
     (:func:`headbudget.evaluation.cost.model_cost`)."""
     kept_json = {str(int(layer)): sorted(int(h) for h in hs) for layer, hs in sorted(kept.items(), key=lambda kv: int(kv[0]))}
+    mean_depth, middle = depth_profile(kept_json, n_layers if n_layers is not None
+                                       else max((int(k) for k in kept_json), default=0) + 1)
     return {
         "method": method,
         "heads_total": int(heads_total),
         "heads_kept": int(sum(len(v) for v in kept_json.values())),
         "kept": kept_json,
+        "mean_depth": mean_depth,
+        "middle_third_share": middle,
         "knee_k": None if knee_k is None else int(knee_k),
         "mss": [[int(k), float(v)] for k, v in (mss or [])],
         "metric": {k: (None if metric.get(k) is None else float(metric[k])) for k in METRIC_KEYS},  # type: ignore[arg-type]
@@ -134,7 +165,11 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
         for key, label in (("params", "parameters"), ("flops_per_token", "FLOPs / token")):
             b, a = c[key]["before"], c[key]["after"]
             lines.append(f"| {label} | {b:,} | {a:,} | {a / b:.3f} |")
-    lines += ["", "## Heads kept per layer", "", "| layer | kept | heads |", "| --- | --- | --- |"]
+    lines += ["", "## Heads kept per layer", ""]
+    if report.get("mean_depth") is not None:
+        lines += [f"Mean normalised depth of the kept heads {report['mean_depth']:.3f} (0 first layer, 1 last); "
+                  f"share in the middle third of the layers {report['middle_third_share']:.3f}.", ""]
+    lines += ["| layer | kept | heads |", "| --- | --- | --- |"]
     for layer, hs in report["kept"].items():
         lines.append(f"| {layer} | {len(hs)} | {', '.join(map(str, hs))} |")
     lines += ["", "## Wall time (s)", "", "| stage | seconds |", "| --- | --- |"]
@@ -156,7 +191,8 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
     head = ["method", "heads"] + (["count from"] if has_from else [])
     for s in splits:
         head += [f"{s} pruned", f"{s} fine-tuned"]
-    head += ["select s", "finetune s"]
+    has_depth = any("mean_depth" in r for r in rows)
+    head += (["mean depth", "middle third"] if has_depth else []) + ["select s", "finetune s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [str(r["method"]), str(r["heads_kept"])] + ([str(r.get("count_from", ""))] if has_from else [])
@@ -164,6 +200,8 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
             a = (r.get("accuracy") or r.get("metric") or {}).get(s, {})
             cells += [_fmt(a.get("pruned")), _fmt(a.get("finetuned"))]
         sec = r.get("seconds") or {}
+        if has_depth:
+            cells += [_fmt(r.get("mean_depth")), _fmt(r.get("middle_third_share"))]
         cells += [_fmt(sec.get("select")), _fmt(sec.get("finetune"))]
         lines.append("| " + " | ".join(cells) + " |")
     if rows:

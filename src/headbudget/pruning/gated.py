@@ -1,0 +1,341 @@
+"""Gate-training baselines: differentiable subset pruning (DSP, pipelined and joint) and PASS.
+
+Both learn one logit per head on the training batches with the head gates applied where every
+adapter applies them (the input of the attention output projection, which is the same as scaling the
+head's attention probabilities), then keep exactly ``k`` heads by logit rank; the adapter removes the
+rest physically, as for every other method.
+
+* ``pipelined-dsp`` -- Li, Cotterell & Sachan (TACL 2021): each step draws Gumbel noise and builds the
+  soft top-k mask of the perturbed logits (``k`` successive softmaxes at temperature ``t``, each
+  discounting what the earlier ones took); ``t`` is annealed exponentially from 1000 to 1e-8 over
+  ``cooldown`` steps and stays at 1e-8 afterwards.  The model is frozen (``requires_grad`` off, only
+  the logits in the optimiser).  Logits start Xavier-uniform over the ``[layers, heads]`` matrix, as in
+  the authors' code.
+* ``joint-dsp`` -- the same gates trained together with the model's weights (weight learning rate =
+  the job's ``lr``); the trained weights are what is pruned and then fine-tuned.
+* ``pass`` -- Ding et al.'s almost-sure sparsity: hard-concrete gates (Louizos et al.; temperature 0.33,
+  stretch (-0.1, 1.1)) on a frozen model, with the penalty
+  ``|s N - sum P(g=0)| + |(1 - s) N - sum P(g=1)| + sum P(0 < g < 1)`` for the target sparsity
+  ``s = 1 - k/N``; its coefficient starts at 1e-5 and, after a warm-up of 10 % of the steps, grows by
+  1000x over 45 % of the steps whenever the gates are not yet at the target; every 15 % of the steps
+  the logits are clipped to [-5, 5] and closed gates reopened with probability equal to the head's
+  normalised attention confidence (mean max pre-softmax score), as in the published SST-5 trainer
+  (the "concentrator" it carries is switched off there and is not implemented here).
+
+Published settings (CAHP's ``benchmark/`` folder, SST-5): pruning learning rate 0.5 for the logits,
+AdamW (0.9, 0.999, eps 1e-8, no weight decay), linear decay to 0, gradient-norm clip 1.0, DSP cooldown
+90 steps (pipelined) / 270 (joint).  The number of gate-training epochs is not in the published folder
+(it is a command-line setting there); the default here is one pass over the training batches.
+
+At least one head per layer.  The final selection keeps each layer's best logit first and then the
+best of the rest (:func:`headbudget.pruning.importance.select_top`, CAHP's rule), so every method here
+ends with exactly ``k`` heads and none of them empties a layer.  The *training* relaxations cannot
+follow that rule: DSP's soft top-k and PASS's sparsity target are global, so during gate training a
+layer may be switched off entirely; the rule is applied only to the final ranking (the papers rank
+globally and may remove whole layers).
+
+    >>> res = train_gates("pipelined-dsp", adapter, model, batches, n_keep=12,
+    ...                   settings=GateSettings(cooldown=90))                       # doctest: +SKIP
+    >>> len(res.kept)                                                              # doctest: +SKIP
+    12
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from headbudget.pruning.importance import Batch, LossFn, _to_device, default_loss, select_top, unflatten
+
+__all__ = [
+    "DSP_COOLDOWN",
+    "GATED_METHODS",
+    "GateResult",
+    "GateSettings",
+    "dsp_temperature",
+    "gumbel_soft_top_k",
+    "hard_concrete_gates",
+    "hard_concrete_probs",
+    "pass_sparsity_penalty",
+    "train_gates",
+]
+
+GATED_METHODS = ("pipelined-dsp", "joint-dsp", "pass")
+# Published SST-5 cooldown steps (CAHP README, benchmark/dsp); MNLI: 4090 pipelined, 12272 joint.
+DSP_COOLDOWN = {"pipelined-dsp": 90, "joint-dsp": 270}
+# Hard-concrete constants of the PASS / DSP code (temperature, stretch limits, noise clamp).
+HC_BETA, HC_LOW, HC_HIGH, HC_EPS = 0.33, -0.1, 1.1, 1e-6
+# PASS schedule (fractions of the total steps) and clip bounds of the published SST-5 trainer.
+PASS_COEFF_INIT, PASS_WARMUP, PASS_CLIMB, PASS_REOPEN, PASS_CLIP = 1e-5, 0.1, 0.45, 0.15, 5.0
+_TINY = torch.finfo(torch.double).tiny
+
+
+@dataclass
+class GateSettings:
+    """Gate-training settings (defaults: the published SST-5 ones; ``cooldown=None`` takes the variant's)."""
+
+    lr: float = 0.5
+    epochs: int = 1
+    cooldown: int | None = None
+    t_start: float = 1000.0
+    t_end: float = 1e-8
+    weight_lr: float = 2e-5
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    reopen: bool = True
+
+
+@dataclass
+class GateResult:
+    """Kept flat indices (exactly ``n_keep``), final flat logits, per-step log and the settings used."""
+
+    kept: list[int]
+    logits: np.ndarray
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- DSP
+def dsp_temperature(step: int, cooldown: int, t_start: float = 1000.0, t_end: float = 1e-8) -> float:
+    """Exponential annealing ``t_start -> t_end`` over ``cooldown`` steps (step 0: ``t_start``), then ``t_end``."""
+    if step >= cooldown:
+        return t_end
+    return float(math.exp(math.log(t_start) - step / cooldown * (math.log(t_start) - math.log(t_end))))
+
+
+def gumbel_soft_top_k(w: torch.Tensor, k: int, t: float, generator: torch.Generator | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Relaxed k-hot mask of the Gumbel-perturbed logits ``w`` (float64): ``k`` softmaxes at temperature
+    ``t``, each after adding ``log(1 - p_prev)`` so the mass taken by the previous one is discounted.
+    ``noise`` (standard Gumbel, same shape) replaces the sampled noise."""
+    w = w.double()
+    if noise is None:
+        u = torch.rand(w.shape, generator=generator, dtype=torch.float64).to(w.device) * (1 - _TINY) + _TINY
+        noise = -torch.log(-torch.log(u))
+    r = w + noise.to(w)
+    p = torch.softmax(r / t, 0)
+    total = p
+    for _ in range(1, k):
+        r = r + torch.log(torch.clamp(1 - p, min=_TINY))
+        p = torch.softmax(r / t, 0)
+        total = total + p
+    return total
+
+
+# --------------------------------------------------------------------------- PASS
+def hard_concrete_gates(log_a: torch.Tensor, train: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Hard-concrete gates in [0, 1]: sampled in training, ``clip(sigmoid(log_a) * 1.2 - 0.1)`` otherwise."""
+    if train:
+        u = torch.rand(log_a.shape, generator=generator, dtype=torch.float32).to(log_a) * (1 - 2 * HC_EPS) + HC_EPS
+        s = torch.sigmoid((torch.log(u) - torch.log(1 - u) + log_a) / HC_BETA)
+    else:
+        s = torch.sigmoid(log_a)
+    return torch.clamp(s * (HC_HIGH - HC_LOW) + HC_LOW, 0.0, 1.0)
+
+
+def hard_concrete_probs(log_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``P(g = 0)``, ``P(g = 1)`` and ``P(0 < g < 1)`` per gate (each clamped to [1e-6, 1 - 1e-6])."""
+    p0 = torch.sigmoid(HC_BETA * math.log(-HC_LOW / HC_HIGH) - log_a)
+    p1 = torch.sigmoid(log_a - HC_BETA * math.log((1 - HC_LOW) / (HC_HIGH - 1)))
+    pnb = 1 - (p0 + p1)
+    clamp = (HC_EPS, 1.0 - HC_EPS)
+    return p0.clamp(*clamp), p1.clamp(*clamp), pnb.clamp(*clamp)
+
+
+def pass_sparsity_penalty(log_a: torch.Tensor, target_sparsity: float) -> torch.Tensor:
+    """``|s N - sum P(g=0)| + |(1 - s) N - sum P(g=1)| + sum P(0 < g < 1)`` (almost-sure sparsity)."""
+    n = log_a.numel()
+    p0, p1, pnb = hard_concrete_probs(log_a)
+    return (torch.abs(target_sparsity * n - p0.sum()) + torch.abs((1 - target_sparsity) * n - p1.sum())
+            + pnb.sum())
+
+
+# --------------------------------------------------------------------------- training
+def _xavier_logits(counts: Sequence[int], method: str, generator: torch.Generator) -> torch.Tensor:
+    """Initial logits as the authors' code draws them: DSP ``xavier_uniform`` on ``[layers, heads]``,
+    PASS one ``xavier_uniform`` per layer on ``[1, heads, 1, 1]`` (fan in = heads, fan out = 1)."""
+    parts = []
+    for n in counts:
+        bound = math.sqrt(6.0 / (len(counts) + max(counts))) if method != "pass" else math.sqrt(6.0 / (n + 1))
+        parts.append((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * bound)
+    return torch.cat(parts)
+
+
+def _confidence_patch(adapter: Any, confidence: torch.Tensor, offsets: list[int]) -> Any:
+    """A factory of contexts that add each head's mean (over batch and queries) max pre-softmax attention score to
+    ``confidence`` (PASS's reopen probabilities); ``None`` when the family has no eager attention."""
+    from headbudget.pruning.attattr import patched_eager_attention, supports_attention_patch
+
+    if not supports_attention_patch(adapter):
+        return None
+    layer_of = {id(adapter._attn_module(li)): li for li in range(adapter.num_layers)}
+
+    def wrapper(orig: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        li = layer_of.get(id(module))
+        if li is not None:
+            with torch.no_grad():
+                k = key if key.shape[1] == query.shape[1] else key.repeat_interleave(query.shape[1] // key.shape[1], 1)
+                scaling = kwargs.get("scaling")
+                scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+                scores = torch.matmul(query, k.transpose(-1, -2)).float() * scaling
+                conf = scores.max(-1).values.mean((0, 2)).to(confidence)
+                confidence[offsets[li] : offsets[li] + conf.numel()] += conf
+        return orig(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return lambda: patched_eager_attention(adapter, wrapper)
+
+
+def train_gates(
+    method: str,
+    adapter: Any,
+    model: torch.nn.Module,
+    batches: Sequence[Batch],
+    n_keep: int,
+    settings: GateSettings | None = None,
+    loss_fn: LossFn = default_loss,
+    progress: bool = True,
+) -> GateResult:
+    """Train head logits with ``method`` (``pipelined-dsp``, ``joint-dsp``, ``pass``) on ``batches`` for
+    ``settings.epochs`` passes and keep exactly ``n_keep`` heads by logit rank (at least one per layer).
+
+    Pipelined DSP and PASS leave every model weight untouched (their ``requires_grad`` is switched off
+    during training and restored afterwards); joint DSP updates the weights in place."""
+    import contextlib
+
+    from tqdm.auto import tqdm
+
+    if method not in GATED_METHODS:
+        raise ValueError(f"unknown gate-training method {method!r}; choose from {', '.join(GATED_METHODS)}")
+    s = settings or GateSettings()
+    counts = list(adapter.head_counts())
+    n_total = sum(counts)
+    if not len(counts) <= n_keep < n_total:
+        raise ValueError(f"cannot keep {n_keep} heads: need between {len(counts)} (one per layer) and {n_total - 1}")
+    if not batches:
+        raise ValueError("no training batches for gate training (empty training data?)")
+    if s.lr <= 0 or s.epochs < 1:
+        raise ValueError(f"gate training needs lr > 0 and epochs >= 1, got lr {s.lr}, epochs {s.epochs}")
+    joint = method == "joint-dsp"
+    cooldown = s.cooldown if s.cooldown is not None else DSP_COOLDOWN.get(method, 0)
+    if method != "pass" and cooldown < 1:
+        raise ValueError(f"{method}: cooldown must be >= 1 step, got {cooldown}")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(int(s.seed))
+    py_rng = random.Random(int(s.seed))
+    logits = torch.nn.Parameter(_xavier_logits(counts, method, gen).to(device))
+    if method == "pass":  # PASS trains float32 logits; DSP's authors keep them in float64
+        logits = torch.nn.Parameter(logits.data.float())
+    offsets = [0, *np.cumsum(counts).tolist()]
+    total_steps = s.epochs * len(batches)
+    target_sparsity = 1.0 - n_keep / n_total
+
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    weights = [p for p, f in flags if f] if joint else []
+    groups: list[dict[str, Any]] = [{"params": [logits], "lr": s.lr}]
+    if joint:
+        groups.insert(0, {"params": weights, "lr": s.weight_lr})
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (total_steps - step) / total_steps))
+    clipped = [logits, *weights]
+
+    confidence = torch.zeros(n_total, dtype=torch.float64)
+    coeff, climb_counter = PASS_COEFF_INIT, 0
+    warmup, climb = int(total_steps * PASS_WARMUP), max(1, int(total_steps * PASS_CLIMB))
+    reopen_every = int(total_steps * PASS_REOPEN)
+    closed_target = int(target_sparsity * n_total)
+    reopened_total = 0
+    patch = _confidence_patch(adapter, confidence, offsets) if method == "pass" and s.reopen else None
+
+    history: list[dict[str, float]] = []
+    was_training = model.training
+    step = 0
+    try:
+        if not joint:
+            for p, _ in flags:
+                p.requires_grad_(False)
+        model.train()
+        bar = tqdm(total=total_steps, desc=f"{method} gates", disable=not progress, leave=False)
+        for _epoch in range(s.epochs):
+            for batch in batches:
+                rec: dict[str, float] = {"step": float(step)}
+                if method == "pass":
+                    mask = hard_concrete_gates(logits, True, gen)
+                else:
+                    t = dsp_temperature(step, cooldown, s.t_start, s.t_end)
+                    mask = gumbel_soft_top_k(logits, n_keep, t, gen).float()
+                    rec["temperature"] = t
+                with adapter._gate_hooks(list(torch.split(mask, counts))), (patch() if patch else contextlib.nullcontext()):
+                    task_loss = loss_fn(model, _to_device(batch, device))
+                loss = task_loss
+                if method == "pass":
+                    loss = loss + coeff * pass_sparsity_penalty(logits, target_sparsity)
+                    rec["reg_coeff"] = coeff
+                loss.backward()
+                rec["loss"] = float(task_loss.detach())
+                if method == "pass":
+                    coeff, climb_counter, reopened = _pass_schedule(
+                        logits, step, coeff, climb_counter, warmup, climb, reopen_every, total_steps, closed_target,
+                        confidence, py_rng, patch is not None)
+                    reopened_total += reopened
+                torch.nn.utils.clip_grad_norm_(clipped, s.max_grad_norm)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                history.append(rec)
+                step += 1
+                bar.update(1)
+        bar.close()
+    finally:
+        for p, f in flags:
+            p.requires_grad_(f)
+        model.train(was_training)
+    final = logits.detach().double().cpu().numpy()
+    kept = select_top(unflatten(final, counts), n_keep)
+    info: dict[str, Any] = {"method": method, "lr": s.lr, "epochs": s.epochs, "steps": step,
+                            "target_heads": n_keep}
+    if method == "pass":
+        info.update(target_sparsity=target_sparsity, final_reg_coeff=coeff, reopen=patch is not None,
+                    reopened=reopened_total)
+    else:
+        info.update(cooldown=cooldown, t_start=s.t_start, t_end=s.t_end,
+                    final_temperature=dsp_temperature(max(step - 1, 0), cooldown, s.t_start, s.t_end),
+                    cooled_down=step > cooldown)
+        if joint:
+            info["weight_lr"] = s.weight_lr
+    return GateResult(kept=kept, logits=final, steps=step, history=history, info=info)
+
+
+def _pass_schedule(logits: torch.nn.Parameter, step: int, coeff: float, counter: int, warmup: int, climb: int,
+                   reopen_every: int, total_steps: int, closed_target: int, confidence: torch.Tensor,
+                   rng: random.Random, can_reopen: bool) -> tuple[float, int, int]:
+    """One step of the published PASS trainer's bookkeeping (after backward, before the optimiser step):
+    grow the penalty coefficient while the gates are not at the target, and periodically clip the
+    logits to [-5, 5] and reopen closed gates with probability = normalised attention confidence."""
+    with torch.no_grad():
+        la = logits.detach()
+        closed = int((la <= -PASS_CLIP).sum())
+        opened = int((la >= PASS_CLIP).sum())
+        if step > warmup and (closed != closed_target or opened != la.numel() - closed_target):
+            coeff = PASS_COEFF_INIT * 1000 ** (counter / climb)
+            counter += 1
+        reopened = 0
+        if reopen_every > 0 and warmup < step < total_steps * 0.95 and step % reopen_every == 0:
+            new = la.clamp(-PASS_CLIP, PASS_CLIP).clone()
+            if can_reopen:
+                top = float(confidence.max())
+                norm = confidence / top if top != 0 else torch.zeros_like(confidence)
+                for i in range(new.numel()):
+                    if new[i] <= -PASS_CLIP and rng.uniform(0, 1) < float(norm[i]):
+                        new[i] = PASS_CLIP
+                        reopened += 1
+                confidence.zero_()
+            logits.data.copy_(new)
+    return coeff, counter, reopened

@@ -1,0 +1,306 @@
+"""The published baselines (pipelined / joint DSP, PASS, AttAttr) and the proximity-bias numbers, on tiny
+random BERTs and the fixture SST-5 files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "cahp"
+DATA = FIX / "sst5"
+COUNTS = [4, 4, 4]
+
+
+def _tiny_bert(num_layers: int = 3, heads: int = 4, seed: int = 0, eager: bool = False):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    kw = {"attn_implementation": "eager"} if eager else {}
+    cfg = BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=num_layers, num_attention_heads=heads,
+                     intermediate_size=32, max_position_embeddings=32, num_labels=3, **kw)
+    return BertForSequenceClassification(cfg).eval()
+
+
+def _batches(n: int = 4, bsz: int = 4, seq: int = 6, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 60, (bsz, seq), generator=g),
+             "attention_mask": torch.ones(bsz, seq, dtype=torch.long),
+             "labels": torch.randint(0, 3, (bsz,), generator=g)} for _ in range(n)]
+
+
+def _head_loss(layer: int, heads: list[int], dim: int = 4):
+    """A toy loss that only wants the gated output of ``heads`` in ``layer`` to be large: its gradient
+    raises those heads' gates and leaves every other gate alone."""
+
+    def loss_fn(model, batch):
+        seen = {}
+        dense = model.bert.encoder.layer[layer].attention.output.dense
+        handle = dense.register_forward_hook(lambda m, args, out: seen.setdefault("x", args[0]))
+        try:
+            model(**{k: v for k, v in batch.items() if k != "labels"})
+        finally:
+            handle.remove()
+        x = seen["x"]
+        return -sum(x[..., h * dim:(h + 1) * dim].pow(2).mean() for h in heads)
+
+    return loss_fn
+
+
+def _initial_logits(method: str, seed: int) -> np.ndarray:
+    from headbudget.pruning.gated import _xavier_logits
+
+    logits = _xavier_logits(COUNTS, method, torch.Generator().manual_seed(seed))
+    return logits.float().double().numpy() if method == "pass" else logits.numpy()
+
+
+# --------------------------------------------------------------------------- DSP / PASS math
+def test_gumbel_soft_top_k_is_k_hot_at_low_temperature_and_sums_to_k():
+    from headbudget.pruning.gated import gumbel_soft_top_k
+
+    w = torch.tensor([0.3, -1.0, 2.0, 0.1, 1.5], dtype=torch.float64)
+    zero = torch.zeros_like(w)
+    assert gumbel_soft_top_k(w, 2, 1e-8, noise=zero).tolist() == [0.0, 0.0, 1.0, 0.0, 1.0]
+    soft = gumbel_soft_top_k(w, 3, 1000.0, noise=zero)
+    assert float(soft.sum()) == pytest.approx(3.0, abs=1e-9)
+    assert soft.max() - soft.min() < 0.01  # hot start: nearly uniform, every head gets gradient
+
+
+def test_dsp_temperature_anneals_exponentially_then_stays():
+    from headbudget.pruning.gated import dsp_temperature
+
+    assert dsp_temperature(0, 90) == pytest.approx(1000.0)
+    assert dsp_temperature(45, 90) == pytest.approx((1000.0 * 1e-8) ** 0.5, rel=1e-9)  # geometric midpoint
+    assert dsp_temperature(90, 90) == 1e-8 and dsp_temperature(500, 90) == 1e-8
+
+
+def test_pass_penalty_matches_hand_computed_probabilities():
+    from headbudget.pruning.gated import hard_concrete_probs, pass_sparsity_penalty
+
+    log_a = torch.tensor([3.0, -3.0])
+    a = 0.33 * np.log(0.1 / 1.1)
+    sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    p0, p1, pnb = hard_concrete_probs(log_a)
+    assert p0.tolist() == pytest.approx([sig(a - 3), sig(a + 3)], rel=1e-5)
+    assert p1.tolist() == pytest.approx([sig(3 + a), sig(-3 + a)], rel=1e-5)  # log(1.1/0.1) = -log(0.1/1.1)
+    want = abs(0.5 * 2 - float(p0.sum())) + abs(0.5 * 2 - float(p1.sum())) + float(pnb.sum())
+    assert float(pass_sparsity_penalty(log_a, 0.5)) == pytest.approx(want, rel=1e-6)
+
+
+def test_pass_clip_and_reopen_follow_the_published_schedule():
+    """At a reopen step the logits are clipped to [-5, 5] and a closed gate whose head has the top attention
+    confidence (reopen probability 1) is reopened at +5; one with confidence 0 stays closed."""
+    import random
+
+    from headbudget.pruning.gated import PASS_COEFF_INIT, _pass_schedule
+
+    logits = torch.nn.Parameter(torch.tensor([-7.0, -6.0, 9.0, 0.5]))
+    conf = torch.tensor([2.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    # 100 steps: warm-up 10, climb 45, reopen every 15; step 30 reopens; 1 open gate, not the 2 wanted -> climb
+    coeff, counter, reopened = _pass_schedule(logits, 30, PASS_COEFF_INIT, 9, 10, 45, 15, 100, 2, conf,
+                                              random.Random(0), True)
+    assert logits.detach().tolist() == [5.0, -5.0, 5.0, 0.5] and reopened == 1
+    assert conf.tolist() == [0.0] * 4  # confidence restarts after a reopen
+    assert counter == 10 and coeff == pytest.approx(1e-5 * 1000 ** (9 / 45))
+
+
+# --------------------------------------------------------------------------- gate training
+@pytest.mark.parametrize("method", ["pipelined-dsp", "pass"])
+def test_frozen_gate_training_keeps_weights_and_trains_only_the_logits(method):
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.gated import GateSettings, train_gates
+    from headbudget.pruning.importance import prune_spec
+
+    model = _tiny_bert()
+    adapter = get_adapter(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res = train_gates(method, adapter, model, _batches(), 5, GateSettings(cooldown=3, seed=3), progress=False)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit for bit
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())  # restored for the fine-tune
+    assert res.steps == 4 and len(res.kept) == 5
+    assert not np.allclose(res.logits, _initial_logits(method, 3))  # the logits did train
+    layers = {i // 4 for i in res.kept}
+    assert layers == {0, 1, 2}  # at least one head per layer
+    adapter.prune_heads(prune_spec(res.kept, COUNTS))
+    assert sum(adapter.head_counts()) == 5
+    assert sum(m.attention.self.query.out_features for m in model.bert.encoder.layer) == 5 * 4  # physically gone
+
+
+def test_joint_dsp_trains_the_weights_too():
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.gated import GateSettings, train_gates
+
+    model = _tiny_bert()
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    res = train_gates("joint-dsp", get_adapter(model), model, _batches(), 6,
+                      GateSettings(cooldown=3, seed=3, weight_lr=1e-2), progress=False)
+    changed = [k for k, v in model.named_parameters() if not torch.equal(before[k], v)]
+    assert "bert.encoder.layer.0.attention.self.query.weight" in changed
+    assert "classifier.weight" in changed
+    assert len(res.kept) == 6 and res.info["weight_lr"] == 1e-2
+
+
+@pytest.mark.parametrize("method", ["pipelined-dsp", "joint-dsp", "pass"])
+def test_gate_logits_move_the_way_the_loss_says(method):
+    """Only head (1, 2)'s output lowers the task loss: its logit gains on every other one (DSP's soft top-k
+    and PASS's sparsity target push the others down), ends the largest, and is kept."""
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.gated import GateSettings, train_gates
+
+    model = _tiny_bert()
+    wanted = 1 * 4 + 2
+    res = train_gates(method, get_adapter(model), model, _batches(n=8), 3,
+                      GateSettings(cooldown=2, seed=5, lr=0.5, weight_lr=0.0), loss_fn=_head_loss(1, [2]),
+                      progress=False)
+    delta = res.logits - _initial_logits(method, 5)
+    others = np.delete(delta, wanted)
+    assert delta[wanted] > others.max() + 0.5
+    if method != "pass":  # without a sparsity penalty the wanted logit itself rises
+        assert delta[wanted] > 1.0 and (others < 0).all()
+    assert int(np.argmax(res.logits)) == wanted
+    assert wanted in res.kept
+
+
+def test_at_least_one_head_per_layer_even_when_the_loss_wants_one_layer():
+    """The toy loss only rewards layer 0's heads; keeping 3 heads still keeps one in every layer."""
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.gated import GateSettings, train_gates
+
+    model = _tiny_bert()
+    res = train_gates("pipelined-dsp", get_adapter(model), model, _batches(n=8), 3,
+                      GateSettings(cooldown=2, seed=5), loss_fn=_head_loss(0, [0, 1, 2, 3]),
+                      progress=False)
+    top3 = set(np.argsort(-res.logits)[:3].tolist())
+    assert top3 <= {0, 1, 2, 3}  # by rank alone all three would come from layer 0
+    assert sorted(i // 4 for i in res.kept) == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- AttAttr
+def test_attattr_equals_a_brute_force_integrated_gradients_loop(monkeypatch):
+    import transformers.models.bert.modeling_bert as mb
+    from transformers import BertTokenizerFast
+
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.attattr import attattr_scores
+    from headbudget.pruning.tasks import ClassificationCollator, load_task
+
+    tok = BertTokenizerFast(vocab_file=str(FIX / "vocab.txt"))
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+        max_position_embeddings=64, num_labels=5, attn_implementation="eager")).eval()
+    examples = load_task("sst5", DATA).splits["dev"][:3]
+    steps = 5
+    got = attattr_scores(get_adapter(model), model, tok, examples, steps=steps, progress=False)
+
+    # Brute force: one forward per example, layer and step, batch of one; layer l's attention replaced by
+    # alpha * A through a plain substitute of BERT's eager attention.
+    original = mb.eager_attention_forward
+    state = {}
+
+    def substitute(module, query, key, value, attention_mask, **kwargs):
+        out, w = original(module, query, key, value, attention_mask, **kwargs)
+        if module is state.get("module"):
+            w = state["map"]
+            out = torch.matmul(w, value).transpose(1, 2).contiguous()
+        return out, w
+
+    monkeypatch.setattr(mb, "eager_attention_forward", substitute)
+    want = [np.zeros(4), np.zeros(4)]
+    collate = ClassificationCollator(tok, 128)
+    for ex in examples:
+        batch = collate([ex])
+        label = int(batch.pop("labels")[0])
+        with torch.no_grad():
+            maps = model(**batch, output_attentions=True).attentions
+        for layer in range(2):
+            a = maps[layer][0]
+            total = torch.zeros_like(a)
+            for i in range(steps):
+                m = (a * (i / steps)).unsqueeze(0).requires_grad_(True)
+                state.update(module=model.bert.encoder.layer[layer].attention.self, map=m)
+                prob = torch.softmax(model(**batch).logits, -1)[0, label]
+                (g,) = torch.autograd.grad(prob, m)
+                total += g[0]
+                state.clear()
+            attr = a * total / steps
+            for h in range(4):
+                want[layer][h] += float(attr[h].max())
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_attattr_refuses_lm_and_bad_settings():
+    from headbudget.pruning.pipeline import PruneJob, check_job
+
+    with pytest.raises(ValueError, match="attattr attributes a class probability"):
+        check_job(PruneJob("m", "lm", None, "o", method="attattr", keep=3, data="t.txt"))
+    with pytest.raises(ValueError, match="gate_cooldown must be >= 1 step, got 0"):
+        check_job(PruneJob("m", "sst5", "d", "o", method="joint-dsp", keep=3, gate_cooldown=0))
+
+
+# --------------------------------------------------------------------------- report: proximity bias
+def test_report_depth_numbers_on_a_hand_checked_layout():
+    from headbudget.pruning.report import REPORT_KEYS, build_report
+
+    kept = {layer: [] for layer in range(12)}
+    kept.update({0: [0, 5], 4: [1], 7: [2], 8: [0], 11: [3]})
+    rep = build_report("pass", 144, kept, None, None, {"dense": 0.5, "pruned": 0.4, "finetuned": None},
+                       {"total": 1.0}, n_layers=12)
+    assert tuple(rep) == REPORT_KEYS
+    # depths 0, 0, 4/11, 7/11, 8/11, 1 -> mean 30/66; middle third (depth in [1/3, 2/3]) = layers 4..7: 2 of 6
+    assert rep["mean_depth"] == pytest.approx(30 / 66, abs=1e-15)
+    assert rep["middle_third_share"] == pytest.approx(2 / 6, abs=1e-15)
+
+
+# --------------------------------------------------------------------------- CLI end to end
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    tok = BertTokenizerFast(vocab_file=str(FIX / "vocab.txt"))
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=3,
+                                                     num_attention_heads=4, intermediate_size=32,
+                                                     max_position_embeddings=64, num_labels=5))
+    out = tmp_path_factory.mktemp("baselines") / "tiny"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(("method", "extra"), [
+    ("joint-dsp", ["--gate-cooldown", "2"]),
+    ("pipelined-dsp", ["--gate-cooldown", "2"]),
+    ("pass", []),
+    ("attattr", ["--attattr-examples", "3", "--attattr-steps", "4"]),
+])
+def test_prune_cli_baseline_writes_a_loadable_model(tiny, tmp_path, method, extra):
+    from headbudget.cli.main import main
+    from headbudget.loading import load_model
+    from headbudget.pruning.adapters import get_adapter
+
+    out = tmp_path / method
+    rc = main(["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--method", method, "--keep", "5",
+               "--finetune-epochs", "0", "--batch-size", "16", "--no-progress", "--out", str(out), *extra])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["method"] == method and rep["heads_kept"] == 5
+    assert all(len(v) >= 1 for v in rep["kept"].values())
+    layers = [int(k) for k, v in rep["kept"].items() for _ in v]
+    assert rep["mean_depth"] == pytest.approx(sum(layer / 2 for layer in layers) / 5)
+    assert rep["middle_third_share"] == pytest.approx(sum(layer == 1 for layer in layers) / 5)
+    model = load_model(out / "model", "classifier", num_labels=5)
+    assert get_adapter(model).head_counts() == [len(rep["kept"][str(i)]) for i in range(3)]
+    details = json.loads((out / "details.json").read_text())
+    assert len(details["scores"]) == 12
+    if method != "attattr":
+        assert details["gate_training"]["steps"] == 4  # 60 training examples / 16 per batch
