@@ -163,13 +163,16 @@ def test_tree_batching_equals_one_by_one(make, tok):
         for a, b in zip(got, one, strict=True):
             assert a == pytest.approx(b, abs=1e-4)
         assert max(r for r, _ in shapes) <= bs
-        # the rest: the self-check's plain passes over one item's (at most 4) choices
-        assert 1 <= fast.stats.forward_passes - len(shapes) <= math.ceil(4 / bs)
+        # the rest: the self-check's plain passes over one unit's (at most 4) choices per kind
+        # checked (a branched trie; with several items to a row, a row shared by documents)
+        n_checked = len(fast.stats.checked)
+        assert 1 <= n_checked <= 2
+        assert 1 <= fast.stats.forward_passes - len(shapes) <= math.ceil(4 * n_checked / bs)
         items = [fast._sequences(list(zip(e.contexts, e.continuations, strict=True))) for e in exs]
         tree_tokens = [len(fast._layout([s[:-1] for s, _ in it])[0]) for it in items]
         # every item is there twice: a copy in the same row shares all of its tokens (plus the
-        # self-check's plain sequences, at most 4 of them)
-        assert sum(tree_tokens) / 2 <= fast.stats.tokens <= sum(tree_tokens) + 4 * max(tree_tokens)
+        # self-check's plain sequences, at most 4 per kind checked)
+        assert sum(tree_tokens) / 2 <= fast.stats.tokens <= sum(tree_tokens) + 4 * n_checked * max(tree_tokens)
         passes[bs] = len(shapes)
     assert passes[6] < passes[2] < passes[1]
 
@@ -206,7 +209,7 @@ def test_items_sharing_a_long_prefix_run_it_once(gpt2, tok):
     shots = "Q: 1+1\nA: 2\n\nQ: 2+3\nA: 5\n\nQ: 4+4\nA: 8\n\nQ: 3+3\nA: 6\n\nQ: 9+0\nA: 9\n\nQ: 1+2\nA: 3\n\n"
     items = [[(f"{shots}Q: {i}+1\nA:", f" {k}") for k in (i + 1, i + 2, 7)] for i in range(12)]
     fast = Scorer(gpt2, tok, batch_size=4, progress=False)
-    fast._trie_checked = True  # no self-check pass: count the trie passes alone
+    fast._check = False  # no self-check pass: count the trie passes alone
     shapes: list[tuple[int, int]] = []
     inner = fast._tree_forward
     fast._tree_forward = lambda ids, *a: shapes.append(tuple(ids.shape)) or inner(ids, *a)

@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
 from headbudget.io import read_text_file
 from headbudget.threads import add_threads_flag
 
@@ -50,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_device_flag(p)
+    add_dtype_flag(p, auto="float32; the compression itself always runs in float32, --dtype is the type "
+                   "perplexity is measured in and the compressed model saved in")
     add_threads_flag(p)  # applied by cli.main (headbudget.threads)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -90,8 +94,11 @@ def read_groups(path: str) -> list | dict:
 
 def run(args: argparse.Namespace) -> int:
     from headbudget.compression.pipeline import format_report, run_compress
+    from headbudget.loading import resolve_device, resolve_dtype
     from headbudget.run_dir import claim_output_dir
 
+    resolve_dtype(args.dtype)
+    resolve_device(args.device)
     _fraction(args.keep, "--keep")
     sweep = None
     if args.sweep:
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             args.model, args.method, args.keep, args.allocation, args.out, data=args.data,
             tokenizer=args.tokenizer, sweep=sweep, groups=groups, context=args.context, stride=args.stride,
             max_windows=args.max_windows, max_tokens=args.max_tokens, strength=args.strength,
-            progress=not args.no_progress, threads=args.threads,
+            progress=not args.no_progress, threads=args.threads, dtype=args.dtype, device=args.device,
         )
     print(format_report(report))
     print(f"wrote {Path(args.out) / 'model'}, {Path(args.out) / 'report.json'}"

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
 from headbudget.io import atomic_write_json
 from headbudget.run_dir import check_output_file
 from headbudget.threads import add_threads_flag
@@ -27,17 +28,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer folder, byte, gpt2[:DIR], hf:NAME or hub name "
                    "(default: the model's own, see headbudget.loading)")
     p.add_argument("--gguf-file", help="GGUF file name inside MODEL (a folder with several)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    add_device_flag(p)
+    add_dtype_flag(p)
     add_threads_flag(p)  # applied by cli.main (headbudget.threads), the same on every command
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    from headbudget.loading import load_model_and_tokenizer
+def _check_model_flags(args: argparse.Namespace) -> None:
+    """--device and --dtype checked (one-line errors) before any slow work; ``args.device`` becomes
+    the resolved device (cuda when available), which the scorer is given too."""
+    from headbudget.loading import resolve_device, resolve_dtype
 
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
-    return load_model_and_tokenizer(args.model, tokenizer=args.tokenizer,
-                                    gguf_file=args.gguf_file, device=args.device)
+    args.device = str(resolve_device(args.device))
+    resolve_dtype(args.dtype)
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from headbudget.loading import load_model_and_tokenizer, resolve_dtype
+
+    _check_model_flags(args)
+    return load_model_and_tokenizer(args.model, tokenizer=args.tokenizer, gguf_file=args.gguf_file,
+                                    device=args.device, dtype=resolve_dtype(args.dtype))
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -47,6 +57,7 @@ def run_eval(args: argparse.Namespace) -> int:
     check_output_args(output_path=args.output_path, json_path=args.json, log_samples=args.log_samples)
     if args.json:  # a real write probe too (a read-only folder), before the evaluation, not after it
         check_output_file(args.json, "--json")
+    _check_model_flags(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
                                   num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit)
@@ -87,6 +98,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     if args.json:  # checked before the model loads, not after the scoring
         check_output_file(args.json, "--json")
 
+    _check_model_flags(args)
     text = read_text(args.data, split=args.split)
     model, tok = _load(args)
     res = perplexity(model, tok, text, context=args.context, stride=args.stride,
@@ -108,8 +120,9 @@ def run_attention(args: argparse.Namespace) -> int:
         write_json,
     )
     from headbudget.evaluation.perplexity import read_text
-    from headbudget.loading import load_model_and_tokenizer
+    from headbudget.loading import load_model_and_tokenizer, resolve_dtype
 
+    _check_model_flags(args)
     text = read_text(args.data)
     out = Path(args.out)
     models = [args.model] + ([args.compare] if args.compare else [])
@@ -117,7 +130,7 @@ def run_attention(args: argparse.Namespace) -> int:
     for i, name in enumerate(models):
         model, tok = load_model_and_tokenizer(
             name, tokenizer=args.tokenizer, gguf_file=args.gguf_file if i == 0 else None,
-            device=args.device)
+            device=args.device, dtype=resolve_dtype(args.dtype))
         s = attention_summary_from_text(model, tok, text, seq_len=args.seq_len, n_seqs=args.n_seqs,
                                         local_window=args.local_window)
         label = Path(str(name).rstrip("/")).name or str(name)

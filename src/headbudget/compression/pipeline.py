@@ -217,24 +217,32 @@ def run_compress(
     strength: float = 0.5,
     progress: bool = True,
     threads: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Load ``model_path``, compress, evaluate and write ``out/model/``, ``out/report.json`` (and the sweep).
 
     ``threads`` sets torch's intra-op threads for the duration (restored afterwards); 1 is much faster for
-    small models on a busy CPU."""
+    small models on a busy CPU.  The compression itself is computed in float32 on the CPU; ``dtype``
+    (auto/None: float32) is the float type perplexity is measured in and the compressed model is saved
+    in, ``device`` (default: cuda when available) where perplexity is measured."""
     from headbudget.experiments._common import torch_threads
+    from headbudget.loading import resolve_device, resolve_dtype
 
+    torch_dtype = resolve_dtype(dtype) or torch.float32
+    dev = resolve_device(device)
     with torch_threads(threads):
         return _run_compress(model_path, method, keep, allocation, out, data=data, tokenizer=tokenizer,
                              sweep=sweep, groups=groups, context=context, stride=stride,
                              max_windows=max_windows, max_tokens=max_tokens, strength=strength,
-                             progress=progress)
+                             progress=progress, dtype=torch_dtype, device=dev)
 
 
 def _run_compress(model_path: str, method: str, keep: float, allocation: str, out: str, *, data: str | None,
                   tokenizer: str | None, sweep: Sequence[float] | None,
                   groups: Sequence[Sequence[Sequence[int]] | None] | None, context: int, stride: int | None,
-                  max_windows: int | None, max_tokens: int | None, strength: float, progress: bool
+                  max_windows: int | None, max_tokens: int | None, strength: float, progress: bool,
+                  dtype: torch.dtype = torch.float32, device: torch.device | None = None
                   ) -> dict[str, Any]:
     from headbudget.evaluation.cost import model_cost
     from headbudget.loading import check_vocab, load_model, load_tokenizer, resolve_model
@@ -268,7 +276,11 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
               "--max-tokens/--max-windows make it shorter", file=sys.stderr, flush=True)
 
     def ppl(m: nn.Module) -> dict[str, Any] | None:
-        return None if ids is None else evaluate_perplexity(m, ids, context, stride, max_windows, progress)
+        if ids is None:
+            return None
+        if dtype != torch.float32 or (device is not None and device.type != "cpu"):
+            m = copy.deepcopy(m).to(device=device, dtype=dtype)  # the float32 CPU original is compressed on
+        return evaluate_perplexity(m, ids, context, stride, max_windows, progress)
 
     before = ppl(model)
     compressed, info = compress_model(model, method, keep, allocation, groups=groups, strength=strength,
@@ -287,7 +299,7 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
         "perplexity_before": before, "perplexity_after": after, "data": data,
         "schedule_after": compressed.config.schedule,
     }
-    save_model_atomic(compressed, out_dir / "model", tok)
+    save_model_atomic(compressed.to(dtype), out_dir / "model", tok)
     if sweep:
         if ids is None:
             raise ValueError("a sweep needs text data (it plots perplexity)")

@@ -63,32 +63,43 @@ class HeadBudgetLM(LM):
 
     ``pretrained``: a model directory/hub name (loaded with headbudget's loader: headbudget
     checkpoints, Hugging Face models, ``gguf_file=`` inside a directory) or a loaded
-    ``torch.nn.Module`` (then ``tokenizer`` must be the tokenizer object).
+    ``torch.nn.Module`` (then ``tokenizer`` must be the tokenizer object).  ``dtype``: auto (the
+    checkpoint's own), float32, bfloat16 or float16, as lm-eval's hf backend (a loaded model is cast
+    to it); ``device``: cpu, cuda or cuda:N, by default cuda when available (a loaded model stays
+    where it is).
 
         >>> lm = HeadBudgetLM(pretrained="runs/prism/model", batch_size=16)   # doctest: +SKIP
+        >>> lm = HeadBudgetLM(pretrained="runs/prism/model", dtype="bfloat16")  # doctest: +SKIP
         >>> lm_eval.simple_evaluate(model=lm, tasks=["piqa"])                 # doctest: +SKIP
     """
 
     def __init__(self, pretrained: Any = None, tokenizer: Any = None, gguf_file: str | None = None,
                  batch_size: Any = DEFAULT_BATCH_SIZE, device: str | None = None,
                  strategy: str = "prefix", add_bos_token: Any = None, max_length: Any = None,
-                 progress: Any = True, max_batch_size: Any = None, **unknown: Any) -> None:
+                 progress: Any = True, max_batch_size: Any = None, dtype: Any = None,
+                 **unknown: Any) -> None:
+        from headbudget.loading import resolve_device, resolve_dtype
+
         super().__init__()
         if unknown:
             raise ValueError(f"model_args: unknown argument(s) {', '.join(sorted(unknown))} for the "
                              "headbudget model (pretrained, tokenizer, gguf_file, batch_size, device, "
-                             "strategy, add_bos_token, max_length)")
+                             "dtype, strategy, add_bos_token, max_length)")
+        torch_dtype = resolve_dtype(dtype, flag="model_args dtype")
         if pretrained is None:
             raise ValueError("model_args: pretrained=DIR is required for the headbudget model")
         if isinstance(pretrained, torch.nn.Module):
             if tokenizer is None or isinstance(tokenizer, (str, Path)):
                 raise ValueError("a loaded model needs its tokenizer object (tokenizer=...)")
             model, tok = pretrained, tokenizer
+            if torch_dtype is not None:
+                model.to(torch_dtype)
         else:
             from headbudget.loading import load_model_and_tokenizer
 
+            device = str(resolve_device(device, flag="model_args device"))
             model, tok = load_model_and_tokenizer(pretrained, tokenizer=tokenizer, gguf_file=gguf_file,
-                                                  device=device)
+                                                  device=device, dtype=torch_dtype)
         self.model_name = str(pretrained) if not isinstance(pretrained, torch.nn.Module) \
             else type(pretrained).__name__
         self.tokenizer = tok
@@ -163,7 +174,10 @@ class HeadBudgetLM(LM):
         return str(getattr(self.tokenizer, "name_or_path", "")).replace("/", "__")
 
     def get_model_info(self) -> dict[str, Any]:
+        dtype = next((p.dtype for p in self.scorer.model.parameters() if p.is_floating_point()), None)
         return {"model_class": type(self.scorer.model).__name__, "strategy": self.scorer.strategy,
+                "dtype": str(dtype).removeprefix("torch."), "device": str(self.scorer.device),
+                "fallbacks": list(self.scorer.stats.fallbacks),
                 "batch_size": self.scorer.batch_size, "max_length": self.scorer.max_length}
 
 

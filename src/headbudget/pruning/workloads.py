@@ -25,9 +25,15 @@ if TYPE_CHECKING:
 
 
 def _device(job: PruneJob) -> Any:
-    import torch
+    from headbudget.loading import resolve_device
 
-    return torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return resolve_device(job.device, flag="device")
+
+
+def _dtype(job: PruneJob) -> Any:
+    from headbudget.loading import resolve_dtype
+
+    return resolve_dtype(job.dtype, flag="dtype")
 
 
 def _save(model: Any, tokenizer: Any, out: Path, sidecar: bool) -> None:
@@ -61,7 +67,7 @@ class ClassificationWorkload:
         self.device = _device(job)
         model, self.tokenizer = load_model_and_tokenizer(
             job.model, "classifier", tokenizer=job.tokenizer, num_labels=self.spec.num_labels,
-            label_names=self.spec.label_names, seed=job.seed)
+            label_names=self.spec.label_names, seed=job.seed, dtype=_dtype(job))
         self._pristine = model  # a fresh deep copy per method (prune-compare)
         self.train = subsample(self.data.train, job.limit_train, job.seed)
         self.evals = {s: subsample(self.data.splits[s], job.limit_eval, job.seed) for s in self.data.eval_splits}
@@ -126,7 +132,7 @@ class LMWorkload:
         t0 = time.perf_counter()
         self.device = _device(job)
         model, self.tokenizer = load_model_and_tokenizer(job.model, "causal", tokenizer=job.tokenizer,
-                                                         as_headbudget=True)
+                                                         as_headbudget=True, dtype=_dtype(job))
         cfg = model.config
         n_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
         if n_pos is not None and job.context > int(n_pos):
