@@ -22,6 +22,7 @@ import argparse
 import sys
 from typing import Any
 
+from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
 from headbudget.pruning.pipeline import METHODS, PruneJob, run_compare, run_prune
 from headbudget.run_dir import claim_output_dir
 
@@ -95,7 +96,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-train", type=int, default=None, help="seeded subsample of the training split")
     p.add_argument("--limit-eval", type=int, default=None,
                    help="seeded subsample of each eval split (lm: at most N held-out windows)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    add_device_flag(p)
+    add_dtype_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
@@ -111,7 +113,7 @@ def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
                          else (0 if args.task == "lm" else 3)), lr=args.lr,
         warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, batch_size=args.batch_size,
         seed=args.seed, limit_train=args.limit_train, limit_eval=args.limit_eval, max_length=args.max_length,
-        device=args.device, progress=not args.no_progress, data=args.data, tokenizer=args.tokenizer,
+        device=args.device, dtype=args.dtype, progress=not args.no_progress, data=args.data, tokenizer=args.tokenizer,
         context=args.context, calib_windows=args.calib_windows, heldout_fraction=args.heldout_fraction,
         salience_order=args.salience_order,
         knee_warn_ratio=args.knee_warn_ratio, representative=args.representative, allocation=args.allocation,

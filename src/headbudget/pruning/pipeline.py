@@ -84,6 +84,7 @@ class PruneJob:
     limit_eval: int | None = None
     max_length: int = 128
     device: str | None = None
+    dtype: str = "auto"  # float type of the model's weights (headbudget.loading.DTYPES); auto: the checkpoint's
     progress: bool = True
     save_model: bool = True
     # task "lm"
@@ -117,6 +118,10 @@ class PruneJob:
 
 def check_job(job: PruneJob) -> None:
     """A one-line ``ValueError`` naming the first invalid setting of ``job``."""
+    from headbudget.loading import resolve_device, resolve_dtype
+
+    resolve_dtype(job.dtype, flag="dtype")
+    resolve_device(job.device, flag="device")
     if job.task == "lm":
         if not job.data:
             raise ValueError("task lm needs a text file (data): calibration windows and held-out perplexity")
