@@ -321,3 +321,27 @@ def test_prepared_data_and_analysis_files_follow_the_umask(tmp_path, umask022):
     for f in (data.directory / "meta.json", tmp_path / "attention.json"):
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f  # were 0600 (tempfile.mkstemp)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_compress_disk_full_is_one_line_and_leaves_no_temp_files(tmp_path, capsys, monkeypatch):
+    from headbudget.data.tokenizers import make_tokenizer
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+
+    model_dir = tmp_path / "model"
+    HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=257)).save_pretrained(model_dir)
+    make_tokenizer("byte").save(model_dir / "tokenizer")
+    capsys.readouterr()
+
+    def full_disk(self, directory, *a, **k):
+        path = Path(directory) / "model.safetensors"
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(HeadBudgetForCausalLM, "save_pretrained", full_disk)
+    out = tmp_path / "out"
+    assert main(["compress", str(model_dir), "--keep", "0.5", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # (after transformers' own "Loading weights" bar)
+    assert err.startswith(f"headbudget compress: error: {out}/.model.")
+    assert err.endswith("/model.safetensors: No space left on device")
+    assert not out.exists() or _no_temp_left(out) == []
