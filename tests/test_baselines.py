@@ -304,3 +304,34 @@ def test_prune_cli_baseline_writes_a_loadable_model(tiny, tmp_path, method, extr
     assert len(details["scores"]) == 12
     if method != "attattr":
         assert details["gate_training"]["steps"] == 4  # 60 training examples / 16 per batch
+
+
+@pytest.mark.parametrize("method", ["pipelined-dsp", "pass"])
+def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
+    """task lm: the gates train on the calibration windows' LM loss of a headbudget model with unequal
+    layers (2, 4, 8 heads); PASS runs without reopening there (no eager attention to read confidence from)."""
+    from headbudget.cli.main import main
+    from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.schedules import prism
+
+    torch.manual_seed(0)
+    HeadBudgetForCausalLM(HeadBudgetConfig(schedule=prism(3, 64, 32, 8), vocab_size=257, n_positions=64,
+                                           dropout=0.0)).save_pretrained(tmp_path / "run" / "model")
+    from headbudget.data.tokenizers import ByteTokenizer
+
+    ByteTokenizer().save(tmp_path / "run" / "tokenizer")
+    out = tmp_path / method
+    rc = main(["prune", str(tmp_path / "run"), "--task", "lm", "--data", str(FIX.parent / "lm" / "tiny_corpus.txt"),
+               "--method", method, "--keep", "6", "--gate-cooldown", "2", "--context", "32", "--calib-windows", "8",
+               "--batch-size", "4", "--no-progress", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["heads_kept"] == 6 and all(len(rep["kept"][str(i)]) >= 1 for i in range(3))
+    details = json.loads((out / "details.json").read_text())
+    assert details["gate_training"]["steps"] == 2  # 8 windows / 4 per batch
+    if method == "pass":
+        assert details["gate_training"]["reopen"] is False
+    from headbudget.pruning.adapters import get_adapter
+
+    model = HeadBudgetForCausalLM.from_pretrained(out / "model")
+    assert get_adapter(model).head_counts() == [len(rep["kept"][str(i)]) for i in range(3)]
