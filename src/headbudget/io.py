@@ -116,11 +116,24 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        _name_the_target(exc, Path(tmp), path)
         raise
     return path
+
+
+def _name_the_target(exc: BaseException, tmp: Path, path: Path) -> None:
+    """An OSError about the temporary file (or a file in the temporary folder) names the path the user
+    asked for instead: the temporary one no longer exists when the message is read."""
+    if not isinstance(exc, OSError) or exc.filename is None:
+        return
+    try:
+        rel = Path(os.fsdecode(exc.filename)).relative_to(tmp)
+    except ValueError:
+        return
+    exc.filename = str(path / rel) if rel.parts else str(path)
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any, indent: int = 2) -> Path:
@@ -144,8 +157,9 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        _name_the_target(exc, tmp, path)
         raise
     return path
 
