@@ -155,13 +155,14 @@ def test_a_set_typo_is_refused_before_torch_is_imported():
         from headbudget.cli.main import main
         rcs = [main(["train", "quickstart", "--set", "train.stpes=3"]),
                main(["compare", "quickstart", "--set", "train.stpes=3"]),
-               main(["quickstart", "--set", "train.stpes=3"])]
+               main(["quickstart", "--set", "train.stpes=3"]),
+               main(["prepare", "quickstart", "--set", "train.stpes=3"])]
         print(rcs, "torch" in sys.modules)
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.stdout.strip() == "[2, 2, 2] False"
+    assert res.stdout.strip() == "[2, 2, 2, 2] False"
     assert res.stderr.splitlines() == [f"headbudget {c}: error: --set 'train.stpes=3': unknown key 'train.stpes'"
-                                       for c in ("train", "compare", "quickstart")]
+                                       for c in ("train", "compare", "quickstart", "prepare")]
 
 
 def test_non_utf8_files_name_the_file_and_byte_offset(tmp_path, capsys):

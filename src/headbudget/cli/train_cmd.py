@@ -119,7 +119,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from headbudget.data.prepare import prepare_data
 
-    cfg = _load(args)
+    cfg = getattr(args, "cfg", None) or _load(args)
     d = cfg.data
     source = args.source or d.source
     tokenizer = args.tokenizer or d.tokenizer
@@ -169,4 +169,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="byte, bpe:N, gpt2[:DIR], hf:NAME_OR_PATH")
     p.add_argument("--cache-dir", help="cache directory (default $HEADBUDGET_DATA_CACHE or ~/.cache/headbudget/data)")
     p.add_argument("--force", action="store_true", help="rebuild even when a cached copy exists")
-    p.set_defaults(func=cmd_prepare)
+    p.set_defaults(func=cmd_prepare, validate=_validate)
