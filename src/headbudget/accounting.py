@@ -146,3 +146,27 @@ def config_cost(config, context: int | None = None) -> ModelCost:
         params += n_mat * d * hidden + config.mlp_bias * ((2 if gated else 1) * hidden + d)
         flops += attention_flops_per_token(spec, d, context) + 2 * n_mat * d * hidden
     return ModelCost(params=int(params), flops_per_token=int(flops), context=int(context))
+
+
+def kv_cache_bytes_per_token(config, dtype="float32") -> int:
+    """Bytes one token adds to the KV cache of a headbudget decoder: every layer stores its key heads
+    (``n_kv_heads x qk_head_dim``) and value heads (``n_kv_heads x v_head_dim``) at the element size of
+    ``dtype`` (a torch dtype or its name).  Equal to 2 x sum(kv_heads x head_dim) x bytes when q/k and v
+    widths are equal.
+
+        >>> from headbudget.models import HeadBudgetConfig
+        >>> cfg = HeadBudgetConfig(schedule={"d_model": 64, "layers": [{"n_heads": 4, "head_dim": 16,
+        ...                                                             "n_kv_heads": 2}] * 3})
+        >>> kv_cache_bytes_per_token(cfg, "bfloat16")   # 3 layers x 2 (k, v) x 2 heads x 16 x 2 bytes
+        384
+    """
+    import torch
+
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. float32, bfloat16)")
+        dtype = resolved
+    size = torch.empty((), dtype=dtype).element_size()
+    per_token = sum(s["n_kv_heads"] * (s["qk_head_dim"] + s["v_head_dim"]) for s in config.layer_specs())
+    return int(per_token * size)

@@ -82,6 +82,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="attattr: first N examples of the primary evaluation split (published: 200)")
     p.add_argument("--attattr-steps", type=int, default=20,
                    help="attattr: integrated-gradients steps (published: 20)")
+    p.add_argument("--granularity", choices=("head", "group", "balanced"), default="head",
+                   help="grouped-query models: any query heads (head), whole kv groups so the KV cache shrinks "
+                        "(group), or the same number of query heads per kv head in a layer (balanced)")
     p.add_argument("--finetune-epochs", type=int, default=None,
                    help="recovery fine-tuning epochs (default 3; 0 for --task lm, where an epoch is one pass "
                         "over the calibration windows)")
@@ -119,6 +122,7 @@ def _job(args: argparse.Namespace, method: str = "cahp") -> PruneJob:
         knee_warn_ratio=args.knee_warn_ratio, representative=args.representative, allocation=args.allocation,
         n_clusters=args.clusters, gate_lr=args.gate_lr, gate_epochs=args.gate_epochs,
         gate_cooldown=args.gate_cooldown, attattr_examples=args.attattr_examples, attattr_steps=args.attattr_steps,
+        granularity=args.granularity,
         **(dict(ddof=0, var_floor=None, var_eps=1e-10, tsne_dtype="float64") if args.legacy_signatures else {}),
     )
 
@@ -150,6 +154,12 @@ def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy") 
           + (f" (knee k={rep['knee_k']})" if rep["knee_k"] is not None else "")
           + f"; {metric_name} dense {f(m['dense'])}, pruned {f(m['pruned'])}, fine-tuned {f(m['finetuned'])}; "
           f"report in {out}/report.md")
+    cost = rep.get("cost") or {}
+    sizes = [f"{label} {cost[key]['before']:,} -> {cost[key]['after']:,}"
+             for key, label in (("params", "params"), ("flops_per_token", "FLOPs/token"),
+                                ("kv_cache_bytes_per_token", "KV-cache bytes/token")) if key in cost]
+    if sizes:
+        print("  " + "; ".join(sizes))
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
@@ -173,6 +183,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"{r['label']}: {r['heads_kept']} heads; " + ", ".join(
             f"{s} pruned {a['pruned']:.4f} fine-tuned {'-' if a['finetuned'] is None else format(a['finetuned'], '.4f')}"
             for s, a in r["metric"].items()))
+        kv = (r.get("cost") or {}).get("kv_cache_bytes_per_token")
+        if kv:
+            c = r["cost"]
+            print(f"  params {c['params']['before']:,} -> {c['params']['after']:,}; FLOPs/token "
+                  f"{c['flops_per_token']['before']:,} -> {c['flops_per_token']['after']:,}; KV-cache bytes/token "
+                  f"{kv['before']:,} -> {kv['after']:,}")
     print(f"table in {args.out}/compare.md")
     return 0
 

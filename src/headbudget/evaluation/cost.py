@@ -73,4 +73,32 @@ def model_cost(model: nn.Module, context: int | None = None) -> dict[str, int]:
     return {"params": int(params), "flops_per_token": int(flops), "context": T}
 
 
-__all__ = ["model_cost", "module_flops_per_token"]
+def model_kv_cache_bytes(model: nn.Module) -> int | None:
+    """Bytes one token adds to the model's KV cache at its parameters' dtype, or None for an encoder.
+
+    headbudget decoders by :func:`headbudget.accounting.kv_cache_bytes_per_token`; Llama-style and GPT-2
+    decoders from their k/v projections (each key and value row is one cached element per token).
+
+        >>> model_kv_cache_bytes(model)          # doctest: +SKIP
+        92160
+    """
+    config = model.config
+    size = next(model.parameters()).element_size()
+    if getattr(config, "model_type", None) == "headbudget":
+        from headbudget.accounting import kv_cache_bytes_per_token
+
+        return kv_cache_bytes_per_token(config, next(model.parameters()).dtype)
+    if not (getattr(config, "is_decoder", False) or type(model).__name__.endswith("ForCausalLM")):
+        return None
+    elements = 0
+    for mod in model.modules():
+        k, v = getattr(mod, "k_proj", None), getattr(mod, "v_proj", None)
+        if isinstance(k, nn.Linear) and isinstance(v, nn.Linear):
+            elements += k.out_features + v.out_features
+        c_attn = getattr(mod, "c_attn", None)
+        if c_attn is not None and hasattr(c_attn, "nf"):  # GPT-2: q | k | v columns of one Conv1D
+            elements += 2 * (int(c_attn.weight.shape[1]) // 3)
+    return int(elements * size) if elements else None
+
+
+__all__ = ["model_cost", "model_kv_cache_bytes", "module_flops_per_token"]

@@ -139,6 +139,19 @@ class HeadBudgetAttention(nn.Module):
         self.kv_groups = spec["kv_groups"]  # None: every kv head serves n_heads // n_kv_heads queries
         sizes = self.kv_groups or [self.n_heads // self.n_kv_heads] * self.n_kv_heads
         self.kv_index = [g for g, size in enumerate(sizes) for _ in range(size)]  # query head -> kv head
+        # Unequal groups run as one grouped-query SDPA call per run of consecutive equal-size groups:
+        # (first query head, first kv head, kv heads, queries per kv head).  Slicing a run out of q and of the
+        # cache is a view, so a decode step never copies the cache (index_select to one kv row per query head
+        # copied all of it every step, and made pruned decoding slower than dense).
+        self.kv_runs: list[tuple[int, int, int, int]] = []
+        q0 = 0
+        for g, size in enumerate(sizes):
+            run = self.kv_runs[-1] if self.kv_runs else None
+            if run is not None and run[3] == size:
+                self.kv_runs[-1] = (run[0], run[1], run[2] + 1, size)
+            else:
+                self.kv_runs.append((q0, g, 1, size))
+            q0 += size
         self.split_sizes = (self.n_heads * self.qk_head_dim, self.n_kv_heads * self.qk_head_dim,
                             self.n_kv_heads * self.v_head_dim)
         # The scale follows the nominal head_dim, so low-rank q/k keep the original logit scale.
@@ -160,7 +173,7 @@ class HeadBudgetAttention(nn.Module):
             q, k = apply_rotary(q, k, *rotary)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        if self.kv_groups is not None or (output_attentions and KV != H):  # one kv row per query head
+        if output_attentions and KV != H:  # the explicit softmax below needs one kv row per query head
             index = torch.tensor(self.kv_index, device=x.device)
             k, v = k.index_select(1, index), v.index_select(1, index)
         # mask is None => plain causal attention over keys == queries (no cache prefix, no padding).
@@ -172,9 +185,15 @@ class HeadBudgetAttention(nn.Module):
             allowed = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
             y = F.dropout(probs, dropout, self.training) @ v
-        else:
+        elif self.kv_groups is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                                scale=self.scale, enable_gqa=k.shape[1] != H)
+        else:  # unequal groups: one call per run of equal groups, on views of q and of the cache
+            y = torch.cat([
+                F.scaled_dot_product_attention(
+                    q[:, q0:q0 + n * size], k[:, g0:g0 + n], v[:, g0:g0 + n], attn_mask=mask, dropout_p=dropout,
+                    is_causal=is_causal, scale=self.scale, enable_gqa=size > 1)
+                for q0, g0, n, size in self.kv_runs], dim=1)
         if head_gate is not None:  # gate each head's output: zero == the head removed
             y = y * head_gate.to(y.dtype).view(1, H, 1, 1)
         y = y.transpose(1, 2).reshape(B, T, H * self.v_head_dim)

@@ -113,6 +113,9 @@ class PruneJob:
     # attattr (:mod:`headbudget.pruning.attattr`): the first N examples of the primary evaluation split, m steps
     attattr_examples: int = 200
     attattr_steps: int = 20
+    # which heads may go together (:mod:`headbudget.pruning.granularity`): "head" (any), "group" (whole kv
+    # groups: the KV cache shrinks) or "balanced" (the same number of query heads per kv head in a layer)
+    granularity: str = "head"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -162,6 +165,8 @@ def check_job(job: PruneJob) -> None:
         raise ValueError(f"gate_cooldown must be >= 1 step, got {job.gate_cooldown}")
     if job.attattr_examples < 1:
         raise ValueError(f"attattr_examples must be >= 1, got {job.attattr_examples}")
+    if job.granularity not in ("head", "group", "balanced"):
+        raise ValueError(f"granularity must be head, group or balanced, got {job.granularity!r}")
     if job.attattr_steps < 1:
         raise ValueError(f"attattr_steps must be >= 1, got {job.attattr_steps}")
     if job.curve not in ("mss", "accuracy"):
@@ -192,7 +197,7 @@ def _target_heads(job: PruneJob, heads_total: int) -> int | None:
 
 def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     """Select, remove, fine-tune and report one method; returns ``{"report", "details"}``."""
-    from headbudget.evaluation.cost import model_cost
+    from headbudget.evaluation.cost import model_cost, model_kv_cache_bytes
     from headbudget.pruning import report as rpt
     from headbudget.pruning.cahp import cahp_select, kept_by_layer
     from headbudget.pruning.finetune import evaluate_accuracy
@@ -214,7 +219,7 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     model = loaded.fresh_model(job)
-    cost_before = model_cost(model)
+    cost_before = dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))
     adapter = model_adapter(model)
     counts = adapter.head_counts()
     heads = [(layer, h) for layer, n in enumerate(counts) for h in range(n)]
@@ -301,6 +306,21 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
         seconds["select"] = time.perf_counter() - t
         if scores is not None:
             details["scores"] = scores
+    if job.granularity != "head":
+        from headbudget.pruning.granularity import apply_granularity, kv_groups_of
+
+        # per-head scores of the method; methods without one final score (cahp, michel) rank their own
+        # selection first: 1 for a kept head, 0 for the rest
+        flat = None if details.get("scores") is None else flatten(details["scores"])
+        if flat is None or len(flat) != n_total:
+            kept_set = set(kept)
+            flat = [1.0 if i in kept_set else 0.0 for i in range(n_total)]
+        per_layer, start = [], 0
+        for n in counts:
+            per_layer.append([float(v) for v in flat[start:start + n]])
+            start += n
+        kept = apply_granularity(job.granularity, per_layer, kv_groups_of(adapter), target or len(kept))
+        details["granularity"] = job.granularity
     kept_layers = kept_by_layer(kept, heads, len(counts))
 
     t = time.perf_counter()
@@ -308,7 +328,8 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     seconds["prune"] = time.perf_counter() - t
     if adapter.head_counts() != [len(kept_layers[layer]) for layer in range(len(counts))]:
         raise RuntimeError("pruning left unexpected head counts")
-    cost = {"before": cost_before, "after": model_cost(model)}
+    cost = {"before": cost_before,
+            "after": dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))}
     t = time.perf_counter()
     pruned = _evaluate(model, loaded, job, "pruned")
     seconds["pruned_eval"] = time.perf_counter() - t
@@ -343,6 +364,12 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
             f"the knee keeps {report['heads_kept']}/{n_total} heads and held-out perplexity goes from "
             f"{dense[p]:.4g} to {pruned[p]:.4g} ({pruned[p] / dense[p]:.1f}x dense, more than "
             f"{job.knee_warn_ratio:g}x): force a head count with keep / keep_ratio")
+    gate_info = details.get("gate_training") or {}
+    if gate_info.get("cooled_down") is False:  # DSP on a short run: the relaxation never sharpened
+        report["warning"] = (
+            f"{job.method}: the temperature never reached {gate_info['t_end']:g}: {gate_info['steps']} gate-training "
+            f"steps < cooldown {gate_info['cooldown']} (last temperature {gate_info['final_temperature']:.3g}); "
+            "raise gate_epochs (--gate-epochs) or lower gate_cooldown (--gate-cooldown)")
     plots.append(str(rpt.plot_heads_per_layer({job.method: kept_layers}, len(counts), out / "heads_per_layer.png")))
     points = {f"{job.method} pruned": [(report["heads_kept"], pruned[p])]}
     if finetuned.get(p) is not None:
@@ -389,6 +416,8 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     for k in ("representative", "allocation", "n_clusters"):  # added later: unset keeps older runs resumable
         if d[k] is None:
             del d[k]
+    if d.get("granularity") == "head":  # added later: the default keeps older runs resumable
+        del d["granularity"]
     mine = _METHOD_FIELDS.get(job.method, ())
     for fields in _METHOD_FIELDS.values():
         for k in fields:

@@ -4,7 +4,10 @@
 
     {"method", "heads_total", "heads_kept", "kept": {"<layer>": [heads]}, "mean_depth",
      "middle_third_share", "knee_k", "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...},
-     "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context"}}
+     "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context",
+              "kv_cache_bytes_per_token": {"before", "after"}}}
+
+(``kv_cache_bytes_per_token`` -- what one token adds to the KV cache at the model's dtype -- only for decoders.)
 
 (``mean_depth`` and ``middle_third_share`` measure where the kept heads sit, see :func:`depth_profile`;
 ``metric`` holds the primary dev-split accuracy -- for ``--task lm`` the held-out perplexity, lower
@@ -124,6 +127,9 @@ def build_report(
             "flops_per_token": {"before": int(cost["before"]["flops_per_token"]),
                                 "after": int(cost["after"]["flops_per_token"])},
             "context": int(cost["before"]["context"]),
+            **({"kv_cache_bytes_per_token": {"before": int(cost["before"]["kv_cache_bytes_per_token"]),
+                                             "after": int(cost["after"]["kv_cache_bytes_per_token"])}}
+               if cost["before"].get("kv_cache_bytes_per_token") is not None else {}),
         },
     }
 
@@ -162,7 +168,10 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
         c = report["cost"]
         lines += ["", f"## Size (forward FLOPs per token at context {c['context']})", "",
                   "| | before | after | ratio |", "| --- | --- | --- | --- |"]
-        for key, label in (("params", "parameters"), ("flops_per_token", "FLOPs / token")):
+        for key, label in (("params", "parameters"), ("flops_per_token", "FLOPs / token"),
+                           ("kv_cache_bytes_per_token", "KV-cache bytes / token")):
+            if key not in c:  # encoders have no KV cache
+                continue
             b, a = c[key]["before"], c[key]["after"]
             lines.append(f"| {label} | {b:,} | {a:,} | {a / b:.3f} |")
     lines += ["", "## Heads kept per layer", ""]
@@ -193,6 +202,10 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
         head += [f"{s} pruned", f"{s} fine-tuned"]
     has_depth = any("mean_depth" in r for r in rows)
     head += (["mean depth", "middle third"] if has_depth else []) + ["select s", "finetune s"]
+    cost_keys = [k for k in ("params", "flops_per_token", "kv_cache_bytes_per_token")
+                 if any(k in (r.get("cost") or {}) for r in rows)]
+    head += [{"params": "params", "flops_per_token": "FLOPs / token",
+              "kv_cache_bytes_per_token": "KV-cache bytes / token"}[k] for k in cost_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [str(r["method"]), str(r["heads_kept"])] + ([str(r.get("count_from", ""))] if has_from else [])
@@ -203,6 +216,8 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
         if has_depth:
             cells += [_fmt(r.get("mean_depth")), _fmt(r.get("middle_third_share"))]
         cells += [_fmt(sec.get("select")), _fmt(sec.get("finetune"))]
+        cost = r.get("cost") or {}
+        cells += [f"{cost[k]['before']:,} → {cost[k]['after']:,}" if k in cost else "–" for k in cost_keys]
         lines.append("| " + " | ".join(cells) + " |")
     if rows:
         dense = (rows[0].get("accuracy") or rows[0].get("metric") or {})
