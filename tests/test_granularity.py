@@ -192,3 +192,37 @@ def test_prune_cli_granularity_group_reports_kv_cache_bytes(tmp_path, capsys):
     assert "KV-cache bytes / token" in (out / "report.md").read_text()
     specs = json.loads((out / "model" / "config.json").read_text())["schedule"]["layers"]
     assert sum(s["n_kv_heads"] for s in specs) == 6 and all(s["n_heads"] == 2 * s["n_kv_heads"] for s in specs)
+
+
+def test_granularity_job_is_checked_and_fingerprinted():
+    from dataclasses import replace
+
+    from headbudget.pruning.pipeline import PruneJob, _job_fingerprint, check_job
+
+    job = PruneJob("m", "lm", None, "out", data=str(TEXT), method="magnitude", keep=4, granularity="groups")
+    with pytest.raises(ValueError, match="granularity must be head, group or balanced, got 'groups'"):
+        check_job(job)
+    assert "granularity" not in _job_fingerprint(replace(job, granularity="head"))  # older runs stay resumable
+    assert _job_fingerprint(replace(job, granularity="group"))["granularity"] == "group"
+
+
+def test_balanced_after_a_method_without_scores_keeps_its_heads_first(tmp_path):
+    """michel has no single final score: its kept set ranks first (1 kept, 0 not); balanced then keeps an
+    equal number of query heads per kv head in every layer, at the budget."""
+    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.pruning.pipeline import PruneJob, run_prune
+
+    run = tmp_path / "run"
+    _llama_like(vocab=257).save_pretrained(run / "model")
+    ByteTokenizer().save(run / "tokenizer")
+    res = run_prune(PruneJob(str(run), "lm", None, str(tmp_path / "out"), data=str(TEXT), method="michel", keep=12,
+                             granularity="balanced", context=16, calib_windows=2, finetune_epochs=0, progress=False,
+                             device="cpu", save_model=False))
+    rep, details = res["report"], res["details"]
+    assert rep["heads_kept"] == 12 and details["granularity"] == "balanced"
+    for layer, heads in rep["kept"].items():
+        sizes = [sum(1 for h in heads if h // 2 == g) for g in {h // 2 for h in heads}]
+        assert len(set(sizes)) == 1, (layer, heads)
+    kv = rep["cost"]["kv_cache_bytes_per_token"]
+    kv_heads = sum(len({h // 2 for h in heads}) for heads in rep["kept"].values())
+    assert kv == {"before": 2 * LAYERS * KV * HEAD_DIM * 4, "after": 2 * kv_heads * HEAD_DIM * 4}
