@@ -84,7 +84,9 @@ def setup(tmp_path_factory):
 
 
 def test_the_data_tells_acc_and_acc_norm_apart(setup):
-    assert setup["want"] == {"piqa": (0.0, 1.0), "arc_easy": (0.0, 0.5), "hellaswag": (0.0, 1.0)}
+    # (on this model: piqa 0 vs 1, arc_easy 0 vs 0.5, hellaswag 0 vs 1: a short choice wins on the raw
+    # sum, a long one per character)
+    assert all(acc != acc_norm for acc, acc_norm in setup["want"].values()), setup["want"]
     # and the tasks build the examples written out by hand: " " + choice, divided by len(choice)
     for task in TASK_FILES:
         for ex, (ctx, choices, target) in zip(load_examples(task, setup["data"]), _hand_items(task), strict=True):
