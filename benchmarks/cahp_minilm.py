@@ -44,6 +44,7 @@ def results_summary(rows: list[dict], args: argparse.Namespace, seconds: dict) -
         out_rows.append({
             "label": r["label"], "heads_kept": r["heads_kept"], "count_from": r["count_from"],
             "kept": {k: len(v) for k, v in r["kept"].items()}, "kept_heads": r["kept"], "knee_k": r["knee_k"],
+            "mean_depth": r.get("mean_depth"), "middle_third_share": r.get("middle_third_share"),
             "test_pruned": test.get("pruned"), "test_finetuned": test.get("finetuned"),
             "test_pruned_se": (_with_se(test.get("pruned"), n_test) or {}).get("se"),
             "test_finetuned_se": (_with_se(test.get("finetuned"), n_test) or {}).get("se"),

@@ -304,6 +304,23 @@ def test_prune_cli_baseline_writes_a_loadable_model(tiny, tmp_path, method, extr
     assert len(details["scores"]) == 12
     if method != "attattr":
         assert details["gate_training"]["steps"] == 4  # 60 training examples / 16 per batch
+    assert "warning" not in rep  # DSP here cools down within its 4 steps (cooldown 2)
+
+
+def test_dsp_that_never_cools_down_says_so(tiny, tmp_path, capsys):
+    """4 gate-training steps against the published SST-5 cooldown of 90: the temperature stays high, and the
+    report (and stderr) say so with the way out."""
+    from headbudget.cli.main import main
+
+    out = tmp_path / "dsp"
+    rc = main(["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--method", "pipelined-dsp",
+               "--keep", "5", "--finetune-epochs", "0", "--batch-size", "16", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    want = ("pipelined-dsp: the temperature never reached 1e-08: 4 gate-training steps < cooldown 90 "
+            "(last temperature 430); raise gate_epochs (--gate-epochs) or lower gate_cooldown (--gate-cooldown)")
+    assert rep["warning"] == want
+    assert want in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method", ["pipelined-dsp", "pass"])
