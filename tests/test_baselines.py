@@ -107,6 +107,32 @@ def test_pass_clip_and_reopen_follow_the_published_schedule():
     assert counter == 10 and coeff == pytest.approx(1e-5 * 1000 ** (9 / 45))
 
 
+def test_pass_confidence_is_the_mean_max_pre_softmax_score():
+    """PASS's reopen probabilities come from each head's max (over keys) scaled q.k score, averaged over the
+    batch and the queries and summed over forwards -- checked against q and k computed by hand."""
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.gated import _confidence_patch
+
+    model = _tiny_bert()
+    adapter = get_adapter(model)
+    conf = torch.zeros(12, dtype=torch.float64)
+    patch = _confidence_patch(adapter, conf, [0, 4, 8, 12])
+    batch = {k: v for k, v in _batches(n=1)[0].items() if k != "labels"}
+    with torch.no_grad():
+        with patch():
+            model(**batch)
+        with patch():
+            model(**batch)
+        hidden = model(**batch, output_hidden_states=True).hidden_states
+    want = []
+    for layer in range(3):
+        sa = model.bert.encoder.layer[layer].attention.self
+        q = sa.query(hidden[layer]).view(4, 6, 4, 4).transpose(1, 2)
+        k = sa.key(hidden[layer]).view(4, 6, 4, 4).transpose(1, 2)
+        want += (2 * (q @ k.transpose(-1, -2) / 2.0).max(-1).values.mean((0, 2))).tolist()
+    np.testing.assert_allclose(conf.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- gate training
 @pytest.mark.parametrize("method", ["pipelined-dsp", "pass"])
 def test_frozen_gate_training_keeps_weights_and_trains_only_the_logits(method):
