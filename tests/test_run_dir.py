@@ -344,3 +344,51 @@ def test_compress_disk_full_is_one_line_and_leaves_no_temp_files(tmp_path, capsy
     err = capsys.readouterr().err.splitlines()[-1]  # (after transformers' own "Loading weights" bar)
     assert err == f"headbudget compress: error: {out / 'model' / 'model.safetensors'}: No space left on device"
     assert not out.exists() or _no_temp_left(out) == []
+
+
+@pytest.fixture
+def full_disk_dir(tmp_path):
+    """A 120 KiB tmpfs: a real ENOSPC (needs root and mount; skipped elsewhere)."""
+    d = tmp_path / "small-fs"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(d)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs a tmpfs mount (root)")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def test_a_really_full_disk_is_one_line_for_train_and_compress(tmp_path, full_disk_dir, capsys):
+    """torch's checkpoint writer and safetensors hide ENOSPC in a RuntimeError / SafetensorError."""
+    run = full_disk_dir / "run"
+    assert _train(run, tmp_path / "cache", 2) == 2  # its first checkpoint does not fit
+    err = capsys.readouterr().err
+    assert err == f"headbudget train: error: {run / 'checkpoints' / 'step_000001'}: No space left on device\n"
+    assert _no_temp_left(full_disk_dir) == []
+    assert _train(tmp_path / "ok", tmp_path / "cache", 2) == 0  # a model to compress
+    capsys.readouterr()
+    out = full_disk_dir / "c"
+    assert main(["compress", str(tmp_path / "ok"), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"headbudget compress: error: {out / 'model'}: No space left on device"
+    assert _no_temp_left(full_disk_dir) == [] and not out.exists()
+
+
+def test_hidden_write_errors_become_os_errors(tmp_path, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    import headbudget.io as hio
+
+    e = hio.as_os_error(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),
+                        tmp_path / "m")
+    assert (e.errno, e.strerror, e.filename) == (errno.ENOSPC, "No space left on device", str(tmp_path / "m"))
+    usage = namedtuple("usage", "total used free")
+    torch_writer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 4096))
+    assert hio.as_os_error(torch_writer, tmp_path / "ck").errno == errno.ENOSPC
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10 << 30, 1 << 30, 9 << 30))
+    assert hio.as_os_error(torch_writer, tmp_path / "ck") is None  # space left: not a full disk, a bug
+    assert hio.as_os_error(ZeroDivisionError(), tmp_path) is None

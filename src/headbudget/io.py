@@ -11,8 +11,11 @@ and so does safetensors for ``model.safetensors``): :func:`follow_umask`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -136,6 +139,43 @@ def _name_the_target(exc: BaseException, tmp: Path, path: Path) -> None:
     exc.filename = str(path / rel) if rel.parts else str(path)
 
 
+#: below this many free bytes a failed torch writer (which raises RuntimeError, not OSError) ran out of disk
+_FULL_BELOW = 16 << 20
+
+
+def as_os_error(exc: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The OSError behind a failed write to ``path``, when the writer hid it: safetensors and tokenizers
+    (Rust) say ``... (os error 28)``, torch's zip writer ``[enforce fail at inline_container.cc] ...`` with
+    no reason (then a nearly full file system means ENOSPC).  None when it is not a write failure.
+    Call it before removing the partial output, which frees the space.
+
+    >>> as_os_error(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"), "m")
+    OSError(28, 'No space left on device')
+    """
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # (DCP's CheckpointException is
+        return None  # a BaseException wrapping each rank's error)
+    for failure in (getattr(exc, "failures", None) or {}).values():  # DCP: {rank: (exception, traceback)}
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException) and (found := as_os_error(inner, path)) is not None:
+            return OSError(found.errno, found.strerror, str(path))
+    text = str(exc)
+    if m := re.search(r"\(os error (\d+)\)", text):
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), str(path))
+    if "inline_container.cc" in text:
+        where = Path(path)
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        try:
+            if shutil.disk_usage(where).free < _FULL_BELOW:
+                return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError:
+            pass
+    return None
+
+
 def atomic_write_json(path: str | os.PathLike, data: Any, indent: int = 2) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=indent) + "\n")
 
@@ -146,8 +186,6 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
     >>> atomic_write_dir("/tmp/headbudget-io-model", lambda d: (d / "config.json").write_text("{}"))
     PosixPath('/tmp/headbudget-io-model')
     """
-    import shutil
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
@@ -158,7 +196,10 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
             shutil.rmtree(path)
         os.replace(tmp, path)
     except BaseException as exc:
+        hidden = as_os_error(exc, path)  # before the cleanup frees the space
         shutil.rmtree(tmp, ignore_errors=True)
+        if hidden is not None and hidden is not exc:
+            raise hidden from exc
         _name_the_target(exc, tmp, path)
         raise
     return path

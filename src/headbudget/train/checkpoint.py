@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headbudget.io import atomic_write_text
+from headbudget.io import as_os_error, atomic_write_text
 
 _NAME = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -303,9 +303,12 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
         if rank == 0:
             record = dict(meta or {}, step=step, world_size=world)
             atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=1))
-    except BaseException:  # disk full, killed, ...: no half-written .step_*.tmp left behind
+    except BaseException as exc:  # disk full, killed, ...: no half-written .step_*.tmp left behind
+        hidden = as_os_error(exc, final)  # torch's writers hide ENOSPC in a RuntimeError: look before cleaning
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if hidden is not None and hidden is not exc:
+            raise hidden from exc
         raise
     if rank == 0:
         if final.exists():  # rewritten after resuming from an older step: swap, then drop the old one
