@@ -87,6 +87,15 @@ def test_refused_pickles_and_bad_safetensors_are_one_line(capsys, monkeypatch, t
     assert err.startswith("headbudget experiment: error: unreadable safetensors file: Error while deserializing")
 
 
+def test_a_safetensors_write_error_is_not_called_unreadable(capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    rc, err = _one_line(capsys, monkeypatch, SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"))
+    assert (rc, err) == (2, "headbudget experiment: error: cannot write a safetensors file: Error while "
+                            "serializing: I/O error: No space left on device (os error 28)\n")
+
+
 def test_an_unexpected_error_keeps_its_traceback(capsys, monkeypatch):
     with pytest.raises(ZeroDivisionError):
         _one_line(capsys, monkeypatch, ZeroDivisionError("division by zero"))

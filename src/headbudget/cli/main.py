@@ -65,6 +65,8 @@ def anticipated_error(exc: BaseException) -> str | None:
 
         return f"refusing to unpickle a file that holds more than tensors: {refused_pickle_reason(exc)}"
     if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error (import-free check)
+        if "os error" in str(exc):  # writing: disk full, permission denied, ...
+            return f"cannot write a safetensors file: {exc}"
         return f"unreadable safetensors file: {exc}"
     return None
 
