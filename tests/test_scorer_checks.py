@@ -295,3 +295,20 @@ def test_perplexity_runs_in_the_requested_dtype(model_dir, tmp_path, capsys):
         losses[dtype] = json.loads(out.read_text())["loss"]
     assert losses["float32"] != losses["bfloat16"]
     assert losses["bfloat16"] == pytest.approx(losses["float32"], abs=0.05)
+
+
+def test_prune_and_compress_write_the_requested_dtype(tmp_path):
+    """``prune --dtype bfloat16`` prunes (and saves) the bf16 model; ``compress --dtype bfloat16``
+    compresses in float32, measures perplexity and saves in bf16."""
+    from tests.test_prune_lm import COMMON, TEXT, _tiny_headbudget
+
+    from headbudget.loading import load_model
+
+    run = _tiny_headbudget(tmp_path / "run", with_tokenizer=True)
+    assert main(["prune", str(run), "--task", "lm", "--data", str(TEXT), "--out", str(tmp_path / "p"),
+                 "--keep", "6", "--dtype", "bfloat16", *COMMON]) == 0
+    assert {p.dtype for p in load_model(tmp_path / "p" / "model").parameters()} == {torch.bfloat16}
+    assert main(["compress", str(run / "model"), "--tokenizer", str(run / "tokenizer"), "--keep", "0.5",
+                 "--data", str(TEXT), "--context", "32", "--max-windows", "20", "--out", str(tmp_path / "c"),
+                 "--dtype", "bfloat16", "--no-progress"]) == 0
+    assert {p.dtype for p in load_model(tmp_path / "c" / "model").parameters()} == {torch.bfloat16}
