@@ -269,9 +269,11 @@ COMMANDS = {
 }
 
 
-@pytest.mark.parametrize(("command", "flag"), itertools.product(COMMANDS, ["--dtype", "--device"]))
+@pytest.mark.parametrize(("command", "flag"), [*itertools.product(COMMANDS, ["--dtype", "--device"]),
+                                               ("finetune", "--device")])
 def test_bad_dtype_or_device_is_one_line_exit_2(model_dir, tmp_path, capsys, command, flag):
-    args = [a.replace("OUT", str(tmp_path / "out")) for a in COMMANDS[command]]
+    finetune = ["--task", "sst5", "--data-dir", str(tmp_path), "--out", "OUT"]
+    args = [a.replace("OUT", str(tmp_path / "out")) for a in COMMANDS.get(command, finetune)]
     value = "fp8" if flag == "--dtype" else "tpu"
     assert main([command, str(model_dir), *args, flag, value]) == 2
     err = capsys.readouterr().err.strip()

@@ -210,7 +210,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--limit-train", type=int, default=None)
     p.add_argument("--limit-eval", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--device", default=None)
+    add_device_flag(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")

@@ -302,11 +302,11 @@ def run_finetune(
     the model + tokenizer (``save_pretrained``, plus ``kept_heads.json``), ``finetune.json``
     (history, accuracy before and after) and ``finetune.png`` (accuracy per epoch).  Returns the summary.
     """
-    from headbudget.loading import load_model_and_tokenizer
+    from headbudget.loading import load_model_and_tokenizer, resolve_device
 
+    dev = resolve_device(device)  # the default every command shares: cuda when available
     spec = get_task(task)
     data = load_task(task, data_dir)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = load_model_and_tokenizer(model_path, "classifier", num_labels=spec.num_labels,
                                                 label_names=spec.label_names, seed=seed, device=dev)
     initial: dict[str, float] = {}
