@@ -356,8 +356,9 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         try:
             saved_rng = torch.load(rng_file, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-            raise CheckpointError(f"{rng_file}: not a headbudget RNG state ({str(exc).strip().splitlines()[0]})") \
-                from None
+            from headbudget.io import refused_pickle_reason
+
+            raise CheckpointError(f"{rng_file}: not a headbudget RNG state ({refused_pickle_reason(exc)})") from None
     state, param_groups = _tensor_state(model, optimizer)
     _check_shapes(path, md, state)
     with _single_process_ok():
