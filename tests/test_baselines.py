@@ -378,3 +378,21 @@ def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
 
     model = HeadBudgetForCausalLM.from_pretrained(out / "model")
     assert get_adapter(model).head_counts() == [len(rep["kept"][str(i)]) for i in range(3)]
+
+
+def test_prune_compare_gives_the_baselines_the_preceding_cahp_knee(tiny, tmp_path):
+    from headbudget.pruning.pipeline import PruneJob, run_compare
+
+    job = PruneJob(model=str(tiny), task="sst5", data_dir=str(DATA), out=str(tmp_path / "cmp"), pool_size=8,
+                   batch_size=16, finetune_epochs=0, progress=False, save_model=False, gate_cooldown=2,
+                   attattr_examples=2, attattr_steps=3)
+    summary = run_compare(job, "cahp@6,pipelined-dsp,joint-dsp,pass,attattr")
+    rows = summary["rows"]
+    knee = rows[0]["heads_kept"]
+    assert [(r["label"], r["heads_kept"], r["count_from"]) for r in rows[1:]] == [
+        (m, knee, "cahp-d6 knee") for m in ("pipelined-dsp", "joint-dsp", "pass", "attattr")]
+    for r in rows:
+        layers = [int(k) for k, v in r["kept"].items() for _ in v]
+        assert r["mean_depth"] == pytest.approx(sum(layer / 2 for layer in layers) / len(layers))
+        assert r["middle_third_share"] == pytest.approx(layers.count(1) / len(layers))
+    assert "mean depth" in (tmp_path / "cmp" / "compare.md").read_text()
