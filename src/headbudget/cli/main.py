@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "compare": "headbudget.cli.train_cmd",
     "quickstart": "headbudget.cli.quickstart_cmd",
     "prepare": "headbudget.cli.train_cmd",
+    "distill": "headbudget.cli.train_cmd",
     "eval": "headbudget.cli.eval_cmd",
     "perplexity": "headbudget.cli.eval_cmd",
     "attention": "headbudget.cli.eval_cmd",
@@ -36,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "prune-compare": "headbudget.cli.prune_cmd",
     "compress": "headbudget.cli.compress_cmd",
     "experiment": "headbudget.cli.experiment_cmd",
+    "export": "headbudget.cli.export_cmd",
 }
 
 

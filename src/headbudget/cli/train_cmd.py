@@ -6,6 +6,8 @@
     headbudget compare configs/cpu-small.yaml --schedules uniform,prism,reverse,uniform@128 --seeds 3
     headbudget prepare configs/cpu-small.yaml        # tokenize once into the cache
     headbudget prepare --source "jsonl:corpus.jsonl:text" --tokenizer bpe:4096
+    headbudget distill runs/pruned/model --teacher runs/dense/model --data corpus.txt --tokens 1M --out runs/rec
+    headbudget train CONFIG --init runs/pruned/model --teacher runs/dense/model   # the same, from a config
 """
 
 from __future__ import annotations
@@ -53,41 +55,106 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _with_init(cfg: RunConfig, init: str, overrides: list[str]) -> RunConfig:
+    """Continue a saved model: its layout and weights, and its tokenizer unless data.tokenizer is set."""
+    explicit_tok = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides)
+    return cfg.replace(model={"init": init}, **({} if explicit_tok else {"data": {"tokenizer": "model"}}))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = getattr(args, "cfg", None) or _load(args)
-    _quiet_transformers()
-    from headbudget.run_dir import claim_output_dir
-    from headbudget.train.trainer import Trainer, TrainingDivergedError
-
-    if args.init:  # continue a saved model; its tokenizer unless data.tokenizer is set explicitly
-        explicit_tok = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in args.overrides)
-        cfg = cfg.replace(model={"init": args.init}, **({} if explicit_tok else {"data": {"tokenizer": "model"}}))
+    if args.init:
+        cfg = _with_init(cfg, args.init, args.overrides)
+    if args.teacher:
+        cfg = cfg.replace(distill={"teacher": args.teacher})
     if args.schedule:
         cfg = cfg.replace(model={"schedule": args.schedule})
     if args.seed is not None:
         cfg = cfg.replace(seed=args.seed)
     out = Path(args.out or cfg.out or f"runs/{cfg.name}-{cfg.model.schedule}-s{cfg.seed}")
+    return _run_training(cfg, out, args, "train")
+
+
+def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
+    """Claim ``out`` and train (or distill: ``cfg.distill.teacher``) into it; what train and distill share."""
+    _quiet_transformers()
+    from headbudget.run_dir import claim_output_dir
+    from headbudget.train.trainer import Trainer, TrainingDivergedError
+
     t0 = time.perf_counter()
     # one writer: rank 0 holds the folder for the whole job (torchrun stops the others if it refuses)
-    claim = claim_output_dir(out, command="headbudget train", resume=args.resume, overwrite=args.overwrite) \
+    claim = claim_output_dir(out, command=f"headbudget {command}", resume=args.resume, overwrite=args.overwrite) \
         if _is_main() else contextlib.nullcontext(out)
     try:
         with claim:
             trainer = Trainer(cfg, out, resume=args.resume)
             result = trainer.run()
     except TrainingDivergedError as exc:
-        print(f"headbudget train: stopped: {exc}", file=sys.stderr)
+        print(f"headbudget {command}: stopped: {exc}", file=sys.stderr)
         return 3
     if trainer.already_finished:
         return 0  # the trainer said so on stderr; the run is left exactly as it was
     if _is_main():
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
         what = f"from {cfg.model.init}" if cfg.model.init else cfg.model.schedule
+        if cfg.distill.teacher:
+            what += f" distilling {cfg.distill.teacher} (T={cfg.distill.temperature:g}, alpha={cfg.distill.alpha:g})"
         print(f"trained {what} ({result.params:,} params) for {result.steps} steps in "
               f"{time.perf_counter() - t0:.1f}s: val loss {val}, {result.tokens_per_s:,.0f} tokens/s, "
               f"peak {result.peak_memory_mb:,.0f} MB")
         print(f"model: {result.model_dir}   metrics: {out / 'metrics.jsonl'}")
     return 0
+
+
+#: what ``distill`` changes in the built-in defaults when no config is given (fine-tuning a trained model)
+DISTILL_DEFAULTS = ["name=distill", "train.lr=1e-4"]
+
+
+def parse_token_count(value: str, flag: str = "--tokens") -> int:
+    """``1M``, ``500k``, ``2e5`` or ``200000`` as a positive number of tokens (ValueError: one line).
+
+    >>> parse_token_count("1M"), parse_token_count("250k"), parse_token_count("3e4")
+    (1000000, 250000, 30000)
+    """
+    text = value.strip().replace("_", "")
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}.get(text[-1:].lower(), 1)
+    try:
+        n = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        n = float("nan")
+    if not (n >= 1 and n == int(n)):
+        raise ValueError(f"{flag} {value!r}: expected a positive number of tokens, e.g. 1M, 500k or 200000")
+    return int(n)
+
+
+def _distill_config(args: argparse.Namespace) -> RunConfig:
+    """The run ``distill`` trains: ``train --init STUDENT --teacher TEACHER`` with --data and --tokens applied."""
+    path = resolve_config_path(args.config) if args.config else None
+    threads = getattr(args, "threads", None)
+    cfg = load_config(path, ([] if path else DISTILL_DEFAULTS) + args.overrides +
+                      ([f"train.threads={threads}"] if threads else []))
+    cfg = _with_init(cfg, args.student, args.overrides)
+    changes = {k: v for k, v in (("teacher", args.teacher), ("temperature", args.temperature),
+                                 ("alpha", args.alpha)) if v is not None}
+    cfg = cfg.replace(distill=changes)
+    if args.data:
+        cfg = cfg.replace(data={"source": args.data})
+    if args.tokens:
+        per_step = cfg.train.batch_size * cfg.train.context
+        cfg = cfg.replace(train={"steps": -(-parse_token_count(args.tokens) // per_step)})
+    if args.seed is not None:
+        cfg = cfg.replace(seed=args.seed)
+    return cfg
+
+
+def _validate_distill(args: argparse.Namespace) -> None:
+    args.cfg = _distill_config(args)
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    cfg = getattr(args, "cfg", None) or _distill_config(args)
+    out = Path(args.out or cfg.out or f"runs/{cfg.name}-s{cfg.seed}")
+    return _run_training(cfg, out, args, "distill")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -145,9 +212,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init", metavar="DIR",
                    help="start from a saved model (pruned/compressed ones too): its layout, weights and tokenizer; "
                         "fresh optimizer; data and training settings from CONFIG")
+    p.add_argument("--teacher", metavar="MODEL",
+                   help="distil from this model (same tokenizer): loss mixes KL to it and LM cross-entropy "
+                        "(distill.temperature, distill.alpha); see `headbudget distill`")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
     p.set_defaults(func=cmd_train, validate=_validate)
+
+    p = sub.add_parser("distill", help="recover a pruned/compressed model by logit distillation from a teacher",
+                       description="train --init STUDENT --teacher TEACHER: loss alpha*T^2*KL(teacher||student) + "
+                                   "(1-alpha)*CE on --data, same loop, checkpoints, resume and outputs as train "
+                                   "(model/ opens with AutoModelForCausalLM).")
+    p.add_argument("student", help="the model to recover (model folder, run folder or GGUF); its tokenizer is used")
+    p.add_argument("--teacher", required=True, metavar="MODEL",
+                   help="the model to imitate; must share the student's tokenizer (heads, widths, kv groups may differ)")
+    p.add_argument("--data", metavar="SOURCE", help="training text: file/glob, jsonl:PATH[:FIELD], hf:NAME ... "
+                   "(default: the config's data.source)")
+    p.add_argument("--tokens", metavar="N", help="training tokens, e.g. 1M or 500k: train.steps = N / (batch_size x "
+                   "context), rounded up (default: the config's train.steps)")
+    p.add_argument("--temperature", type=float, help="softmax temperature T of the KL (default 2)")
+    p.add_argument("--alpha", type=float, help="weight of the KL; 1-alpha weighs the LM loss (default 1)")
+    p.add_argument("--config", help="run config (YAML or bundled name) for the training settings (default: the "
+                   "built-in defaults with train.lr=1e-4)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.batch_size=8 (repeatable)")
+    p.add_argument("--out", help="output folder (default: config 'out' or runs/NAME-sSEED)")
+    p.add_argument("--seed", type=int, help="override the config's seed")
+    p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    p.set_defaults(func=cmd_distill, validate=_validate_distill)
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
                        description="Writes compare.json, report.md and loss_curves.png.")

@@ -1,6 +1,6 @@
 """Run configuration: nested dataclasses loaded from YAML, overridable with ``--set a.b=value``.
 
-A config file has up to four sections plus top-level keys::
+A config file has up to five sections (``distill`` optional) plus top-level keys::
 
     name: quickstart
     seed: 0
@@ -109,6 +109,20 @@ class TrainSection:
 
 
 @dataclass
+class DistillSection:
+    """Logit distillation from a teacher (``headbudget distill``, ``train --teacher``); off while teacher is null.
+
+    The training loss per token is ``alpha * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) * CE``
+    (t, s: teacher and student logits, T: temperature); val_loss stays the plain LM cross-entropy."""
+
+    #: model folder, run folder or GGUF of the teacher (same tokenizer as the student); null = no teacher
+    teacher: str | None = None
+    temperature: float = 2.0
+    #: weight of the KL term; 1 - alpha weighs the LM cross-entropy (0 = plain LM training)
+    alpha: float = 1.0
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     seed: int = 0
@@ -116,6 +130,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
+    distill: DistillSection = field(default_factory=DistillSection)
 
     # ---------------------------------------------------------------- construction
     @classmethod

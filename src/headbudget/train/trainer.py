@@ -17,6 +17,11 @@ Under ``torchrun`` the trainer joins the process group (gloo on CPU, NCCL on CUD
 global batch across ranks; ``train.fsdp: true`` shards parameters, gradients and optimizer state with
 FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of replicating them with DDP; both are tested
 with 2 CPU processes (gloo).
+
+With ``distill.teacher`` set (``headbudget distill``), each micro-batch's loss is
+``alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE`` against a frozen teacher sharing the tokenizer
+(:mod:`headbudget.train.distill`); metrics then also record ``distill_kl`` and ``lm_loss``, and ``val_loss``
+stays the LM cross-entropy.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from headbudget.train.checkpoint import (
     save_checkpoint,
 )
 from headbudget.train.config import RunConfig
+from headbudget.train.distill import distill_step_loss, load_teacher
 from headbudget.train.memory import PeakMemory
 from headbudget.train.setup import (
     build_model,
@@ -179,6 +185,12 @@ class Trainer:
             )
         if t.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
+        d = self.cfg.distill
+        if d.teacher:
+            if not (math.isfinite(d.temperature) and d.temperature > 0):
+                raise ValueError(f"distill.temperature must be a positive number, got {d.temperature}")
+            if not 0 <= d.alpha <= 1:
+                raise ValueError(f"distill.alpha must be between 0 and 1 (the weight of the KL term), got {d.alpha}")
         if not self.cfg.model.init:
             build_schedule(self.cfg)  # schedule errors before any data work
 
@@ -261,6 +273,12 @@ class Trainer:
         use_bf16 = (t.precision == "bf16") or (t.precision == "auto" and device.type == "cuda")
         autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if use_bf16
                     else contextlib.nullcontext())
+        teacher = None
+        if cfg.distill.teacher:  # every rank its own full, frozen copy (never sharded; headbudget.train.distill)
+            student_tok = data.tokenizer.to_hf()
+            n_tokens = len(student_tok)  # logits of differently padded vocabularies are compared over these
+            teacher = load_teacher(cfg.distill.teacher, student_tok, device,
+                                   torch.bfloat16 if use_bf16 else torch.float32)
 
         fsdp = distributed and t.fsdp  # one process: a plain model whatever train.fsdp says
         if fsdp:
@@ -347,6 +365,7 @@ class Trainer:
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 loss_sum = torch.zeros((), device=device)
+                parts_sum = torch.zeros(2, device=device)  # distillation: [kl, ce]
                 for micro in range(t.grad_accum):
                     x, y = train_batch(train_tokens, seed=cfg.seed, step=step, batch_size=t.batch_size,
                                        context=t.context, micro=micro, n_micro=t.grad_accum,
@@ -359,15 +378,24 @@ class Trainer:
                         contextlib.nullcontext()
                     with ctx:
                         with autocast:
-                            loss = self.compute_loss(fwd_model, x, y)
+                            if teacher is None:
+                                loss = self.compute_loss(fwd_model, x, y)
+                            else:
+                                loss, parts = distill_step_loss(fwd_model, teacher, x, y, cfg.distill.temperature,
+                                                                cfg.distill.alpha, n_tokens)
+                                parts_sum += parts
                         (loss / t.grad_accum).backward()
                     loss_sum += loss.detach()
                 train_loss_t = loss_sum / t.grad_accum
+                parts_sum /= t.grad_accum
                 if distributed:
                     import torch.distributed as dist
 
                     dist.all_reduce(train_loss_t)
                     train_loss_t /= self.world
+                    if teacher is not None:
+                        dist.all_reduce(parts_sum)
+                        parts_sum /= self.world
                 train_loss = float(train_loss_t)
                 if not math.isfinite(train_loss):
                     optimizer.zero_grad(set_to_none=True)
@@ -401,6 +429,8 @@ class Trainer:
                     interval_tokens, interval_time = 0, 0.0
                     record = {"step": done, "tokens": done * tokens_per_step, "train_loss": train_loss,
                               "val_loss": None, "lr": lr, "grad_norm": float(gnorm), "tokens_per_s": tps}
+                    if teacher is not None:  # train_loss is the mixed loss; both of its terms
+                        record["distill_kl"], record["lm_loss"] = (float(v) for v in parts_sum)
                     if is_eval:
                         last_val = self.evaluate(model if fsdp else raw_model, val_set, device,
                                                  autocast, distributed)
@@ -450,6 +480,8 @@ class Trainer:
             summary.update(name=cfg.name, seed=cfg.seed, init=cfg.model.init,
                            schedule_spec=f"init:{cfg.model.init}" if cfg.model.init else cfg.model.schedule,
                            world_size=self.world, data=data.meta)
+            if teacher is not None:
+                summary["distill"] = dict(asdict(cfg.distill))
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2))
         self.model = export
         return result
@@ -548,7 +580,7 @@ class Trainer:
     def _check_compatible(self, path: Path, saved: dict[str, Any]) -> None:
         """Refuse to resume a checkpoint written with a different model, data or data order."""
         now = self.cfg.to_dict()
-        for section in ("model", "data", "train"):
+        for section in ("model", "data", "train", "distill"):
             for key, value in now[section].items():
                 if section == "train" and key in self.RESUMABLE_CHANGES:
                     continue

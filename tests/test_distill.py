@@ -1,0 +1,229 @@
+"""Logit distillation (issue 19 §1): ``headbudget distill`` / ``train --init STUDENT --teacher TEACHER``.
+
+Tiny random Llama models sharing the byte tokenizer: the teacher 2 layers x 4 heads (2 kv groups), 64
+wide; the student 1 layer x 2 heads (1 kv group), 32 wide."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from headbudget.cli.main import main
+from headbudget.data.tokenizers import ByteTokenizer
+from headbudget.train import RunConfig, Trainer, train
+from headbudget.train.distill import distill_step_loss, distillation_kl, load_teacher
+
+
+def _llama(path: Path, hidden: int, heads: int, kv: int, layers: int, seed: int, init_range: float = 0.02) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
+                      initializer_range=init_range, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    ByteTokenizer().save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("distill-models")
+    # a more peaked teacher than a fresh student (larger init): something to imitate
+    teacher = _llama(root / "teacher", hidden=64, heads=4, kv=2, layers=2, seed=1, init_range=0.05)
+    student = _llama(root / "student", hidden=32, heads=2, kv=1, layers=1, seed=2)
+    return teacher, student
+
+
+def _cfg(tmp_path: Path, student: Path, teacher: Path | None, **kw) -> RunConfig:
+    t = {"steps": 12, "batch_size": 4, "grad_accum": 2, "context": 32, "eval_every": 6, "eval_batches": 2,
+         "log_every": 1, "ckpt_every": 0, "warmup_steps": 2, "lr": 3e-3, "progress": False, "threads": 1}
+    t.update(kw.pop("train", {}))
+    d = {"teacher": str(teacher) if teacher else None, "temperature": 2.0, "alpha": 1.0}
+    d.update(kw.pop("distill", {}))
+    return RunConfig.from_dict({
+        "name": "distill", "model": {"init": str(student)},
+        "data": {"source": "synthetic:20000", "tokenizer": "model", "cache_dir": str(tmp_path / "cache")},
+        "train": t, "distill": d})
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_is_t2_times_kl_by_hand_and_mixes_with_ce():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 3, 7, generator=g), torch.randn(2, 3, 7, generator=g) * 3
+    y = torch.tensor([[1, 2, -100], [0, 6, 5]])
+    temp = 2.5
+    ps = torch.softmax(s.double() / temp, -1)
+    pt = torch.softmax(t.double() / temp, -1)
+    per_token = (pt * (pt.log() - ps.log())).sum(-1)
+    by_hand = per_token[y != -100].mean() * temp ** 2  # 5 tokens, the padded one left out
+    assert torch.allclose(distillation_kl(s, t, y, temp).double(), by_hand, atol=1e-6, rtol=1e-5)
+    assert float(distillation_kl(s, t, None, temp)) == pytest.approx(float(per_token.mean() * temp ** 2), rel=1e-5)
+
+    class Fixed(torch.nn.Module):  # a "model" returning fixed logits
+        def __init__(self, logits):
+            super().__init__()
+            self.logits = torch.nn.Parameter(logits.clone())
+
+        def forward(self, input_ids, use_cache=False):
+            return type("Out", (), {"logits": self.logits})()
+
+    x = torch.zeros(2, 3, dtype=torch.long)
+    y = torch.tensor([[1, 2, 3], [0, 6, 5]])
+    ce = torch.nn.functional.cross_entropy(s.reshape(-1, 7), y.reshape(-1))
+    kl = distillation_kl(s, t, y, temp)
+    loss, parts = distill_step_loss(Fixed(s), Fixed(t), x, y, temp, 0.3, 7)
+    assert torch.allclose(loss, 0.3 * kl + 0.7 * ce) and torch.allclose(parts, torch.stack([kl, ce]))
+    loss0, _ = distill_step_loss(Fixed(s), Fixed(t), x, y, temp, 0.0, 7)
+    assert torch.equal(loss0, ce)
+    # differently padded vocabularies: compared over the tokenizer's 5 ids
+    wide = torch.cat([t[..., :5], torch.full((2, 3, 4), 9.0)], -1)
+    _, parts = distill_step_loss(Fixed(s), Fixed(wide), x, y, temp, 1.0, 5)
+    assert torch.allclose(parts[0], distillation_kl(s[..., :5], t[..., :5], y, temp))
+
+
+def test_alpha_zero_is_plain_lm_training_bit_for_bit(tmp_path, models):
+    teacher, student = models
+    plain = Trainer(_cfg(tmp_path, student, None), tmp_path / "plain", save_model=False)
+    plain.run()
+    zero = Trainer(_cfg(tmp_path, student, teacher, distill={"alpha": 0.0}), tmp_path / "zero", save_model=False)
+    zero.run()
+    a, b = _metrics(tmp_path / "plain"), _metrics(tmp_path / "zero")
+    assert [(r["train_loss"], r["val_loss"], r["grad_norm"]) for r in a] == \
+           [(r["train_loss"], r["val_loss"], r["grad_norm"]) for r in b]
+    assert all(r["lm_loss"] == r["train_loss"] and r["distill_kl"] > 0 for r in b)
+    for (k, v), w in zip(plain.model.state_dict().items(), zero.model.state_dict().values()):
+        assert torch.equal(v, w), k
+
+
+def test_smaller_student_learns_the_teacher_which_stays_frozen(tmp_path, models):
+    teacher, student = models
+    ref = load_teacher(str(teacher), ByteTokenizer().to_hf(), torch.device("cpu"))
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    cfg = _cfg(tmp_path, student, teacher, train={"steps": 30, "lr": 1e-2, "eval_every": 30})
+    trainer = Trainer(cfg, tmp_path / "run")
+    result = trainer.run()
+    kls = [r["distill_kl"] for r in _metrics(tmp_path / "run")]
+    assert len(kls) == 30 and kls[-1] < 0.6 * kls[0], kls  # measured: 0.088 -> 0.038
+    assert [r["train_loss"] for r in _metrics(tmp_path / "run")] == kls  # alpha=1: the loss is the KL
+
+    # the same KL measured afresh on a fixed batch of the kind of text it trained on, before and after
+    from headbudget.data.synthetic import generate_text
+
+    x = torch.tensor(ByteTokenizer().encode(generate_text(200, seed=7))[:128]).view(4, 32)
+    with torch.no_grad():
+        t_logits = ref(input_ids=x).logits
+        from headbudget.loading import load_model
+
+        kl0 = distillation_kl(load_model(student)(input_ids=x).logits, t_logits, None, 2.0)
+        kl1 = distillation_kl(load_model(result.model_dir)(input_ids=x).logits, t_logits, None, 2.0)
+    assert float(kl1) < 0.6 * float(kl0)
+
+    # the teacher got no gradient and is unchanged on disk
+    assert all(not p.requires_grad and p.grad is None for p in ref.parameters())
+    again = load_teacher(str(teacher), ByteTokenizer().to_hf(), torch.device("cpu")).state_dict()
+    assert all(torch.equal(before[k], again[k]) for k in before)
+
+    # the output folder: the student's layout (1 layer, 2 heads of 16, 1 kv group), opens with transformers
+    from transformers import AutoModelForCausalLM
+
+    out = AutoModelForCausalLM.from_pretrained(str(result.model_dir), trust_remote_code=True)
+    assert out.get_input_embeddings().weight.shape == (257, 32)
+    assert trainer.model.head_counts == [2]
+    attn = trainer.model.transformer.h[0].attn
+    assert (attn.n_kv_heads if hasattr(attn, "n_kv_heads") else None) in (1, None)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["distill"] == {"teacher": str(teacher), "temperature": 2.0, "alpha": 1.0}
+
+
+class Kill(Exception):
+    pass
+
+
+def test_resume_after_interruption_is_bit_identical(tmp_path, models):
+    teacher, student = models
+    cfg = _cfg(tmp_path, student, teacher, train={"ckpt_every": 4}, distill={"alpha": 0.5})
+    straight = Trainer(cfg, tmp_path / "straight", save_model=False)
+    straight.run()
+
+    def kill_at_8(trainer, step, record):
+        if step == 8:
+            raise Kill
+
+    with pytest.raises(Kill):
+        train(cfg, tmp_path / "killed", callbacks=[kill_at_8], save_model=False)
+    resumed = Trainer(cfg, tmp_path / "killed", resume=True, save_model=False)
+    resumed.run()
+    a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "killed")
+    assert [r["step"] for r in b] == list(range(1, 13))
+    keys = ("train_loss", "val_loss", "grad_norm", "distill_kl", "lm_loss")
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    for (k, v), w in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(v, w), k
+    # resuming with another teacher setting is refused in one line
+    other = _cfg(tmp_path, student, teacher, train={"ckpt_every": 4}, distill={"alpha": 0.7})
+    with pytest.raises(ValueError, match=r"distill\.alpha=0\.5"):
+        Trainer(other, tmp_path / "killed", resume=True).run()
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, models, capsys):
+    teacher, student = models
+    from headbudget.data.tokenizers import make_tokenizer
+
+    other = tmp_path / "other-teacher"
+    _llama(other, hidden=32, heads=2, kv=1, layers=1, seed=3)
+    (other / "tokenizer_spec.json").unlink()
+    for f in other.glob("tokenizer*"):
+        f.unlink()
+    make_tokenizer("bpe:300", ["the cat sat on the mat and the dog sat on the log"] * 50).save(other)
+    capsys.readouterr()
+    rc = main(["distill", str(student), "--teacher", str(other), "--data", "synthetic:20000", "--tokens", "256",
+               "--out", str(tmp_path / "out"), "--set", f"data.cache_dir={tmp_path / 'cache'}",
+               "--set", "train.context=32", "--set", "train.batch_size=4", "--set", "train.progress=false"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "distill.teacher=" in err and "tokenizer" in err, repr(err)
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_distill_command_equals_train_init_teacher(tmp_path, models, capsys):
+    teacher, student = models
+    small = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.context=32",
+             "--set", "train.batch_size=4", "--set", "train.progress=false", "--set", "train.eval_every=3",
+             "--set", "train.eval_batches=1", "--set", "train.log_every=1", "--set", "train.warmup_steps=1",
+             "--threads", "1"]
+    # 300 tokens at 4 x 32 per step: 3 steps
+    assert main(["distill", str(student), "--teacher", str(teacher), "--data", "synthetic:20000", "--tokens", "300",
+                 "--alpha", "0.5", "--out", str(tmp_path / "d"), *small]) == 0
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("name: distill\ntrain: {lr: 1.0e-4, steps: 3}\ndata: {source: 'synthetic:20000'}\n"
+                   "distill: {alpha: 0.5}\n")
+    assert main(["train", str(cfg), "--init", str(student), "--teacher", str(teacher), "--out", str(tmp_path / "t"),
+                 *small]) == 0
+    assert "distilling" in capsys.readouterr().out
+    a, b = _metrics(tmp_path / "d"), _metrics(tmp_path / "t")
+    assert len(a) == 3 and [r["distill_kl"] for r in a] == [r["distill_kl"] for r in b]
+    from headbudget.loading import load_model
+
+    ma, mb = load_model(tmp_path / "d"), load_model(tmp_path / "t")
+    for (k, v), w in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(v, w), k
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tokens", "lots"], "--tokens 'lots': expected a positive number of tokens"),
+    (["--tokens", "1M", "--alpha", "1.5"], "distill.alpha must be between 0 and 1"),
+    (["--tokens", "1M", "--temperature", "0"], "distill.temperature must be a positive number"),
+])
+def test_bad_distill_flags_are_one_line(tmp_path, models, capsys, flags, message):
+    teacher, student = models
+    rc = main(["distill", str(student), "--teacher", str(teacher), "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
