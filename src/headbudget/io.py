@@ -180,6 +180,32 @@ def atomic_write_json(path: str | os.PathLike, data: Any, indent: int = 2) -> Pa
     return atomic_write_text(path, json.dumps(data, indent=indent) + "\n")
 
 
+def atomic_write_file(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
+    """Write one file through ``write(tmp)`` (a temporary sibling path), then move it to ``path``, so a
+    failure (or Ctrl-C) never leaves a half-written file there.
+
+    >>> atomic_write_file("/tmp/headbudget-io.bin", lambda p: p.write_bytes(b"GGUF"))
+    PosixPath('/tmp/headbudget-io.bin')
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        hidden = as_os_error(exc, path)  # before the cleanup frees the space
+        tmp.unlink(missing_ok=True)
+        if hidden is not None and hidden is not exc:
+            raise hidden from exc
+        _name_the_target(exc, tmp, path)
+        raise
+    return path
+
+
 def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     """Fill a folder through ``write(tmp)`` in a temporary sibling, then move it to ``path`` (replacing it).
 

@@ -1,0 +1,51 @@
+"""``headbudget export``: write a model as a GGUF file for llama.cpp.
+
+    headbudget export runs/smol-pruned/model --format gguf --out smol-pruned.gguf --outtype f16
+    headbudget export ../cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --format gguf --out smol-f32.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a model as an f32/f16 GGUF file llama.cpp runs (llama for uniform layouts, deci for pruned)",
+        description="Write a headbudget model (uniform or pruned), a Hugging Face Llama/Mistral/Qwen2 folder or a "
+        "GGUF file as an f32/f16 GGUF: llama.cpp's llama architecture when every layer is alike, its deci "
+        "architecture (per-layer head counts and MLP widths, one head size) otherwise. Unequal query groups are "
+        "written with duplicated key/value heads (the cost is printed); per-layer head widths are refused.",
+    )
+    p.add_argument("model", metavar="MODEL", help="model or run folder, or GGUF file")
+    p.add_argument("--format", dest="fmt", choices=["gguf"], default="gguf", help="output format (gguf)")
+    p.add_argument("--out", required=True, help="the file to write (e.g. model.gguf)")
+    p.add_argument("--outtype", choices=["f32", "f16"], default="f32",
+                   help="type of the 2-D weights (1-D norms stay f32, as llama.cpp's converter writes them)")
+    p.add_argument("--gguf-file", default=None, help="the GGUF file to read, in a folder holding several")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or spec (default: the model's own; a GGUF source keeps its tokenizer metadata)")
+    p.add_argument("--tokenizer-pre", default=None,
+                   help="llama.cpp's pre-tokenizer name (gpt-2, smollm, llama-bpe, qwen2, ...) when the tokenizer's "
+                   "is not recognised")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from headbudget.export import export_model
+
+    hf_logging.disable_progress_bar()  # the result and any warning are the output
+    result = export_model(args.model, args.out, fmt=args.fmt, outtype=args.outtype, gguf_file=args.gguf_file,
+                          tokenizer=args.tokenizer, tokenizer_pre=args.tokenizer_pre, overwrite=args.overwrite)
+    if result["warning"]:
+        print(f"headbudget export: warning: {result['warning']}", file=sys.stderr)
+    heads = result["n_heads"]
+    shown = heads[0] if len(set(heads)) == 1 else ",".join(map(str, heads))
+    print(f"wrote {result['out']} ({result['arch']}, {len(heads)} layers, heads {shown}, head size "
+          f"{result['head_dim']}, {result['outtype']}, {result['bytes']} bytes; tokenizer {result['tokenizer']})")
+    return 0

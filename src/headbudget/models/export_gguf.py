@@ -1,0 +1,350 @@
+"""Write a decoder as an f32/f16 GGUF file that llama.cpp runs.
+
+A uniform layout (every layer the same heads, key/value heads and MLP width) is written as llama.cpp's
+``llama`` architecture; a pruned one as its ``deci`` architecture, whose ``attention.head_count``,
+``attention.head_count_kv`` and ``feed_forward_length`` are per-layer arrays with one head size.
+llama.cpp's grouped-query attention needs equal groups, so a layer whose query groups are unequal
+(``kv_groups`` [3, 1, 2]) is written with duplicated key/value heads: each group is split into groups of
+their greatest common divisor, each with its own copy of the key/value head ([3, 1, 2] -> six groups of
+one).  That costs bytes in the file and in llama.cpp's KV cache (:attr:`GGUFPlan.extra_bytes` and
+:meth:`GGUFPlan.duplication_note` say how much).  Per-layer head widths (Prism) and low-rank q/k/v have no
+llama.cpp architecture and are refused in one line.
+
+Weights follow llama.cpp's converter (``convert_hf_to_gguf.py``): q and k rows are permuted from the
+Hugging Face "rotate half" order to llama.cpp's interleaved rotary pairs, 1-D tensors stay float32, and
+the tokenizer metadata is what the converter writes for a GPT-2-style BPE tokenizer (``tokenizer.ggml.model
+= "gpt2"``, ``pre`` detected from the same test-string hash, tokens, token types, merges, special ids,
+``add_bos_token``, chat template).  A model read from a GGUF file keeps that file's tokenizer metadata.
+
+    >>> from headbudget.models.export_gguf import export_gguf
+    >>> plan = export_gguf(model, tokenizer, "smol.gguf", outtype="f16")   # doctest: +SKIP
+    >>> plan.arch, plan.n_heads[:3]                                      # doctest: +SKIP
+    ('deci', [9, 6, 7])
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from headbudget.models.convert import to_headbudget
+from headbudget.models.modeling_headbudget import rotary_inv_freq
+
+OUTTYPES = ("f32", "f16")
+
+# llama.cpp's converter identifies a BPE pre-tokenizer by the sha256 of str(tokenizer.encode(CHECK_TEXT));
+# these are its hashes for the families headbudget converts (convert_hf_to_gguf.py, get_vocab_base_pre).
+CHECK_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) "
+    "✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you "
+    "sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+)
+KNOWN_PRE_TOKENIZERS = {
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",  # openai-community/gpt2
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # HuggingFaceTB/SmolLM
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Meta-Llama-3-8B
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5-7B
+}
+
+
+class GGUFExportError(ValueError):
+    """A model or tokenizer llama.cpp cannot run as written (one line, names the layer or field)."""
+
+
+@dataclass
+class GGUFPlan:
+    """What :func:`export_gguf` writes: the architecture and every layer's head counts as llama.cpp sees them."""
+
+    arch: str
+    head_dim: int
+    n_heads: list[int]
+    n_kv_heads: list[int]  # as written (after duplication)
+    source_kv_heads: list[int]  # as in the model
+    feed_forward: list[int]
+    kv_copies: list[list[int]] = field(default_factory=list)  # per layer: source kv head of each written one
+    extra_bytes: int = 0  # bytes the duplicated key/value weights add to the file (at the outtype)
+
+    @property
+    def duplicated_layers(self) -> list[int]:
+        return [i for i, (a, b) in enumerate(zip(self.n_kv_heads, self.source_kv_heads)) if a != b]
+
+    def duplication_note(self, context: int | None = None) -> str | None:
+        """One line saying what the duplicated key/value heads cost, or None when nothing was duplicated."""
+        layers = self.duplicated_layers
+        if not layers:
+            return None
+        extra = sum(self.n_kv_heads[i] - self.source_kv_heads[i] for i in layers)
+        per_token = 2 * extra * self.head_dim  # k and v values per token in llama.cpp's KV cache
+        note = (f"unequal query groups in {len(layers)} layer(s) ({', '.join(map(str, layers))}) written with "
+                f"{extra} duplicated key/value head(s): +{self.extra_bytes} bytes of weights, "
+                f"+{per_token} KV-cache values per token")
+        if context:
+            note += f" (+{per_token * context * 2} bytes of f16 cache at context {context})"
+        return note
+
+
+def _problem(message: str) -> GGUFExportError:
+    return GGUFExportError(f"gguf export: {message}")
+
+
+def plan_gguf(config: Any, outtype: str = "f32") -> GGUFPlan:
+    """Check a :class:`~headbudget.models.HeadBudgetConfig` against llama.cpp and lay out its heads.
+
+    >>> from headbudget.models import HeadBudgetConfig
+    >>> cfg = HeadBudgetConfig(schedule={"d_model": 64, "layers": [{"n_heads": 4, "head_dim": 16, "n_kv_heads": 2},
+    ...     {"n_heads": 3, "head_dim": 16, "n_kv_heads": 2, "kv_groups": [2, 1]}]}, vocab_size=100,
+    ...     norm="rmsnorm", mlp="gated_silu", position="rotary", bias=False)
+    >>> p = plan_gguf(cfg); p.arch, p.n_heads, p.n_kv_heads, p.kv_copies[1]
+    ('deci', [4, 3], [2, 3], [0, 0, 1])
+    """
+    if (config.norm, config.mlp, config.position) != ("rmsnorm", "gated_silu", "rotary"):
+        raise _problem(f"norm={config.norm}, mlp={config.mlp}, position={config.position}: llama.cpp's llama/deci "
+                       "architectures need rmsnorm, gated_silu and rotary (GPT-2-style models are not exported)")
+    if config.attention_window is not None:
+        raise _problem(f"attention_window={config.attention_window} (sliding-window attention) has no llama/deci "
+                       "equivalent")
+    specs = config.layer_specs()
+    head_dim = specs[0]["head_dim"]
+    for i, s in enumerate(specs):
+        if s["head_dim"] != head_dim:
+            raise _problem(f"layer {i} has head_dim {s['head_dim']}, layer 0 has {head_dim}: llama.cpp's deci "
+                           "architecture takes one head size (per-layer head widths are not supported)")
+        if s["qk_head_dim"] != head_dim or s["v_head_dim"] != head_dim:
+            raise _problem(f"layer {i} has q/k width {s['qk_head_dim']} and v width {s['v_head_dim']} with "
+                           f"head_dim {head_dim}: low-rank heads have no llama.cpp architecture")
+    ffn = config.intermediate_sizes()
+    n_heads, kv_out, kv_in, copies = [], [], [], []
+    extra_rows = 0
+    for s in specs:
+        groups = s["kv_groups"] or [s["n_heads"] // s["n_kv_heads"]] * s["n_kv_heads"]
+        unit = math.gcd(*groups)  # the largest equal group size every group splits into
+        layer_copies = [g for g, size in enumerate(groups) for _ in range(size // unit)]
+        n_heads.append(s["n_heads"])
+        kv_in.append(s["n_kv_heads"])
+        kv_out.append(len(layer_copies))
+        copies.append(layer_copies)
+        extra_rows += 2 * (len(layer_copies) - s["n_kv_heads"]) * head_dim  # k and v rows
+    uniform = len(set(n_heads)) == 1 and len(set(kv_out)) == 1 and len(set(ffn)) == 1 and kv_in == kv_out
+    return GGUFPlan(arch="llama" if uniform else "deci", head_dim=head_dim, n_heads=n_heads, n_kv_heads=kv_out,
+                    source_kv_heads=kv_in, feed_forward=ffn, kv_copies=copies,
+                    extra_bytes=extra_rows * config.n_embd * (2 if outtype == "f16" else 4))
+
+
+def interleave_rotary(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q or k rows (weight or bias) from "rotate half" to llama.cpp's interleaved pairs, per head.
+
+    >>> interleave_rotary(torch.arange(4.0), 1).tolist()
+    [0.0, 2.0, 1.0, 3.0]
+    """
+    half = rows.shape[0] // n_heads // 2
+    return rows.reshape(n_heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _rope_freq_factors(config: Any, head_dim: int) -> np.ndarray | None:
+    """llama.cpp's ``rope_freqs`` (divisors of each frequency), or None for default rotary."""
+    params = dict(config.rope_parameters)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    inv_freq, scaling = rotary_inv_freq(config, head_dim)
+    if scaling != 1.0:
+        raise _problem(f"rope_type={rope_type!r} scales attention by {scaling}: only default, linear and llama3 "
+                       "rotary are exported")
+    base = float(params["rope_theta"])
+    default = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return (default / inv_freq).to(torch.float32).numpy()
+
+
+# ----------------------------------------------------------------------------- tokenizer metadata
+def detect_pre_tokenizer(tokenizer: Any) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a tokenizer, found by the converter's test-string hash."""
+    digest = sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
+    if digest not in KNOWN_PRE_TOKENIZERS:
+        raise _problem(f"the tokenizer's pre-tokenizer is not one llama.cpp's converter recognises (sha256 "
+                       f"{digest[:12]}...); name it with tokenizer_pre (--tokenizer-pre gpt-2|smollm|llama-bpe|qwen2)")
+    return KNOWN_PRE_TOKENIZERS[digest]
+
+
+def _looks_special(token: str) -> bool:
+    # the converter's rule for added tokens that should be control tokens although not marked special
+    return token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>")) \
+        or (token.startswith("<unused") and token.endswith(">"))
+
+
+def _write_tokenizer(writer: Any, gguf: Any, tokenizer: Any, vocab_size: int, tokenizer_pre: str | None) -> None:
+    """The converter's ``_set_vocab_gpt2`` (plus LlamaModel.set_vocab's extras) for a transformers tokenizer."""
+    vocab = getattr(tokenizer, "vocab", None) if getattr(tokenizer, "is_fast", False) else None
+    if not isinstance(vocab, dict) or not vocab:
+        raise _problem(f"tokenizer {type(tokenizer).__name__} is not a Hugging Face fast BPE tokenizer; llama.cpp "
+                       "needs its vocabulary and merges (give --tokenizer a tokenizer folder)")
+    if max(vocab.values()) >= vocab_size:
+        raise _problem(f"the tokenizer has token id {max(vocab.values())}, the model only {vocab_size} embeddings")
+    pre = tokenizer_pre or detect_pre_tokenizer(tokenizer)
+    reverse = {i: tok for tok, i in vocab.items()}
+    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse[i]
+        if token in added:
+            if not decoder[i].normalized:  # llama.cpp takes added tokens as already normalised
+                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+            if decoder[i].special or _looks_special(token):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                token = token.replace("\u2581", " ")
+                types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    with tempfile.TemporaryDirectory(prefix="headbudget-gguf-tok.") as tmp:
+        tokenizer.save_pretrained(tmp)  # gguf.SpecialVocab reads merges and special ids as the converter does
+        import json
+
+        config_file = Path(tmp) / "tokenizer_config.json"
+        tok_config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        if tok_config.get("add_prefix_space") is not None:
+            writer.add_add_space_prefix(tok_config["add_prefix_space"])
+        gguf.SpecialVocab(tmp, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
+    if vocab_size == 49152 and not any(k.endswith("add_bos_token") for k in _written_keys(writer)):
+        writer.add_add_bos_token(False)  # the converter's rule for this vocabulary size (SmolLM2, granite)
+
+
+def _written_keys(writer: Any) -> list[str]:
+    return [k for shard in writer.kv_data for k in shard]
+
+
+def _copy_tokenizer(writer: Any, gguf: Any, source_gguf: str | os.PathLike) -> None:
+    """Every ``tokenizer.*`` key of a GGUF file, as written there."""
+    reader = gguf.GGUFReader(source_gguf)
+    for key, fld in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = fld.types[0]
+        sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, fld.contents(), vtype, sub)
+
+
+# ----------------------------------------------------------------------------- the writer
+def _tensors(model: Any, plan: GGUFPlan, outtype: str) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, array) of every tensor, in the converter's naming and rotary order."""
+    wide = np.float16 if outtype == "f16" else np.float32
+
+    def arr(t: torch.Tensor) -> np.ndarray:
+        a = t.detach().to("cpu", torch.float32).contiguous().numpy()
+        return a.astype(wide) if a.ndim > 1 else a  # 1-D tensors (norms, biases) stay float32, as the converter
+
+    tf = model.transformer
+    out = [("token_embd.weight", arr(tf.wte.weight))]
+    hd = plan.head_dim
+    for i, block in enumerate(tf.h):
+        p = block.attn.projections()
+        copies = torch.tensor(plan.kv_copies[i])
+        q_w, q_b = p["q"]
+        k_w, k_b = (None if t is None else t.view(-1, hd, *t.shape[1:])[copies].flatten(0, 1) for t in p["k"])
+        v_w, v_b = (None if t is None else t.view(-1, hd, *t.shape[1:])[copies].flatten(0, 1) for t in p["v"])
+        n_kv = plan.n_kv_heads[i]
+        blk = f"blk.{i}."
+        out.append((blk + "attn_norm.weight", arr(block.ln_1.weight)))
+        out.append((blk + "attn_q.weight", arr(interleave_rotary(q_w, plan.n_heads[i]))))
+        out.append((blk + "attn_k.weight", arr(interleave_rotary(k_w, n_kv))))
+        out.append((blk + "attn_v.weight", arr(v_w)))
+        if q_b is not None:
+            out.append((blk + "attn_q.bias", arr(interleave_rotary(q_b, plan.n_heads[i]))))
+            out.append((blk + "attn_k.bias", arr(interleave_rotary(k_b, n_kv))))
+            out.append((blk + "attn_v.bias", arr(v_b)))
+        out.append((blk + "attn_output.weight", arr(p["o"][0])))
+        if p["o"][1] is not None:
+            out.append((blk + "attn_output.bias", arr(p["o"][1])))
+        out.append((blk + "ffn_norm.weight", arr(block.ln_2.weight)))
+        for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            lin = getattr(block.mlp, ours)
+            out.append((blk + theirs + ".weight", arr(lin.weight)))
+            if lin.bias is not None:
+                out.append((blk + theirs + ".bias", arr(lin.bias)))
+    out.append(("output_norm.weight", arr(tf.ln_f.weight)))
+    if not model.config.tie_word_embeddings:
+        out.append(("output.weight", arr(model.lm_head.weight)))
+    return out
+
+
+def export_gguf(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike, outtype: str = "f32", *,
+                source_gguf: str | os.PathLike | None = None, tokenizer_pre: str | None = None,
+                name: str | None = None) -> GGUFPlan:
+    """Write ``model`` (a headbudget decoder or a transformers Llama/Mistral/Qwen2) and its tokenizer to
+    ``path`` atomically; ``source_gguf`` (the GGUF file the model was read from) supplies the tokenizer
+    metadata verbatim.  Returns the :class:`GGUFPlan` written; refusals are :class:`GGUFExportError`."""
+    try:
+        import gguf
+    except ImportError as exc:  # an optional extra
+        raise _problem("the gguf package is not installed (pip install 'headbudget[gguf]')") from exc
+    from headbudget.io import atomic_write_file
+
+    if outtype not in OUTTYPES:
+        raise _problem(f"outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    model = to_headbudget(model)
+    config = model.config
+    plan = plan_gguf(config, outtype)
+    freq_factors = _rope_freq_factors(config, plan.head_dim)
+    tensors = _tensors(model, plan, outtype)
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(tmp, plan.arch)
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_name(name or getattr(config, "name_or_path", None) or "headbudget")
+        writer.add_block_count(config.n_layer)
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        if plan.arch == "llama":
+            writer.add_feed_forward_length(plan.feed_forward[0])
+            writer.add_head_count(plan.n_heads[0])
+            writer.add_head_count_kv(plan.n_kv_heads[0])
+        else:
+            writer.add_feed_forward_length(plan.feed_forward)
+            writer.add_head_count(plan.n_heads)
+            writer.add_head_count_kv(plan.n_kv_heads)
+        writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+        writer.add_layer_norm_rms_eps(float(config.layer_norm_epsilon))
+        if plan.arch == "deci" or plan.head_dim * plan.n_heads[0] != config.n_embd:
+            writer.add_key_length(plan.head_dim)
+            writer.add_value_length(plan.head_dim)
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if outtype == "f16" else gguf.LlamaFileType.ALL_F32)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(plan.head_dim)
+        if source_gguf is not None:
+            _copy_tokenizer(writer, gguf, source_gguf)
+        else:
+            _write_tokenizer(writer, gguf, tokenizer, config.vocab_size, tokenizer_pre)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        if freq_factors is not None:
+            writer.add_tensor("rope_freqs.weight", freq_factors)
+        for tensor_name, data in tensors:
+            writer.add_tensor(tensor_name, data)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    atomic_write_file(path, write)
+    return plan
+
+
+__all__ = ["CHECK_TEXT", "GGUFExportError", "GGUFPlan", "OUTTYPES", "detect_pre_tokenizer", "export_gguf",
+           "interleave_rotary", "plan_gguf"]
