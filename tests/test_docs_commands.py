@@ -227,6 +227,7 @@ _TRAIN_SET_DEFAULT = ["data.source=synthetic:6000", "data.val_fraction=0.25"]
 #: (value None: a switch added when absent).  ``--set`` lists are appended (later --set wins).
 SMALL: dict[str, dict[str, str | None]] = {
     "quickstart": {"--tiny": None},
+    "distill": {"--tokens": "256"},  # 2 steps of 2 x 64 tokens
     "compare": {"--seeds": "1"},
     "eval": {"--limit": "2", "--quiet": None},
     "perplexity": {"--max-windows": "2", "--quiet": None},
@@ -245,6 +246,7 @@ _PRUNE_LM = {"--context": "32", "--calib-windows": "4", "--limit-eval": "2", "--
              "--no-progress": None}
 # documented train/compare runs feed nothing else: a short context (stand-ins keep the config's)
 _SET_COMMANDS = {"train": _TRAIN_SET + ["train.context=64"], "compare": _TRAIN_SET + ["train.context=64"],
+                 "distill": [s for s in _TRAIN_SET if not s.startswith("train.steps")] + ["train.context=64"],
                  "quickstart": ["train.steps=2"]}
 
 
@@ -311,6 +313,7 @@ class StandIns:
             "runs/prism": self._prism,
             "runs/uniform": self._uniform,
             "runs/pruned": self._pruned,
+            "runs/quickstart-dense": self._dense,  # the model runs/pruned was pruned from (a distill teacher)
             "runs/ft": self._ft,
             "runs/shakes": self._shakes,
             "runs/theory_cpu_small": self._theory,
@@ -354,9 +357,11 @@ class StandIns:
             path.write_text(generate_text(3000, seed=1))
         return path
 
+    def _dense(self, path: Path) -> None:
+        self._train(path, "quickstart", "--schedule", "prism")
+
     def _pruned(self, path: Path) -> None:  # README: a pruned quickstart (cpu-tiny) model, runs/pruned/model
-        dense = self.root / "runs" / "quickstart-dense"
-        self._train(dense, "quickstart", "--schedule", "prism")
+        dense = self.get("runs/quickstart-dense")
         _quiet_main(["prune", dense, "--task", "lm", "--data", self.text(), "--method", "magnitude",
                      "--keep", "8", "--context", "32", "--calib-windows", "2", "--limit-eval", "1",
                      "--out", path, "--no-progress", "--threads", "1"])
@@ -486,7 +491,7 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
             json.loads(stdout)  # --json prints JSON and nothing else
         if re.fullmatch(r"\d+(,\d+)+", cmd.comment):  # e.g. `# 3,3,3,3,6,6,...`: the heads it prints
             assert cmd.comment in stdout, f"{w}: the doc says {cmd.comment}, the command printed:\n{stdout}"
-    elif name == "train":
+    elif name in ("train", "distill"):
         out = Path(ns.out)
         has(out / "model" / "config.json", out / "model" / "model.safetensors", out / "metrics.jsonl")
     elif name in ("compare", "quickstart"):

