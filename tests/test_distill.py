@@ -227,3 +227,42 @@ def test_bad_distill_flags_are_one_line(tmp_path, models, capsys, flags, message
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def _ddp_worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    trainer = Trainer(RunConfig.from_dict(cfg_dict), out, save_model=False)
+    result = trainer.run()
+    if rank == 0:
+        torch.save({"state": trainer.model.state_dict(), "kl": [r["distill_kl"] for r in result.history]},
+                   Path(out) / "rank0.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_two_processes_distil_like_one(tmp_path, models, fsdp):
+    """Each rank loads its own teacher (never sharded); 2 gloo processes match one on the same global batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    teacher, student = models
+    cfg = _cfg(tmp_path, student, teacher, train={"steps": 3, "eval_every": 3, "fsdp": fsdp},
+               distill={"alpha": 0.5})
+    single = Trainer(cfg, tmp_path / "single", save_model=False)
+    single.run()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, cfg.to_dict(), str(tmp_path / "two")), nprocs=2, join=True)
+    got = torch.load(tmp_path / "two" / "rank0.pt", weights_only=True)
+    want = [r["distill_kl"] for r in _metrics(tmp_path / "single")]
+    assert got["kl"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    ref = single.model.state_dict()
+    worst = max((v - ref[k]).abs().max().item() for k, v in got["state"].items())
+    assert worst < 1e-5, worst
