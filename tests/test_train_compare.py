@@ -92,3 +92,125 @@ def test_verdicts_use_a_paired_t_test():
     assert "not distinguishable" in verdicts(summary(-0.1, 0.1, 3))[0]  # t = 1.7
     assert "not distinguishable" in verdicts(summary(-0.1, 0.015, 2))[0]  # t = 9.4 < 12.71
     assert "one seed" in verdicts(summary(-0.1, 0.0, 1))[0]
+
+
+def test_paired_differences_hand_example():
+    from headbudget.train.compare import paired_differences
+
+    # diffs per seed: -0.1, -0.2, -0.3 -> mean -0.2, std 0.1, se 0.1/sqrt(3).  With 2 degrees of freedom the
+    # t quantile has a closed form: t(p) = (2p - 1) / sqrt(2p(1 - p)); t(0.975) = 0.95 / sqrt(0.04875) = 4.3027
+    t975 = 0.95 / 0.04875 ** 0.5
+    d = paired_differences({0: 2.9, 1: 3.0, 2: 3.1, 7: 9.9}, {0: 3.0, 1: 3.2, 2: 3.4})
+    assert d["seeds"] == [0, 1, 2] and d["n"] == 3  # seed 7 has no reference run: not paired
+    assert d["diffs"] == pytest.approx([-0.1, -0.2, -0.3], abs=1e-12)
+    assert d["mean"] == pytest.approx(-0.2, abs=1e-12) and d["std"] == pytest.approx(0.1, abs=1e-12)
+    half = t975 * 0.1 / 3 ** 0.5
+    assert d["t_crit"] == pytest.approx(t975, abs=1e-9)
+    assert d["ci"] == pytest.approx([-0.2 - half, -0.2 + half], abs=1e-12)
+    assert d["ci"] == pytest.approx([-0.448414, 0.048414], abs=1e-6)
+    assert d["t"] == pytest.approx(-0.2 / (0.1 / 3 ** 0.5), abs=1e-9)
+    one = paired_differences({0: 2.5}, {0: 3.0})
+    assert one["mean"] == -0.5 and one["ci"] is None and one["std"] == 0.0
+
+
+#: a synthetic validation curve, evaluated every 10 steps
+CURVE = {10: 5.0, 20: 4.0, 30: 3.5, 40: 3.2, 50: 3.1, 60: 3.05, 70: 3.03, 80: 3.02, 90: 3.01, 100: 3.005}
+
+
+def _first_stop(min_step):
+    """Drive compare's stopping callback through CURVE; the step at which it asks the trainer to stop."""
+    from types import SimpleNamespace
+
+    from headbudget.train.compare import _stop_rule
+
+    trainer, rule = SimpleNamespace(stop_requested=False), _stop_rule(None, min_step)
+    for step in range(1, 101):
+        rule(trainer, step, {"step": step, "val_loss": CURVE[step]} if step in CURVE else None)
+        if trainer.stop_requested:
+            return step
+    return None
+
+
+def test_until_flat_stops_at_the_first_flat_eval_point():
+    from headbudget.train.compare import is_flat
+
+    # window = the last 20% of the steps: at 50 it holds 40,50 (spread 0.1 >= 1% of 3.1); at 60 it holds
+    # 50,60 (0.05 >= 0.0305); at 70 it holds 60,70 (0.02 < 0.0303): flat.  Before 50 it holds one point.
+    assert _first_stop(min_step=0) == 70
+    # not during the warmup: at 80 the window holds 70,80 (0.01 < 0.0302)
+    assert _first_stop(min_step=70) == 80
+    hist = [{"step": s, "val_loss": v} for s, v in CURVE.items() if s <= 60]
+    assert not is_flat(hist) and not is_flat(hist[:1]) and not is_flat([])
+    assert is_flat(hist, tolerance=0.0165) and not is_flat(hist, tolerance=0.0163)  # 0.05 / 3.05 = 0.01639
+
+
+def test_steps_for_tokens():
+    from headbudget.train.compare import steps_for_tokens
+
+    assert steps_for_tokens(1_000_000, 16, 128) == 489  # 2,048 a step: 488.28 rounded up
+    assert steps_for_tokens(2048 * 10, 16, 128) == 10
+    assert steps_for_tokens(2048 * 10 + 1, 16, 128) == 11
+    with pytest.raises(ValueError, match="positive"):
+        steps_for_tokens(0, 16, 128)
+
+
+def test_until_flat_trains_every_run_as_long_as_the_reference(tmp_path, monkeypatch):
+    import headbudget.train.compare as compare
+    from headbudget.train.setup import lr_at
+
+    # the reference (uniform, trained first although listed second) is "flat" from step 4 on
+    monkeypatch.setattr(compare, "is_flat", lambda history, **kw: history[-1]["step"] >= 4)
+    cfg = tiny(tmp_path).replace(train={"steps": 8})
+    a = run_compare(cfg, ["prism", "uniform"], 1, tmp_path / "a", save_models=False, plot=False, until_flat=True)
+    assert [(r["schedule"], r["steps"]) for r in a["runs"]] == [("uniform", 4), ("prism", 4)]
+    assert a["steps_per_run"] == 4 and a["tokens_per_run"] == 4 * 4 * 32
+    assert a["until_flat"]["flat_at_step"] == 4 and a["until_flat"]["max_steps"] == 8
+    assert a["reference"] == "uniform" and a["schedules"]["prism"]["paired"]["seeds"] == [0]
+    for sched in ("uniform", "prism"):
+        recs = [json.loads(x) for x in (tmp_path / "a" / f"{sched}-seed0" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs] == [2, 4]
+        # the lr schedule is that of 8 steps (cosine not finished at step 4), identical across schedules
+        assert recs[-1]["lr"] == lr_at(3, cfg) and lr_at(3, cfg) != lr_at(3, cfg.replace(train={"steps": 4}))
+        run = next(r for r in a["runs"] if r["schedule"] == sched)
+        assert run["final_val_loss"] == recs[-1]["val_loss"]
+        assert json.loads((tmp_path / "a" / f"{sched}-seed0" / "summary.json").read_text())["steps"] == 4
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "4 steps x 4 x 32 tokens = 512 tokens per run (uniform seed 0 was flat at step 4" in report
+
+
+def test_trainer_stop_between_eval_points_validates_and_records_the_steps_done(tmp_path):
+    from headbudget.train.trainer import Trainer
+
+    def stop_at_3(trainer, step, record):
+        trainer.stop_requested = step == 3
+
+    cfg = tiny(tmp_path).replace(train={"steps": 6})
+    result = Trainer(cfg, tmp_path / "r", callbacks=[stop_at_3], save_model=False).run()
+    assert (result.steps, result.tokens) == (3, 3 * 4 * 32)
+    assert result.final_val_loss is not None and result.final_val_loss != result.history[-1]["val_loss"]
+    assert [r["step"] for r in result.history] == [2]  # step 3 was not a logged step
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 3
+
+
+def test_cli_compare_tokens_reference_and_paired_report(tmp_path, capsys):
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text(tiny(tmp_path).to_yaml())
+    out = tmp_path / "cmp"
+    # 300 tokens at 4 x 32 = 128 a step: 3 steps (rounded up)
+    assert main(["compare", str(cfgfile), "--schedules", "uniform,prism", "--seeds", "2", "--tokens", "300",
+                 "--reference", "prism", "--no-save-models", "--out", str(out)]) == 0
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["steps_per_run"] == 3 and summary["reference"] == "prism"
+    runs = {(r["schedule"], r["seed"]): r["final_val_loss"] for r in summary["runs"]}
+    u = summary["schedules"]["uniform"]["paired"]
+    assert u["diffs"] == [runs[("uniform", s)] - runs[("prism", s)] for s in (0, 1)]
+    report = (out / "report.md").read_text()
+    lo, hi = u["ci"]
+    assert f"[{lo:+.4f}, {hi:+.4f}]" in report and "95% CI of Δ" in report
+    capsys.readouterr()
+    assert main(["compare", str(cfgfile), "--tokens", "lots", "--out", str(tmp_path / "x")]) == 2
+    assert "--tokens 'lots'" in capsys.readouterr().err
+    assert main(["compare", str(cfgfile), "--reference", "reverse", "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "--reference 'reverse' is not among --schedules" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -4,6 +4,7 @@
     headbudget train configs/cpu-small.yaml --out runs/prism --resume        # continue exactly
     torchrun --nproc_per_node 2 -m headbudget.cli.main train configs/cpu-small.yaml   # DDP
     headbudget compare configs/cpu-small.yaml --schedules uniform,prism,reverse,uniform@128 --seeds 3
+    headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat
     headbudget prepare configs/cpu-small.yaml        # tokenize once into the cache
     headbudget prepare --source "jsonl:corpus.jsonl:text" --tokenizer bpe:4096
     headbudget distill runs/pruned/model --teacher runs/dense/model --data corpus.txt --tokens 1M --out runs/rec
@@ -161,11 +162,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cfg = getattr(args, "cfg", None) or _load(args)
     _quiet_transformers()
     from headbudget.run_dir import claim_output_dir
-    from headbudget.train.compare import parse_schedules, run_compare
+    from headbudget.train.compare import default_reference, parse_schedules, run_compare, steps_for_tokens
 
     schedules = parse_schedules(args.schedules)
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    reference = default_reference(schedules, args.reference)
+    if args.tokens:
+        cfg = cfg.replace(train={"steps": steps_for_tokens(parse_token_count(args.tokens), cfg.train.batch_size,
+                                                           cfg.train.context)})
     out = Path(args.out or f"runs/compare-{cfg.name}")
     n = len(schedules) * args.seeds
 
@@ -176,7 +181,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     on_run.i = 1
     with claim_output_dir(out, command="headbudget compare", overwrite=args.overwrite):
-        summary = run_compare(cfg, schedules, args.seeds, out, save_models=not args.no_save_models, on_run=on_run)
+        summary = run_compare(cfg, schedules, args.seeds, out, save_models=not args.no_save_models, on_run=on_run,
+                              reference=reference, until_flat=args.until_flat)
     print()
     print((out / "report.md").read_text().split("## Reading")[0].split("\n\n", 2)[-1].strip())
     print(f"\ncompare.json, report.md, loss_curves.png in {out}  ({summary['wall_s']:.0f}s)")
@@ -250,6 +256,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma list, e.g. uniform,prism,reverse,uniform@128 (use ';' between schedules "
                         "written as head lists)")
     p.add_argument("--seeds", type=int, default=1, help="number of seeds (config seed, seed+1, ...)")
+    p.add_argument("--reference", help="schedule the paired differences (per seed, mean, 95%% t-interval) are "
+                   "taken to; trained first at every seed (default: uniform if compared, else the first)")
+    p.add_argument("--tokens", metavar="N", help="training tokens per run, e.g. 2M or 500k: train.steps = N / "
+                   "(batch_size x context), rounded up (with --until-flat: the most a run trains)")
+    p.add_argument("--until-flat", action="store_true",
+                   help="the reference at the first seed trains until its val loss is flat (spread < 1%% of the "
+                        "newest over the last 20%% of the steps so far, at eval points after the warmup); every "
+                        "run then trains that many steps, all with the learning-rate schedule of train.steps")
     p.add_argument("--out", help="output directory (default runs/compare-NAME)")
     p.add_argument("--no-save-models", action="store_true", help="do not write each run's model/ folder")
     p.add_argument("--overwrite", action="store_true",

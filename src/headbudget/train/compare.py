@@ -1,8 +1,16 @@
 """Train several head schedules x seeds on identical data and compare them.
 
 Every run of seed ``s`` sees the same batches in the same order (data order is a function of
-(seed, step) only), so differences between schedules at one seed are paired.  Writes into ``out``:
+(seed, step) only), so differences between schedules at one seed are paired: each schedule's
+difference to the reference schedule (default ``uniform``) is reported per seed with its mean and a
+95% Student-t interval over seeds (:func:`paired_differences`).  Writes into ``out``:
 ``compare.json`` (per run and per schedule), ``report.md`` and ``loss_curves.png``.
+
+How long runs train: ``train.steps`` (:func:`steps_for_tokens` turns a token budget into steps), or,
+with ``until_flat=True``, the reference schedule at the first seed trains until its validation loss is
+flat (:func:`is_flat`, checked at every eval point) and every other run then trains exactly as many
+steps; all runs keep the learning-rate schedule of ``train.steps``, so every run sees the same
+learning rate at every step and the comparison stays paired.
 
     >>> from headbudget.train import load_config
     >>> from headbudget.train.compare import run_compare
@@ -23,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import stats  # a dependency of scikit-learn, which headbudget requires
 
 from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text, follow_umask
@@ -42,6 +51,77 @@ def parse_schedules(text: str | Sequence[str]) -> list[str]:
     if len(set(items)) != len(items):
         raise ValueError(f"--schedules lists a schedule twice: {text!r}")
     return items
+
+
+def steps_for_tokens(tokens: int, batch_size: int, context: int) -> int:
+    """Optimizer steps that train at least ``tokens`` tokens at ``batch_size`` x ``context`` per step.
+
+    >>> steps_for_tokens(1_000_000, 16, 128)   # 2,048 tokens a step: 488.28 -> 489
+    489
+    """
+    if tokens < 1 or batch_size < 1 or context < 1:
+        raise ValueError(f"tokens, batch_size and context must be positive, got {tokens}, {batch_size}, {context}")
+    return -(-tokens // (batch_size * context))
+
+
+#: the stopping rule of ``until_flat``: the last 20% of the steps so far, a spread under 1%
+FLAT_WINDOW, FLAT_TOLERANCE = 0.2, 0.01
+
+
+def is_flat(history: Sequence[dict[str, Any]], *, window: float = FLAT_WINDOW, tolerance: float = FLAT_TOLERANCE,
+            min_step: int = 0) -> bool:
+    """Is the validation loss flat at the newest eval point of ``history`` (metrics.jsonl records)?
+
+    With ``s`` the step of the newest record that has a ``val_loss``: the val losses at the eval points
+    with step >= ``s - floor(window * s)`` (the last 20% of the steps so far) must be at least two and
+    span (max - min) less than ``tolerance`` (1%) of the newest one, and ``s`` must exceed ``min_step``
+    (the warmup).  With evaluations every E steps two points fall in the window from ``s = 5E`` on.
+
+    >>> is_flat([{"step": 80, "val_loss": 2.00}, {"step": 100, "val_loss": 1.99}])
+    True
+    """
+    evals = [(int(r["step"]), float(r["val_loss"])) for r in history if r.get("val_loss") is not None]
+    if not evals:
+        return False
+    last_step, last = evals[-1]
+    if last_step <= min_step:
+        return False
+    start = last_step - math.floor(window * last_step + 1e-9)
+    recent = [v for st, v in evals if st >= start]
+    return len(recent) >= 2 and max(recent) - min(recent) < tolerance * abs(last)
+
+
+def paired_differences(values: dict[int, float], reference: dict[int, float],
+                       confidence: float = 0.95) -> dict[str, Any]:
+    """Per-seed differences ``values[seed] - reference[seed]`` over the seeds both have, their mean,
+    standard deviation (n-1) and a two-sided Student-t interval for the mean difference.
+
+    >>> d = paired_differences({0: 2.9, 1: 3.0, 2: 3.1}, {0: 3.0, 1: 3.2, 2: 3.4})
+    >>> round(d["mean"], 6), round(d["std"], 6), [round(x, 6) for x in d["ci"]]
+    (-0.2, 0.1, [-0.448414, 0.048414])
+    """
+    seeds = sorted(set(values) & set(reference))
+    diffs = [float(values[s]) - float(reference[s]) for s in seeds]
+    n = len(diffs)
+    mean = float(np.mean(diffs)) if n else math.nan
+    sd = _std(diffs)
+    out: dict[str, Any] = {"seeds": seeds, "diffs": diffs, "n": n, "mean": mean, "std": sd,
+                           "confidence": confidence, "ci": None, "t_crit": None, "t": None}
+    if n >= 2:
+        crit = float(stats.t.ppf(0.5 + confidence / 2, n - 1))
+        half = crit * sd / math.sqrt(n)
+        out.update(ci=[mean - half, mean + half], t_crit=crit, t=mean / (sd / math.sqrt(n)) if sd > 0 else None)
+    return out
+
+
+def default_reference(schedules: Sequence[str], reference: str | None = None) -> str:
+    """The schedule differences are taken to: ``reference`` if given (it must be compared), else
+    ``uniform`` when compared, else the first schedule."""
+    if reference is not None:
+        if reference not in schedules:
+            raise ValueError(f"--reference {reference!r} is not among --schedules ({', '.join(schedules)})")
+        return reference
+    return "uniform" if "uniform" in schedules else schedules[0]
 
 
 def _safe(name: str) -> str:
@@ -68,12 +148,18 @@ def run_compare(
     save_models: bool = True,
     on_run: Callable[[str, int, TrainResult], None] | None = None,
     plot: bool = True,
+    reference: str | None = None,
+    until_flat: bool = False,
 ) -> dict[str, Any]:
     """Train every schedule x seed; returns the ``compare.json`` content (also written to ``out``).
 
-    ``seeds`` is a count (seeds ``cfg.seed .. cfg.seed+N-1``) or an explicit list.
+    ``seeds`` is a count (seeds ``cfg.seed .. cfg.seed+N-1``) or an explicit list.  ``reference``
+    (default: :func:`default_reference`) is trained first at every seed; ``until_flat`` stops its
+    first-seed run at the first flat eval point (:func:`is_flat`) and trains every run that many steps.
     """
     schedules = list(schedules)
+    reference = default_reference(schedules, reference)
+    order = [reference] + [s for s in schedules if s != reference]
     seed_list = list(range(cfg.seed, cfg.seed + seeds)) if isinstance(seeds, int) else list(seeds)
     if not seed_list:
         raise ValueError("--seeds must be at least 1")
@@ -85,16 +171,22 @@ def run_compare(
     runs: list[dict[str, Any]] = []
     histories: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in schedules}
     t0 = time.perf_counter()
+    max_steps = cfg.train.steps
+    run_steps: int | None = None if until_flat else max_steps  # until_flat: set by the first run
     for seed in seed_list:  # seed-major: a partial comparison still has every schedule at seed 0
-        for sched in schedules:
+        for sched in order:
             run_cfg = cfg.replace(seed=seed, name=f"{cfg.name}-{sched}-s{seed}", model={"schedule": sched})
             if not save_models:  # compare cannot resume a run, so its optimizer checkpoints are dead weight
                 run_cfg = run_cfg.replace(train={"ckpt_every": 0})
             run_dir = out / f"{_safe(sched)}-seed{seed}"
-            result = Trainer(run_cfg, run_dir, data=data, save_model=save_models).run()
+            trainer = Trainer(run_cfg, run_dir, data=data, save_model=save_models,
+                              callbacks=[_stop_rule(run_steps, cfg.train.warmup_steps)])
+            result = trainer.run()
+            if run_steps is None:
+                run_steps = result.steps
             sch = build_schedule(run_cfg)
             runs.append({
-                "schedule": sched, "seed": seed, "params": result.params,
+                "schedule": sched, "seed": seed, "params": result.params, "steps": result.steps,
                 "heads": list(sch.heads), "head_dims": list(sch.head_dims),
                 "final_val_loss": result.final_val_loss, "final_train_loss": result.final_train_loss,
                 "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
@@ -103,24 +195,17 @@ def run_compare(
             histories[sched].append(result.history)
             if on_run is not None:
                 on_run(sched, seed, result)
-    baseline = schedules[0]
-    by_sched: dict[str, Any] = {}
-    for sched in schedules:
-        rs = [r for r in runs if r["schedule"] == sched]
-        vals = [r["final_val_loss"] for r in rs]
-        deltas = []
-        for r in rs:
-            base = next(b for b in runs if b["schedule"] == baseline and b["seed"] == r["seed"])
-            deltas.append(r["final_val_loss"] - base["final_val_loss"])
-        by_sched[sched] = {
-            "heads": rs[0]["heads"], "head_dims": rs[0]["head_dims"], "params": rs[0]["params"],
-            "n_runs": len(rs), "val_loss_mean": float(np.mean(vals)), "val_loss_std": _std(vals),
-            "delta_vs_baseline_mean": float(np.mean(deltas)), "delta_vs_baseline_std": _std(deltas),
-            "tokens_per_s_mean": float(np.mean([r["tokens_per_s"] for r in rs])),
-            "peak_memory_mb_mean": float(np.mean([r["peak_memory_mb"] for r in rs])),
-        }
+    by_sched = summarize_runs(runs, schedules, reference)
+    flat_step = run_steps if until_flat and run_steps < max_steps else None
     summary = {
-        "config": cfg.to_dict(), "data": data.meta, "baseline": baseline, "seeds": seed_list,
+        "config": cfg.to_dict(), "data": data.meta, "baseline": reference, "reference": reference,
+        "seeds": seed_list, "steps_per_run": run_steps,
+        "tokens_per_run": run_steps * cfg.train.batch_size * cfg.train.context,
+        "until_flat": None if not until_flat else {
+            "rule": f"val loss spread < {FLAT_TOLERANCE:.0%} of the newest over the last {FLAT_WINDOW:.0%} of "
+                    "the steps so far, at eval points after the warmup",
+            "decided_by": {"schedule": reference, "seed": seed_list[0]}, "flat_at_step": flat_step,
+            "max_steps": max_steps},
         "schedules": by_sched, "runs": runs, "wall_s": time.perf_counter() - t0,
         "curves": {s: [[{k: rec[k] for k in ("step", "tokens", "train_loss", "val_loss")} for rec in h]
                        for h in hs] for s, hs in histories.items()},
@@ -130,6 +215,42 @@ def run_compare(
     if plot:
         plot_curves(summary, out / "loss_curves.png")
     return summary
+
+
+def _stop_rule(run_steps: int | None, warmup: int) -> Callable[[Trainer, int, dict | None], None]:
+    """Trainer callback: stop after ``run_steps`` steps, or (None) at the first flat eval point."""
+    history: list[dict[str, Any]] = []
+
+    def callback(trainer: Trainer, step: int, record: dict | None) -> None:
+        if run_steps is not None:
+            trainer.stop_requested = step >= run_steps
+            return
+        if record is not None and record.get("val_loss") is not None:
+            history.append(record)
+            trainer.stop_requested = is_flat(history, min_step=warmup)
+
+    return callback
+
+
+def summarize_runs(runs: Sequence[dict[str, Any]], schedules: Sequence[str], reference: str) -> dict[str, Any]:
+    """Per schedule: layout, mean/std of the final val loss, tokens/s, peak memory, and the paired
+    differences to ``reference`` (:func:`paired_differences`, keyed ``paired``)."""
+    ref = {r["seed"]: r["final_val_loss"] for r in runs if r["schedule"] == reference}
+    by_sched: dict[str, Any] = {}
+    for sched in schedules:
+        rs = [r for r in runs if r["schedule"] == sched]
+        vals = [r["final_val_loss"] for r in rs]
+        paired = paired_differences({r["seed"]: r["final_val_loss"] for r in rs}, ref)
+        by_sched[sched] = {
+            "heads": rs[0]["heads"], "head_dims": rs[0]["head_dims"], "params": rs[0]["params"],
+            "n_runs": len(rs), "val_loss_mean": float(np.mean(vals)), "val_loss_std": _std(vals),
+            "delta_vs_baseline_mean": paired["mean"], "delta_vs_baseline_std": paired["std"],
+            "paired": paired,
+            "tokens_per_s_mean": float(np.mean([r["tokens_per_s"] for r in rs])),
+            "tokens_per_s_std": _std([r["tokens_per_s"] for r in rs]),
+            "peak_memory_mb_mean": float(np.mean([r["peak_memory_mb"] for r in rs])),
+        }
+    return by_sched
 
 
 
@@ -144,25 +265,39 @@ def render_report(summary: dict[str, Any]) -> str:
     seeds = summary["seeds"]
     n = len(seeds)
     t = cfg["train"]
+    steps = summary.get("steps_per_run") or t["steps"]
+    flat = summary.get("until_flat")
+    if flat:
+        how = (f" ({flat['decided_by']['schedule']} seed {flat['decided_by']['seed']} was flat at step "
+               f"{flat['flat_at_step']}: {flat['rule']}; the learning-rate schedule is that of "
+               f"{flat['max_steps']} steps)" if flat["flat_at_step"] else
+               f" (--until-flat: {flat['decided_by']['schedule']} seed {flat['decided_by']['seed']} was not "
+               f"flat within train.steps={flat['max_steps']}; raise it)")
+    else:
+        how = ""
     lines = [
         f"# Schedule comparison: {cfg['name']}",
         "",
         f"Preset `{cfg['model']['preset']}`; data `{meta['source']}` tokenized with `{meta['tokenizer']}` "
-        f"({meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens); {t['steps']} steps x "
-        f"{t['batch_size']} x {t['context']} tokens = {t['steps'] * t['batch_size'] * t['context']:,} tokens "
-        f"per run; seeds {seeds}. Val loss is the mean cross-entropy (nats/token) on "
-        f"{t['eval_batches']} fixed validation batches at the last step.",
+        f"({meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens); {steps} steps x "
+        f"{t['batch_size']} x {t['context']} tokens = {steps * t['batch_size'] * t['context']:,} tokens "
+        f"per run{how}; seeds {seeds}. Val loss is the mean cross-entropy (nats/token) on "
+        f"{t['eval_batches']} fixed validation batches at the last step. Δ is the schedule's val loss minus "
+        f"{summary['baseline']}'s at the same seed (same batches), mean ± std over seeds"
+        + (" and its 95% Student-t interval." if n > 1 else "."),
         "",
         f"| schedule | heads per layer | params | val loss{' (mean ± std)' if n > 1 else ''} | "
-        f"Δ vs {summary['baseline']} (paired) | tokens/s | peak MB |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"Δ vs {summary['baseline']} (paired) | 95% CI of Δ | tokens/s | peak MB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     best = min(summary["schedules"].items(), key=lambda kv: kv[1]["val_loss_mean"])
     for name, s in summary["schedules"].items():
         delta = "—" if name == summary["baseline"] else _pm(s["delta_vs_baseline_mean"], s["delta_vs_baseline_std"], n)
+        ci = (s.get("paired") or {}).get("ci")
+        ci_text = "—" if name == summary["baseline"] or not ci else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
         lines.append(
             f"| {'**' + name + '**' if name == best[0] else name} | {','.join(map(str, s['heads']))} | "
-            f"{s['params']:,} | {_pm(s['val_loss_mean'], s['val_loss_std'], n)} | {delta} | "
+            f"{s['params']:,} | {_pm(s['val_loss_mean'], s['val_loss_std'], n)} | {delta} | {ci_text} | "
             f"{s['tokens_per_s_mean']:,.0f} | {s['peak_memory_mb_mean']:,.0f} |"
         )
     lines += ["", "## Reading", ""]
@@ -171,11 +306,6 @@ def render_report(summary: dict[str, Any]) -> str:
               "50 ms (approximate, includes the Python runtime and the data memmaps)."]
     lines += ["", "![loss curves](loss_curves.png)", ""]
     return "\n".join(lines)
-
-
-#: two-sided 95% critical values of Student's t by degrees of freedom (paired seeds - 1)
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
-        15: 2.13, 20: 2.09, 30: 2.04}
 
 
 def verdicts(summary: dict[str, Any]) -> list[str]:
@@ -195,13 +325,13 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
             continue
         se = sd / math.sqrt(n)
         t = abs(d) / se if se > 0 else math.inf
-        crit = _T95[max(k for k in _T95 if k <= n - 1)] if n - 1 <= 30 else 1.96
+        crit = float(stats.t.ppf(0.975, n - 1))
         sig = t >= crit
         verdict = ("lower than" if d < 0 else "higher than") if sig else "not distinguishable from"
         extra = (f" (paired t = {t:.1f} >= {crit:.2f}, 95% two-sided)" if sig
                  else f" (paired t = {t:.1f} < {crit:.2f} needed at 95% with {n} seeds)")
-        out.append(f"- {name} vs {base}: Δ = {d:+.4f} ± {sd:.4f} over {n} paired seeds: "
-                   f"{verdict} {base}{extra}.")
+        out.append(f"- {name} vs {base}: Δ = {d:+.4f} ± {sd:.4f} over {n} paired seeds, 95% CI "
+                   f"[{d - crit * se:+.4f}, {d + crit * se:+.4f}]: {verdict} {base}{extra}.")
     return out
 
 

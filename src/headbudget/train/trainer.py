@@ -147,7 +147,9 @@ class Trainer:
 
     ``callbacks`` are called as ``cb(trainer, step, record)`` after every optimizer step (``record`` is
     the metrics dict of that step, or None when it was not logged); raising from one stops the run
-    (used by tests to simulate a kill).  ``data`` may pass an already prepared dataset.
+    (used by tests to simulate a kill); setting ``trainer.stop_requested = True`` from one ends the run
+    after that step as a finished one (validated, exported, ``summary.json`` with the steps done; used by
+    ``compare --until-flat``).  ``data`` may pass an already prepared dataset.
     """
 
     def __init__(
@@ -171,6 +173,8 @@ class Trainer:
             die_with_launcher()
         #: set by run() when ``resume`` found the run already finished (nothing was trained or written)
         self.already_finished = False
+        #: a callback sets it to end the run after the current step (a stopping rule); see the class doc
+        self.stop_requested = False
         self._check()
 
     def _check(self) -> None:
@@ -357,6 +361,7 @@ class Trainer:
         last_good = latest_checkpoint(ckpt_dir)
         interval_tokens, interval_time = 0, 0.0
         mem = PeakMemory(device)
+        steps_done = t.steps
         with mem:
             model.train()
             for step in range(start_step, t.steps):
@@ -452,6 +457,12 @@ class Trainer:
                                                 keep_last=t.keep_last)
                 for cb in self.callbacks:
                     cb(self, done, record)
+                if self.stop_requested and done < t.steps:  # a callback's stopping rule ends the run here
+                    steps_done = done
+                    if record is None or record["val_loss"] is None:
+                        last_val = self.evaluate(model if fsdp else raw_model, val_set, device, autocast,
+                                                 distributed)
+                    break
         bar.close()
         if start_step >= t.steps:  # resumed from the final checkpoint (killed while exporting): finish it
             last_val = self.evaluate(model if fsdp else raw_model, val_set, device, autocast, distributed)
@@ -471,7 +482,7 @@ class Trainer:
                 model_dir = atomic_write_dir(self.out / "model", write_model)
         tps_mean = float(np.mean(tps_values)) if tps_values else 0.0
         result = TrainResult(
-            out_dir=self.out, model_dir=model_dir, steps=t.steps, tokens=t.steps * tokens_per_step,
+            out_dir=self.out, model_dir=model_dir, steps=steps_done, tokens=steps_done * tokens_per_step,
             final_val_loss=last_val, final_train_loss=last_train, params=n_params, tokens_per_s=tps_mean,
             peak_memory_mb=mem.peak_mb, wall_s=wall, schedule=schedule, history=history,
         )
