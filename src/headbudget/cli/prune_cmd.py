@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
 from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
@@ -172,11 +173,50 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _comma_list(flag: str, raw: str | None, cast: Any = str) -> list[Any] | None:
+    if raw is None:
+        return None
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{flag} {raw!r}: empty list")
+    try:
+        return [cast(x) for x in items]
+    except ValueError:
+        raise ValueError(f"{flag} {raw!r}: not a comma list of integers") from None
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
-    job = _job(args)
+    from pathlib import Path
+
+    from headbudget.pruning.workloads import eval_text_name
+
+    eval_data = _comma_list("--eval-data", args.eval_data) or []
+    seeds = _comma_list("--calibration-seeds", args.calibration_seeds, int)
+    if (eval_data or seeds is not None) and args.task != "lm":
+        raise ValueError(f"--eval-data / --calibration-seeds score and calibrate LMs: they need --task lm, "
+                         f"not {args.task}")
+    for path in eval_data:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--eval-data: no file {path}")
+    names = [eval_text_name(p) for p in eval_data]
+    if len(set(names)) != len(names) or "heldout" in names:
+        raise ValueError(f"--eval-data {args.eval_data!r}: two texts share a name (file stem) or one is named "
+                         "'heldout'")
+    if seeds is not None and len(set(seeds)) != len(seeds):
+        raise ValueError(f"--calibration-seeds {args.calibration_seeds!r}: repeated seed")
+    job = replace(_job(args), eval_data=tuple(eval_data))
     with claim_output_dir(args.out, command="headbudget prune-compare", resume=args.resume,
                           overwrite=args.overwrite):
-        summary = run_compare(job, args.methods, resume=args.resume)
+        summary = run_compare(job, args.methods, resume=args.resume, calibration_seeds=seeds,
+                              ranking_rule=args.ranking_rule)
+    if seeds is not None:
+        for stage, rank in summary["ranking"].items():
+            lines = [f"{lbl}: " + ", ".join(f"{t} {a['mean']:.4f} ± {a['std']:.4f}" for t, a in d.items())
+                     for lbl, d in summary["aggregate"][stage].items()]
+            print(f"{stage} ({len(seeds)} calibration seeds, mean ± std):\n  " + "\n  ".join(lines))
+            print(f"ranking ({stage}, rule {rank['rule']}): {rank['label']}")
+        print(f"table in {args.out}/compare.md")
+        return 0
     for r in summary["rows"]:
         if r.get("warning"):
             print(f"warning: {r['label']}: {r['warning']}", file=sys.stderr)
@@ -230,4 +270,14 @@ def register(subparsers: Any) -> None:
                    help="comma list; cahp@D sets CAHP's polynomial degree (e.g. cahp@2,cahp@6,michel)")
     p.add_argument("--resume", action="store_true",
                    help="reuse every method already finished in --out with the same settings; run the rest")
+    p.add_argument("--eval-data", default=None,
+                   help="lm: comma list of more held-out text files, each scored by perplexity (at most "
+                        "--limit-eval windows) and named by its file stem in the table")
+    p.add_argument("--calibration-seeds", default=None,
+                   help="lm: comma list of seeds, e.g. 0,1,2: the comparison once per seed (calibration windows "
+                        "drawn with it, in OUT/seed<s>), then mean, std and min-max per method and text and a "
+                        "ranking that names a method only if it is best on every text")
+    p.add_argument("--ranking-rule", choices=("mean", "range"), default="mean",
+                   help="with --calibration-seeds: best = better mean on every text (mean), or worst seed better "
+                        "than every other method's best seed on every text (range)")
     p.set_defaults(func=_cmd_compare)

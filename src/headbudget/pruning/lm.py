@@ -6,7 +6,10 @@ text, salience and the gradient baselines use the LM loss on those windows, and 
 perplexity of the *held-out* tail of the text (lower is better).
 
 The text is tokenized once; its last ``heldout_fraction`` of tokens is held out, and up to
-``calib_windows`` non-overlapping windows of ``context`` tokens are cut from the rest.
+``calib_windows`` non-overlapping windows of ``context`` tokens are cut from the rest: the first ones
+(``calib_seed=None``), or -- ``calib_seed=s`` -- ``calib_windows`` of the rest's ``context``-token slots
+drawn without replacement by a generator seeded with ``s`` (in text order), so different seeds calibrate
+on different windows (:func:`calibration_offsets`).
 
     >>> from headbudget.loading import load_model_and_tokenizer
     >>> from headbudget.pruning.lm import lm_data, lm_perplexity
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LMData", "finetune_lm", "lm_batches", "lm_data", "lm_perplexity"]
+__all__ = ["LMData", "calibration_offsets", "finetune_lm", "lm_batches", "lm_data", "lm_perplexity", "split_lm_ids"]
 
 
 @dataclass
@@ -37,12 +40,33 @@ class LMData:
     context: int
     tokens_total: int
     source: str
+    calib_offsets: tuple[int, ...] = ()  # token offset of each calibration window in the text
+    calib_seed: int | None = None
+
+
+def calibration_offsets(n_tokens: int, context: int, n_windows: int, seed: int | None = None) -> list[int]:
+    """Start offsets of ``n_windows`` non-overlapping ``context``-token windows in the first ``n_tokens``
+    tokens: the first windows for ``seed=None``, else slots drawn without replacement with ``seed`` (sorted).
+
+        >>> calibration_offsets(100, 10, 3)
+        [0, 10, 20]
+        >>> calibration_offsets(100, 10, 3, seed=0) != calibration_offsets(100, 10, 3, seed=1)
+        True
+    """
+    n_slots = n_tokens // context
+    n = min(n_windows, n_slots)
+    if seed is None:
+        slots = list(range(n))
+    else:
+        slots = sorted(torch.randperm(n_slots, generator=torch.Generator().manual_seed(int(seed)))[:n].tolist())
+    return [s * context for s in slots]
 
 
 def lm_data(tokenizer: Any, data: str | os.PathLike[str], *, context: int = 128, calib_windows: int = 32,
-            heldout_fraction: float = 0.1, vocab_size: int | None = None) -> LMData:
+            heldout_fraction: float = 0.1, vocab_size: int | None = None,
+            calib_seed: int | None = None) -> LMData:
     """Tokenize ``data`` (a text file) with a Hugging Face ``tokenizer`` (no special tokens added) and split
-    it into calibration windows and a held-out tail."""
+    it into calibration windows (the first ones, or seeded ones: ``calib_seed``) and a held-out tail."""
     from headbudget.evaluation.perplexity import read_text
 
     if context < 2:
@@ -53,18 +77,28 @@ def lm_data(tokenizer: Any, data: str | os.PathLike[str], *, context: int = 128,
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     text = read_text(str(data))
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    n = len(ids)
-    if n and vocab_size is not None and int(ids.max()) >= vocab_size:
+    if len(ids) and vocab_size is not None and int(ids.max()) >= vocab_size:
         raise ValueError(f"{data}: token id {int(ids.max())} >= the model's vocab_size {vocab_size} "
                          "(wrong tokenizer for this model?)")
+    return split_lm_ids(ids, str(data), context=context, calib_windows=calib_windows,
+                        heldout_fraction=heldout_fraction, calib_seed=calib_seed)
+
+
+def split_lm_ids(ids: torch.Tensor, source: str, *, context: int, calib_windows: int, heldout_fraction: float,
+                 calib_seed: int | None = None) -> LMData:
+    """:func:`lm_data` on already tokenized ``ids`` (e.g. the same text with another ``calib_seed``)."""
+    data = source
+    n = len(ids)
     n_held = int(n * heldout_fraction)
     n_calib_tokens = n - n_held
     n_win = min(calib_windows, n_calib_tokens // context)
     if n_held < 2 or n_win < 1:
         raise ValueError(f"{data}: {n} tokens is too short for one calibration window of {context} tokens "
                          f"plus a held-out tail of {heldout_fraction:.0%} (>= 2 tokens)")
-    calib = ids[: n_win * context].view(n_win, context)
-    return LMData(calib=calib, heldout=ids[n_calib_tokens:], context=context, tokens_total=n, source=str(data))
+    offsets = calibration_offsets(n_calib_tokens, context, n_win, calib_seed)
+    calib = torch.stack([ids[o : o + context] for o in offsets])
+    return LMData(calib=calib, heldout=ids[n_calib_tokens:], context=context, tokens_total=n, source=str(data),
+                  calib_offsets=tuple(offsets), calib_seed=calib_seed)
 
 
 def lm_batches(data: LMData, batch_size: int, shuffle: bool = False, seed: int = 0) -> list[dict[str, torch.Tensor]]:

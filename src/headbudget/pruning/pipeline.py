@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,10 @@ class PruneJob:
     context: int = 128
     calib_windows: int = 32
     heldout_fraction: float = 0.1
+    # None: the first calib_windows windows of the text; a seed: windows drawn with it (lm.calibration_offsets)
+    calib_seed: int | None = None
+    # more held-out texts scored by perplexity besides data's tail (named by file stem in tables)
+    eval_data: tuple[str, ...] = ()
     ddof: int = 1  # class-conditional signature variance: 1 = sample (published code), 0 = population
     var_floor: float | None = 1e-6  # max(var, 1e-6) before Jeffries-Matusita; None with var_eps=1e-10: var + 1e-10
     var_eps: float = 0.0
@@ -137,6 +141,11 @@ def check_job(job: PruneJob) -> None:
             raise ValueError(f"calib_windows must be >= 1, got {job.calib_windows}")
         if not 0 < job.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {job.heldout_fraction}")
+        for path in job.eval_data:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"eval_data: no file {path}")
+    elif job.eval_data:
+        raise ValueError("eval_data (held-out texts scored by perplexity) is for task lm")
     elif not job.data_dir:
         raise ValueError(f"task {job.task} needs its data folder (data_dir)")
     if job.salience_order not in ("file", "shuffled"):
@@ -418,6 +427,9 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
             del d[k]
     if d.get("granularity") == "head":  # added later: the default keeps older runs resumable
         del d["granularity"]
+    for k in ("calib_seed", "eval_data"):  # added later: unset keeps older runs resumable
+        if d.get(k) in (None, ()):
+            d.pop(k, None)
     mine = _METHOD_FIELDS.get(job.method, ())
     for fields in _METHOD_FIELDS.values():
         for k in fields:
@@ -440,23 +452,113 @@ def _finished(sub: PruneJob) -> dict[str, Any] | None:
 
 
 def run_compare(job: PruneJob, methods: str, resume: bool = False,
-                on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                on_row: Callable[[dict[str, Any]], None] | None = None,
+                calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean") -> dict[str, Any]:
     """Run several methods. Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry finds
     its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one, every entry
     uses it. Each row records where its count came from (``count_from``).
 
     ``resume`` reuses every method already finished in ``job.out`` with the same settings (its
     ``details.json`` records them), so an interrupted comparison continues with the next method;
-    ``on_row(row)`` is called after each method (e.g. to write partial results)."""
-    from headbudget.pruning import report as rpt
+    ``on_row(row)`` is called after each method (e.g. to write partial results).
 
+    ``calibration_seeds`` (task lm): the whole comparison once per seed ``s`` in ``job.out/seed<s>`` --
+    calibration windows drawn with ``s`` (:func:`headbudget.pruning.lm.calibration_offsets`), run seed
+    ``job.seed + s`` -- then ``compare.md`` / ``compare.json`` give every method's per-seed values, mean,
+    sample std and min-max per text, and the ranking of :func:`headbudget.evaluation.rankings.rank_methods`
+    (``ranking_rule``): a method is named best only if it is best on every text, else "no method best".
+
+        run_compare(PruneJob("runs/smol", "lm", None, "runs/cmp", data="movie_reviews.txt", keep_ratio=0.7,
+                             eval_data=("wikitext2_valid.tokens", "tinyshakespeare.txt")),
+                    "cahp,fisher,random", calibration_seeds=[0, 1, 2])
+    """
     entries = parse_methods(methods)
     forced = job.keep is not None or job.keep_ratio is not None
     if not forced and entries[0][1] != "cahp":
         raise ValueError("without a forced head count (keep / keep_ratio) the first method must be cahp "
                          "(it sets the head count)")
     check_job(replace(job, method="cahp"))
+    if calibration_seeds is not None:
+        return _run_compare_seeds(job, entries, list(calibration_seeds), resume, on_row, ranking_rule)
     loaded = load_workload(job)
+    rows = _compare_rows(job, entries, loaded, resume, on_row)
+    return _write_compare(job, loaded, rows)
+
+
+def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]], seeds: list[int], resume: bool,
+                       on_row: Callable[[dict[str, Any]], None] | None, rule: str) -> dict[str, Any]:
+    from headbudget.evaluation.rankings import RULES, rank_methods, ranking_markdown, spread
+    from headbudget.pruning import report as rpt
+
+    if job.task != "lm":
+        raise ValueError(f"calibration seeds re-draw an LM's calibration windows: they need task lm, not {job.task}")
+    if not seeds:
+        raise ValueError("calibration seeds: no seed given")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"calibration seeds {seeds}: repeated seed")
+    if rule not in RULES:
+        raise ValueError(f"ranking rule must be one of {', '.join(RULES)}, got {rule!r}")
+    loaded = load_workload(replace(job, calib_seed=seeds[0]))
+    assert isinstance(loaded, LMWorkload)
+    out = Path(job.out)
+    per_seed: dict[str, Any] = {}
+    for s in seeds:
+        sub = replace(job, out=str(out / f"seed{s}"), calib_seed=s, seed=job.seed + s)
+        loaded.use_calibration_seed(sub, s)
+
+        def tagged(row: dict[str, Any], s: int = s) -> None:
+            row["seed"] = s
+            if on_row is not None:
+                on_row(row)
+
+        rows = _compare_rows(sub, entries, loaded, resume, tagged)
+        _write_compare(sub, loaded, rows)
+        per_seed[str(s)] = {"calib_offsets": list(loaded.data.calib_offsets), "out": sub.out, "rows": rows}
+    labels = [lbl for lbl, _, _ in entries]
+    splits = list(loaded.evals)
+    names = {sp: (f"{Path(str(job.data)).stem} (held-out tail)" if sp == "heldout" else sp) for sp in splits}
+    lower = loaded.metric_name == "perplexity"
+    stages = ["pruned"] + (["finetuned"] if job.finetune_epochs > 0 else [])
+    values = {st: {lbl: {names[sp]: [next(r for r in per_seed[str(s)]["rows"] if r["label"] == lbl)
+                                     ["metric"][sp][st] for s in seeds] for sp in splits} for lbl in labels}
+              for st in stages}
+    aggregate = {st: {lbl: {t: spread(v) for t, v in d.items()} for lbl, d in values[st].items()} for st in stages}
+    ranking = ({st: rank_methods(values[st], lower_is_better=lower, rule=rule) for st in stages}
+               if len(labels) > 1 else {})
+    heads = {lbl: [next(r for r in per_seed[str(s)]["rows"] if r["label"] == lbl)["heads_kept"]
+                   for s in seeds] for lbl in labels}
+    md = [f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads), calibration seeds "
+          f"{', '.join(map(str, seeds))}\n",
+          f"Calibration: {len(loaded.data.calib)} windows of {loaded.data.context} tokens of {job.data} per seed "
+          "(offsets in compare.json); scored: " + ", ".join(names.values())
+          + f" ({loaded.metric_name}, {'lower' if lower else 'higher'} is better). Heads kept per seed: "
+          + "; ".join(f"{lbl} {', '.join(map(str, h))}" for lbl, h in heads.items()) + ".\n",
+          "Dense: " + ", ".join(f"{names[sp]} {rpt._fmt(loaded.dense_acc[sp])}" for sp in splits) + "\n"
+          if loaded.dense_acc else ""]
+    for st in stages:
+        md.append(f"## {st.capitalize()}: mean ± std [min–max] over the seeds\n")
+        if len(labels) > 1:
+            md.append(ranking_markdown(values[st], lower_is_better=lower, rule=rule, digits=4))
+        md.append("Per seed:\n\n| method | text | " + " | ".join(f"seed {s}" for s in seeds) + " |\n|---|---|"
+                  + "---:|" * len(seeds))
+        md.append("\n".join(f"| {lbl} | {t} | " + " | ".join(rpt._fmt(v) for v in vs) + " |"
+                            for lbl, d in values[st].items() for t, vs in d.items()) + "\n")
+    md.append("Each seed's own table: " + ", ".join(f"[seed {s}](seed{s}/compare.md)" for s in seeds) + ".\n")
+    rpt.atomic_write_text(out / "compare.md", "\n".join(md))
+    summary = {"task": job.task, "model": job.model, "metric_name": loaded.metric_name,
+               "heads_total": loaded.heads_total, "calibration_seeds": seeds, "texts": names,
+               "per_seed": {s: {k: v for k, v in d.items() if k != "rows"} for s, d in per_seed.items()},
+               "values": values, "aggregate": aggregate, "ranking": ranking,
+               "rows": [r for s in seeds for r in per_seed[str(s)]["rows"]]}
+    rpt.write_json(out / "compare.json", summary)
+    return summary
+
+
+def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loaded: Workload, resume: bool,
+                  on_row: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+    from headbudget.pruning import report as rpt
+
+    forced = job.keep is not None or job.keep_ratio is not None
     out = Path(job.out)
     rows: list[dict[str, Any]] = []
     if job.keep is not None:
@@ -497,6 +599,14 @@ def run_compare(job: PruneJob, methods: str, resume: bool = False,
         rows.append(row)
         if on_row is not None:
             on_row(row)
+    return rows
+
+
+def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``compare.md``, ``compare.json`` and the plots of one comparison in ``job.out``."""
+    from headbudget.pruning import report as rpt
+
+    out = Path(job.out)
     splits = list(loaded.evals)
     n_layers = len(rows[0]["kept"])
     table = rpt.compare_markdown(rows, splits)

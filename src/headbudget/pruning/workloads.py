@@ -127,7 +127,7 @@ class LMWorkload:
 
     def __init__(self, job: PruneJob) -> None:
         from headbudget.loading import load_model_and_tokenizer
-        from headbudget.pruning.lm import lm_data
+        from headbudget.pruning.lm import split_lm_ids
 
         t0 = time.perf_counter()
         self.device = _device(job)
@@ -138,9 +138,16 @@ class LMWorkload:
         if n_pos is not None and job.context > int(n_pos):
             raise ValueError(f"context {job.context} exceeds the model's {n_pos} positions ({job.model})")
         vocab = int(model.get_input_embeddings().weight.shape[0])
-        self.data = lm_data(self.tokenizer, str(job.data), context=job.context, calib_windows=job.calib_windows,
-                            heldout_fraction=job.heldout_fraction, vocab_size=vocab)
+        self._ids = _token_ids(self.tokenizer, str(job.data), vocab)  # kept: other seeds re-cut the windows
+        self.data = split_lm_ids(self._ids, str(job.data), context=job.context, calib_windows=job.calib_windows,
+                                 heldout_fraction=job.heldout_fraction, calib_seed=job.calib_seed)
         self.evals = {"heldout": self.data.heldout}
+        # extra held-out texts (eval_data): each scored whole (at most limit_eval windows), named by its stem
+        for path in job.eval_data:
+            name = eval_text_name(path)
+            if name in self.evals:
+                raise ValueError(f"eval_data {path}: a second text named {name!r} (names are file stems)")
+            self.evals[name] = _token_ids(self.tokenizer, path, vocab)
         self.primary = "heldout"
         self._pristine = model  # a fresh deep copy per method (prune-compare)
         self.heads_total = sum(model_adapter(model).head_counts())
@@ -151,12 +158,30 @@ class LMWorkload:
     def fresh_model(self, job: PruneJob) -> Any:
         return copy.deepcopy(self._pristine).to(self.device).eval()
 
+    def use_calibration_seed(self, job: PruneJob, seed: int | None) -> None:
+        """Re-cut the calibration windows with ``seed`` (:func:`headbudget.pruning.lm.calibration_offsets`);
+        the held-out tail and the eval texts stay, so the dense scores stay valid."""
+        from headbudget.pruning.lm import split_lm_ids
+
+        self.data = split_lm_ids(self._ids, self.data.source, context=job.context, calib_windows=job.calib_windows,
+                                 heldout_fraction=job.heldout_fraction, calib_seed=seed)
+
     def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
+        from headbudget.evaluation.perplexity import perplexity
         from headbudget.pruning.lm import lm_perplexity
 
         res = lm_perplexity(model, self.data, max_windows=job.limit_eval, progress=job.progress)
         self.last_eval[stage] = res
-        return {"heldout": float(res["ppl"])}
+        out = {"heldout": float(res["ppl"])}
+        for name, ids in self.evals.items():
+            if name == "heldout":
+                continue
+            # scored like the held-out tail: windows of context tokens every context - 1 tokens
+            r = perplexity(model, None, input_ids=ids, context=self.data.context, stride=max(1, self.data.context - 1),
+                           max_windows=job.limit_eval, progress=job.progress)
+            self.last_eval[f"{stage} {name}"] = r
+            out[name] = float(r["ppl"])
+        return out
 
     def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
         from headbudget.pruning.lm import lm_batches
@@ -171,10 +196,16 @@ class LMWorkload:
         return lm_batches(replace(self.data, calib=self.data.calib[:m]), job.batch_size, False, job.seed)
 
     def describe(self, job: PruneJob) -> dict[str, Any]:
-        return {"model": str(job.model), "task": "lm", "data": str(job.data), "primary_split": "heldout",
-                "tokenizer": job.tokenizer or "the model's own",
-                "context": self.data.context, "tokens_total": self.data.tokens_total,
-                "calib_windows": len(self.data.calib), "heldout_tokens": len(self.data.heldout)}
+        out = {"model": str(job.model), "task": "lm", "data": str(job.data), "primary_split": "heldout",
+               "tokenizer": job.tokenizer or "the model's own",
+               "context": self.data.context, "tokens_total": self.data.tokens_total,
+               "calib_windows": len(self.data.calib), "heldout_tokens": len(self.data.heldout)}
+        if self.data.calib_seed is not None:
+            out.update(calib_seed=self.data.calib_seed, calib_offsets=list(self.data.calib_offsets))
+        if job.eval_data:
+            out["eval_data"] = {eval_text_name(p): {"path": str(p), "tokens": len(self.evals[eval_text_name(p)])}
+                                for p in job.eval_data}
+        return out
 
     def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
         from headbudget.pruning.lm import finetune_lm
@@ -189,6 +220,25 @@ class LMWorkload:
 
 
 Workload = ClassificationWorkload | LMWorkload
+
+
+def eval_text_name(path: str | Path) -> str:
+    """The name an eval text goes by in tables: its file stem (``../data/wikitext2_valid.tokens`` ->
+    ``wikitext2_valid``)."""
+    return Path(path).stem
+
+
+def _token_ids(tokenizer: Any, path: str | Path, vocab_size: int) -> Any:
+    """Token ids of a whole text file (no special tokens), refused when an id exceeds the model's vocabulary."""
+    import torch
+
+    from headbudget.evaluation.perplexity import read_text
+
+    ids = torch.tensor(tokenizer(read_text(str(path)), add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if len(ids) and int(ids.max()) >= vocab_size:
+        raise ValueError(f"{path}: token id {int(ids.max())} >= the model's vocab_size {vocab_size} "
+                         "(wrong tokenizer for this model?)")
+    return ids
 
 
 def load_workload(job: PruneJob) -> Workload:

@@ -1,0 +1,110 @@
+"""Rankings that hold: per-seed values -> mean and spread, and a "best method" only where it is best on every text.
+
+A comparison of methods is scored on several texts (or tasks) over several seeds.  :func:`spread` summarises
+one method's per-seed values on one text; :func:`rank_methods` applies the rule
+
+    method X is *best* on a metric only if, on every text, X's mean is better than every other
+    method's mean (``rule="mean"``), or -- stricter -- X's worst seed is better than every other
+    method's best seed (``rule="range"``: the min-max ranges do not overlap).  Otherwise no method
+    is best, and tables print "no method best".
+
+    >>> values = {"cahp": {"wiki": [51.0, 53.0], "movies": [90.0, 86.0]},
+    ...           "fisher": {"wiki": [60.0, 62.0], "movies": [67.0, 68.0]}}
+    >>> rank_methods(values, lower_is_better=True)["best"] is None      # cahp wins wiki, fisher movies
+    True
+    >>> rank_methods(values, lower_is_better=True)["per_text"]
+    {'wiki': 'cahp', 'movies': 'fisher'}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["NO_BEST", "RULES", "rank_methods", "ranking_markdown", "spread"]
+
+NO_BEST = "no method best"
+RULES = {
+    "mean": "a method is best only if its mean over the seeds is better than every other method's mean on every text",
+    "range": "a method is best only if, on every text, its worst seed is better than every other method's best "
+             "seed (min-max ranges do not overlap)",
+}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """``{"n", "mean", "std", "min", "max", "values"}`` of one method's per-seed values (``std``: sample
+    standard deviation, ddof 1; 0.0 for a single value).
+
+        >>> spread([1.0, 2.0, 3.0])["std"], spread([1.0, 2.0, 3.0])["mean"]
+        (1.0, 2.0)
+    """
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("spread of no values")
+    n = len(vals)
+    mean = math.fsum(vals) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
+    return {"n": n, "mean": mean, "std": std, "min": min(vals), "max": max(vals), "values": vals}
+
+
+def _better(a: float, b: float, lower_is_better: bool) -> bool:
+    return a < b if lower_is_better else a > b
+
+
+def rank_methods(values: Mapping[str, Mapping[str, Sequence[float]]], *, lower_is_better: bool,
+                 rule: str = "mean") -> dict[str, Any]:
+    """Apply the ranking rule (module docstring) to ``values[method][text] = [per-seed values]``.
+
+    Returns ``{"best": method or None, "label": method or "no method best", "per_text": {text: method or
+    None}, "rule": rule, "rule_text": ..., "lower_is_better": ...}``; ``per_text`` names the method that
+    beats every other on that text alone (None on a tie or overlapping ranges).  Every method must have
+    values on the same texts."""
+    if rule not in RULES:
+        raise ValueError(f"ranking rule must be one of {', '.join(RULES)}, got {rule!r}")
+    methods = list(values)
+    if len(methods) < 2:
+        raise ValueError(f"ranking needs at least two methods, got {methods}")
+    texts = list(values[methods[0]])
+    for m in methods:
+        if list(values[m]) != texts:
+            raise ValueError(f"method {m}: scored on {list(values[m])}, the others on {texts}")
+    stats = {m: {t: spread(values[m][t]) for t in texts} for m in methods}
+
+    def beats(x: str, y: str, t: str) -> bool:
+        sx, sy = stats[x][t], stats[y][t]
+        if rule == "mean":
+            return _better(sx["mean"], sy["mean"], lower_is_better)
+        worst_x = sx["max"] if lower_is_better else sx["min"]
+        best_y = sy["min"] if lower_is_better else sy["max"]
+        return _better(worst_x, best_y, lower_is_better)
+
+    per_text: dict[str, str | None] = {}
+    for t in texts:
+        winners = [x for x in methods if all(beats(x, y, t) for y in methods if y != x)]
+        per_text[t] = winners[0] if winners else None
+    first = per_text[texts[0]] if texts else None
+    best = first if first is not None and all(per_text[t] == first for t in texts) else None
+    return {"best": best, "label": best if best is not None else NO_BEST, "per_text": per_text, "rule": rule,
+            "rule_text": RULES[rule], "lower_is_better": lower_is_better}
+
+
+def ranking_markdown(values: Mapping[str, Mapping[str, Sequence[float]]], *, lower_is_better: bool,
+                     rule: str = "mean", digits: int = 2) -> str:
+    """A table ``method | text: mean ± std [min–max] | ...`` with each text's winner in bold, then the
+    verdict line (``best: X`` or ``no method best``) and the rule."""
+    rank = rank_methods(values, lower_is_better=lower_is_better, rule=rule)
+    methods = list(values)
+    texts = list(values[methods[0]])
+    lines = ["| method | " + " | ".join(texts) + " |", "|---|" + "---:|" * len(texts)]
+    for m in methods:
+        cells = []
+        for t in texts:
+            s = spread(values[m][t])
+            c = f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+            cells.append(f"**{c}**" if rank["per_text"][t] == m else c)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    n = max(len(values[m][t]) for m in methods for t in texts)
+    lines += ["", f"Ranking ({'lower' if lower_is_better else 'higher'} is better; mean ± sample std [min–max] "
+              f"over {n} seed{'s' if n != 1 else ''}): **{rank['label']}** -- rule: {rank['rule_text']}."]
+    return "\n".join(lines) + "\n"
