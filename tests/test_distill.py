@@ -220,10 +220,13 @@ def test_distill_command_equals_train_init_teacher(tmp_path, models, capsys):
     (["--tokens", "lots"], "--tokens 'lots': expected a positive number of tokens"),
     (["--tokens", "1M", "--alpha", "1.5"], "distill.alpha must be between 0 and 1"),
     (["--tokens", "1M", "--temperature", "0"], "distill.temperature must be a positive number"),
+    (["--tokens", "1M", "--teacher", "/nonexistent/teacher"],
+     "distill.teacher: /nonexistent/teacher: no such model file or folder"),
 ])
 def test_bad_distill_flags_are_one_line(tmp_path, models, capsys, flags, message):
     teacher, student = models
-    rc = main(["distill", str(student), "--teacher", str(teacher), "--out", str(tmp_path / "o"), *flags])
+    rc = main(["distill", str(student), "--teacher", str(teacher), "--out", str(tmp_path / "o"),
+               "--set", f"data.cache_dir={tmp_path / 'cache'}", *flags])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()

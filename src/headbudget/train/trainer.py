@@ -195,6 +195,12 @@ class Trainer:
                 raise ValueError(f"distill.temperature must be a positive number, got {d.temperature}")
             if not 0 <= d.alpha <= 1:
                 raise ValueError(f"distill.alpha must be between 0 and 1 (the weight of the KL term), got {d.alpha}")
+            from headbudget.loading import resolve_model
+
+            try:  # a missing teacher before any data work
+                resolve_model(d.teacher)
+            except (FileNotFoundError, ValueError) as exc:
+                raise type(exc)(f"distill.teacher: {exc}") from None
         if not self.cfg.model.init:
             build_schedule(self.cfg)  # schedule errors before any data work
 
