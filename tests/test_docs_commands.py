@@ -534,7 +534,13 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
         out = Path(ns.out)
         has(out / "compare.md", out / "compare.json")
         rows = json.loads((out / "compare.json").read_text())["rows"]
-        assert len(rows) == len(ns.methods.split(",")), f"{w}: {len(rows)} rows"
+        seeds = ns.calibration_seeds.split(",") if getattr(ns, "calibration_seeds", None) else [None]
+        assert len(rows) == len(ns.methods.split(",")) * len(seeds), f"{w}: {len(rows)} rows"
+        if seeds != [None]:  # one comparison per calibration seed, each with its own table
+            assert [r["seed"] for r in rows] == [int(s) for s in seeds for _ in ns.methods.split(",")], w
+            has(*(out / f"seed{s}" / "compare.md" for s in seeds))
+            assert "no method best" in (out / "compare.md").read_text() or json.loads(
+                (out / "compare.json").read_text())["ranking"]["pruned"]["best"], w
     elif name == "compress":
         out = Path(ns.out)
         has(out / "model" / "config.json", out / "report.json")
