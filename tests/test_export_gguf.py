@@ -295,7 +295,8 @@ def _llamacpp_perplexity(binary: str, gguf_path: Path, text: Path, ctx: int) -> 
 
 @pytest.mark.parametrize("pruned", [False, True], ids=["llama", "deci"])
 def test_llamacpp_perplexity_matches_the_model(tmp_path, pruned):
-    """llama.cpp scores the second half of each window; we compute the same from our logits."""
+    """llama.cpp scores each window's positions n_ctx/2 .. n_ctx-2 (predicting the next token); we compute the
+    same from our logits (no BOS: llama.cpp adds none for a gpt2 tokenizer without add_bos_token)."""
     binary = llama_cpp_tool("llama-perplexity")
     if binary is None:
         pytest.skip("llama.cpp's llama-perplexity not found (set HEADBUDGET_LLAMA_CPP_BIN)")
@@ -310,11 +311,11 @@ def test_llamacpp_perplexity_matches_the_model(tmp_path, pruned):
     ids = tok(text.read_text())["input_ids"]
     nll, count = 0.0, 0
     with torch.no_grad():
-        for start in range(0, len(ids) // ctx * ctx, ctx):  # llama-perplexity: chunk starts with bos
-            window = torch.tensor([259] + ids[start + 1:start + ctx])
+        for start in range(0, len(ids) // ctx * ctx, ctx):  # llama-perplexity's non-overlapping windows
+            window = torch.tensor(ids[start:start + ctx])
             logp = model(window[None]).logits[0].float().log_softmax(-1)
             first = ctx // 2
-            nll -= logp[first - 1:ctx - 1].gather(1, window[first:, None]).sum().item()
-            count += ctx - first
+            nll -= logp[first:ctx - 1].gather(1, window[first + 1:, None]).sum().item()
+            count += ctx - first - 1
     ours = math.exp(nll / count)
     assert _llamacpp_perplexity(binary, tmp_path / "m.gguf", text, ctx) == pytest.approx(ours, rel=1e-3)
