@@ -1,0 +1,476 @@
+"""The pre-registered Prism study (issue 22; protocol: docs/prism_study.md): prism against uniform, the
+reverse schedule, the all-wide control ``uniform@W`` (W = prism's widest head) and the budgeted
+``late_dim_decay:0.75``, 5 seeds each with identical batches per seed, at two CPU sizes.
+
+Data: movie reviews (``../shared/data/text/movie_reviews.txt``, the largest text there, split into
+reviews at blank lines) with the GPT-2 BPE (``../shared/data/tokenizers/gpt2``); the last 5% of the
+reviews are held out.  Each run is trained by the library's :class:`~headbudget.train.trainer.Trainer`
+(the loop ``headbudget compare`` uses; same seeds -> same batches) and then measured:
+
+* the primary endpoint: the loss (nats/token) on the whole held-out tail, non-overlapping windows of
+  the context (:func:`headbudget.evaluation.perplexity.perplexity`);
+* out of domain: the same on the first ``--ood-tokens`` tokens of WikiText-2 valid and tinyshakespeare;
+* training tokens/s (the trainer's measurement; the zero-overhead claim);
+* the per-layer mean attention distance on held-out sequences (:mod:`headbudget.analysis.attention`;
+  the local-to-global claim);
+* whether the run's own val loss was flat at its end (:func:`headbudget.train.compare.is_flat`).
+
+Resumable: one folder per (size, schedule, seed) under ``--out``; a run whose ``run.json`` exists is
+read back, not retrained; a killed run continues from its newest checkpoint.  After the runs it writes
+``benchmarks/results/prism_study.json`` (every run, paired differences to uniform and to the wide
+control with 95% intervals per size and text, the verdicts of the decision rule) and the loss curves
+``benchmarks/results/prism_study_curves_<size>.png``, and prints the paired table.
+
+Pilot (step 1 of the protocol: tokens per run, seed spread, smallest detectable difference)::
+
+    nice -n 10 python benchmarks/prism_study.py --pilot --sizes cpu-tiny --seeds 3 --tokens 1M \\
+        --threads 1 --out runs/prism_pilot
+
+Main runs (after the pilot's numbers are registered there and in REGISTERED_TOKENS / REGISTERED_MDD)::
+
+    nice -n 10 python benchmarks/prism_study.py --sizes cpu-tiny,cpu-small --threads 1 --out runs/prism_study
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+MOVIE_REVIEWS = SHARED / "text" / "movie_reviews.txt"
+OOD_TEXTS = {"wikitext2_valid": SHARED / "text" / "wikitext2_valid.tokens",
+             "tinyshakespeare": SHARED / "text" / "tinyshakespeare.txt"}
+GPT2_DIR = SHARED / "tokenizers" / "gpt2"
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: the sizes and their context (each preset's n_positions); batch 16 sequences a step
+SIZES = {"cpu-tiny": 128, "cpu-small": 256}
+BATCH = 16
+#: "uniform@W" and "late_dim_decay" are resolved per size (:func:`study_schedules`)
+SCHEDULES = ("uniform", "prism", "reverse", "uniform@W", "late_dim_decay")
+BUDGET_FRACTION = 0.75
+#: tokens per run and the smallest detectable paired difference of the held-out loss (nats/token),
+#: registered in docs/prism_study.md after the pilot (None: not measured yet)
+REGISTERED_TOKENS: dict[str, int | None] = {"cpu-tiny": None, "cpu-small": None}
+REGISTERED_MDD: dict[str, float | None] = {"cpu-tiny": None, "cpu-small": None}
+SEEDS = 5
+ALPHA, POWER = 0.05, 0.80
+
+
+def study_schedules(size: str, names: list[str] | tuple[str, ...] = SCHEDULES) -> list[str]:
+    """Schedule specs for a size: ``uniform@W`` -> ``uniform@<prism's widest head>``, ``late_dim_decay``
+    -> ``late_dim_decay:0.75`` (the allocation theory's budgeted schedule at 75% of the attention
+    budget; at 100% it is uniform).
+
+    >>> study_schedules("cpu-tiny")
+    ['uniform', 'prism', 'reverse', 'uniform@128', 'late_dim_decay:0.75']
+    """
+    from headbudget.schedules import schedule_from_spec
+
+    widest = max(schedule_from_spec("prism", size).head_dims)
+    out = []
+    for n in names:
+        if n == "uniform@W":
+            n = f"uniform@{widest}"
+        elif n == "late_dim_decay":
+            n = f"late_dim_decay:{BUDGET_FRACTION:g}"
+        schedule_from_spec(n, size)  # an unknown name fails here, before any training
+        out.append(n)
+    return out
+
+
+def run_config(size: str, schedule: str, seed: int, tokens: int, threads: int, cache_dir: str | None):
+    """The registered training recipe (docs/prism_study.md) for one run."""
+    from headbudget.train import RunConfig
+    from headbudget.train.compare import steps_for_tokens
+
+    context = SIZES[size]
+    steps = steps_for_tokens(tokens, BATCH, context)
+    eval_every = max(1, steps // 20)  # 20 evaluations: the last-20% window holds about 4-5 of them
+    return RunConfig.from_dict({
+        "name": f"prism-study-{size}", "seed": seed,
+        "model": {"preset": size, "schedule": schedule},
+        "data": {"source": str(MOVIE_REVIEWS), "tokenizer": f"gpt2:{GPT2_DIR}", "split_blank_lines": True,
+                 "val_fraction": 0.05, "cache_dir": cache_dir},
+        "train": {"steps": steps, "batch_size": BATCH, "context": context, "lr": 2e-3, "min_lr_ratio": 0.1,
+                  "warmup_steps": max(1, steps // 20), "weight_decay": 0.1, "grad_clip": 1.0,
+                  "eval_every": eval_every, "eval_batches": 8, "log_every": eval_every,
+                  "ckpt_every": eval_every, "keep_last": 1, "threads": threads, "progress": False,
+                  "device": "cpu", "precision": "fp32"},
+    })
+
+
+def min_detectable_difference(sd_diff: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """Smallest true mean paired difference a two-sided paired t-test over ``n`` seeds detects with
+    ``power`` at level ``alpha``, for a per-seed difference standard deviation ``sd_diff`` (exact,
+    noncentral t).
+
+    >>> round(min_detectable_difference(1.0, 5), 3)
+    1.682
+    """
+    from scipy import optimize, stats
+
+    if sd_diff <= 0:
+        return 0.0
+    df, crit = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
+
+    def power_at(effect: float) -> float:
+        nc = effect * math.sqrt(n) / sd_diff
+        upper, lower = float(stats.nct.sf(crit, df, nc)), float(stats.nct.cdf(-crit, df, nc))
+        return upper + (lower if math.isfinite(lower) else 0.0)  # the far tail is ~0 (scipy: NaN there)
+
+    hi = sd_diff
+    while power_at(hi) < power:  # bracket the root (a fixed wide bracket sends nct into NaN)
+        hi *= 2
+    return float(optimize.brentq(lambda e: power_at(e) - power, 1e-12, hi))
+
+
+def _token_ids(tokenizer, path: Path, limit: int) -> list[int]:
+    text = path.read_text(encoding="utf-8")
+    ids = tokenizer.encode(text[: 16 * limit])  # >= limit tokens: GPT-2 BPE averages ~4 characters a token
+    return ids[:limit]
+
+
+def measure(model, data, size: str, ood: dict[str, list[int]], attn_seqs: int,
+            heldout_tokens: int | None = None) -> dict[str, Any]:
+    """The endpoints of one trained model (see the module docstring)."""
+    import torch
+
+    from headbudget.analysis.attention import attention_summary
+    from headbudget.evaluation.perplexity import perplexity
+
+    context = SIZES[size]
+    texts: dict[str, Any] = {}
+    val_ids = torch.as_tensor(data.val[: heldout_tokens].astype("int64"))
+    for name, ids in [("movie_reviews_heldout", val_ids), *ood.items()]:
+        r = perplexity(model, None, input_ids=ids, context=context, stride=context, progress=False)
+        texts[name] = {k: r[k] for k in ("loss", "ppl", "tokens_scored", "seconds")}
+    n = min(attn_seqs, len(val_ids) // context)
+    attn = attention_summary(model, val_ids[: n * context].view(n, context), local_window=8, batch_size=4)
+    return {"texts": texts, "attention": {"n_sequences": n, "local_window": 8,
+                                          "mean_distance": attn["mean_distance"],
+                                          "mean_local_share": attn["mean_local_share"]}}
+
+
+def run_one(size: str, schedule: str, seed: int, tokens: int, out: Path, data, ood, args) -> dict[str, Any]:
+    """Train (or resume, or read back) one run and measure it; ``run.json`` marks it done."""
+    from headbudget.io import atomic_write_json
+    from headbudget.loading import load_model
+    from headbudget.train.compare import _safe, is_flat
+    from headbudget.train.trainer import Trainer, build_schedule
+
+    run_dir = out / size / f"{_safe(schedule)}-seed{seed}"
+    done = run_dir / "run.json"
+    cfg = run_config(size, schedule, seed, tokens, args.threads, args.cache_dir)
+    if done.is_file():
+        rec = json.loads(done.read_text())
+        if rec["steps"] != cfg.train.steps:
+            raise SystemExit(f"{done}: trained {rec['steps']} steps, this study asks for {cfg.train.steps} "
+                             f"({tokens:,} tokens); use another --out")
+        return rec
+    # a killed run continues from its newest checkpoint; a new one starts (without resume's notice)
+    trainer = Trainer(cfg, run_dir, resume=(run_dir / "checkpoints").is_dir() or (run_dir / "summary.json").is_file(),
+                      data=data)
+    result = trainer.run()
+    model = trainer.model if trainer.model is not None else load_model(run_dir / "model")
+    t0 = time.perf_counter()
+    measured = measure(model, data, size, ood, args.attn_seqs, args.heldout_tokens)
+    # metrics.jsonl, not result.history: a resumed run's history starts at the checkpoint
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = [r for r in history if r.get("val_loss") is not None]
+    rec = {
+        "size": size, "schedule": schedule, "seed": seed, "steps": result.steps, "tokens": result.tokens,
+        "params": result.params, "heads": list(build_schedule(cfg).heads), "warmup_steps": cfg.train.warmup_steps,
+        "final_val_loss_8_batches": result.final_val_loss, "tokens_per_s": result.tokens_per_s,
+        "train_wall_s": result.wall_s, "measure_wall_s": time.perf_counter() - t0,
+        "flat_at_end": is_flat(evals, min_step=cfg.train.warmup_steps),
+        "curve": [{k: r[k] for k in ("step", "tokens", "train_loss", "val_loss")} for r in evals],
+        **measured,
+    }
+    atomic_write_json(done, rec)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the run is done; model/ stays
+    return rec
+
+
+# --------------------------------------------------------------------------- analysis
+def _by(records, size, schedule):
+    return {r["seed"]: r for r in records if r["size"] == size and r["schedule"] == schedule}
+
+
+def _endpoint(rec: dict[str, Any], text: str) -> float:
+    return rec["texts"][text]["loss"]
+
+
+def _decide(ci: list[float] | None, mdd: float | None) -> str:
+    """The registered decision rule on one paired 95% interval of (schedule - control)."""
+    if ci is None:
+        return "not decidable (fewer than 2 paired seeds)"
+    lo, hi = ci
+    if hi < 0:
+        return "beats"
+    if lo > 0:
+        return "loses to"
+    if mdd is not None and -mdd < lo and hi < mdd:
+        return f"equivalent within ±{mdd:.4f}"
+    return "inconclusive"
+
+
+def analyse(records: list[dict[str, Any]], sizes: list[str], mdd: dict[str, float | None]) -> dict[str, Any]:
+    """Paired differences per size, text and comparison; tokens/s ratios; attention profiles; verdicts."""
+    import numpy as np
+
+    from headbudget.train.compare import paired_differences
+
+    texts = ["movie_reviews_heldout", *OOD_TEXTS]
+    out: dict[str, Any] = {}
+    for size in sizes:
+        scheds = study_schedules(size)
+        uniform, prism, wide = scheds[0], scheds[1], scheds[3]
+        per: dict[str, Any] = {"schedules": {}, "comparisons": {}}
+        for s in scheds:
+            runs = _by(records, size, s)
+            if not runs:
+                continue
+            per["schedules"][s] = {
+                "n_runs": len(runs), "params": next(iter(runs.values()))["params"],
+                "loss_mean": {t: float(np.mean([_endpoint(r, t) for r in runs.values()])) for t in texts},
+                "tokens_per_s_mean": float(np.mean([r["tokens_per_s"] for r in runs.values()])),
+                "mean_distance_per_layer": np.mean([r["attention"]["mean_distance"] for r in runs.values()],
+                                                   axis=0).tolist(),
+                "all_flat_at_end": all(r["flat_at_end"] for r in runs.values()),
+            }
+        pairs = [(s, uniform) for s in scheds[1:]] + [(prism, wide)]
+        for a, b in pairs:
+            ra, rb = _by(records, size, a), _by(records, size, b)
+            if not ra or not rb:
+                continue
+            comp: dict[str, Any] = {}
+            for t in texts:
+                d = paired_differences({k: _endpoint(v, t) for k, v in ra.items()},
+                                       {k: _endpoint(v, t) for k, v in rb.items()})
+                d["decision"] = _decide(d["ci"], mdd.get(size) if t == "movie_reviews_heldout" else None)
+                comp[t] = d
+            comp["tokens_per_s_ratio"] = paired_differences(
+                {k: v["tokens_per_s"] / rb[k]["tokens_per_s"] for k, v in ra.items() if k in rb},
+                {k: 1.0 for k in rb})
+            comp["distance_rises_with_depth"] = {
+                "seeds": sorted(set(ra) & set(rb)),
+                a: [ra[k]["attention"]["mean_distance"][-1] > ra[k]["attention"]["mean_distance"][0]
+                    for k in sorted(set(ra) & set(rb))],
+                f"rise_minus_{b}": [
+                    (ra[k]["attention"]["mean_distance"][-1] - ra[k]["attention"]["mean_distance"][0])
+                    - (rb[k]["attention"]["mean_distance"][-1] - rb[k]["attention"]["mean_distance"][0])
+                    for k in sorted(set(ra) & set(rb))]}
+            per["comparisons"][f"{a} - {b}"] = comp
+        out[size] = per
+    if len(sizes) == 2:  # does prism's paired difference to uniform grow with size? (Welch interval)
+        out["growth_with_size"] = growth(out, sizes[0], sizes[1])
+    return out
+
+
+def growth(analysis: dict[str, Any], small: str, large: str, text: str = "movie_reviews_heldout") -> dict[str, Any]:
+    """Mean(prism - uniform at ``large``) - mean(at ``small``) with a Welch 95% interval (the two sizes'
+    runs are independent); negative = prism's advantage grows with size."""
+    from scipy import stats
+
+    key = "prism - uniform"
+    if key not in analysis[small]["comparisons"] or key not in analysis[large]["comparisons"]:
+        return {"decision": "not decidable (prism - uniform missing at a size)"}
+    a, b = analysis[small]["comparisons"][key][text], analysis[large]["comparisons"][key][text]
+    if a["n"] < 2 or b["n"] < 2:
+        return {"decision": "not decidable (fewer than 2 seeds at a size)"}
+    va, vb = a["std"] ** 2 / a["n"], b["std"] ** 2 / b["n"]
+    diff, se = b["mean"] - a["mean"], math.sqrt(va + vb)
+    df = (va + vb) ** 2 / ((va ** 2 / (a["n"] - 1) + vb ** 2 / (b["n"] - 1)) or math.inf) if se > 0 else a["n"] - 1
+    crit = float(stats.t.ppf(0.975, df))
+    ci = [diff - crit * se, diff + crit * se]
+    decision = "grows" if ci[1] < 0 else "shrinks" if ci[0] > 0 else "no detectable change"
+    return {"text": text, "small": small, "large": large, "difference": diff, "ci": ci, "df": df,
+            "decision": decision}
+
+
+def print_table(analysis: dict[str, Any]) -> None:
+    header = f"{'size':<10} {'comparison':<34} {'text':<22} {'Δ loss (mean)':>13} {'95% CI':>22} {'n':>2}  decision"
+    print("\n" + header + "\n" + "-" * len(header))
+    for size, per in analysis.items():
+        if size == "growth_with_size":
+            continue
+        for name, comp in per["comparisons"].items():
+            for text, d in comp.items():
+                if text in ("tokens_per_s_ratio", "distance_rises_with_depth"):
+                    continue
+                ci = f"[{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]" if d["ci"] else "—"
+                print(f"{size:<10} {name:<34} {text:<22} {d['mean']:>+13.4f} {ci:>22} {d['n']:>2}  {d['decision']}")
+            r = comp["tokens_per_s_ratio"]
+            ci = f"[{r['ci'][0]:+.4f}, {r['ci'][1]:+.4f}]" if r["ci"] else "—"
+            print(f"{size:<10} {name:<34} {'tokens/s ratio - 1':<22} {r['mean']:>+13.4f} {ci:>22} {r['n']:>2}")
+    g = analysis.get("growth_with_size")
+    if g and "ci" in g:
+        print(f"\nprism - uniform, {g['large']} minus {g['small']}: {g['difference']:+.4f} "
+              f"[{g['ci'][0]:+.4f}, {g['ci'][1]:+.4f}] (Welch 95%): {g['decision']}")
+    elif g:
+        print(f"\ngrowth with size: {g['decision']}")
+
+
+def pilot_report(records: list[dict[str, Any]], size: str, schedules: list[str]) -> dict[str, Any]:
+    """Flatness, seed spread and the smallest detectable difference (paired, 5 seeds, 80% power)."""
+    import numpy as np
+
+    from headbudget.train.compare import is_flat, paired_differences
+
+    rep: dict[str, Any] = {"size": size, "schedules": schedules, "per_schedule": {}}
+    for s in schedules:
+        runs = _by(records, size, s)
+        first_flat = {}
+        for seed, r in runs.items():
+            first_flat[seed] = next((c["step"] for i, c in enumerate(r["curve"])
+                                     if is_flat(r["curve"][: i + 1], min_step=r["warmup_steps"])), None)
+        losses = [_endpoint(r, "movie_reviews_heldout") for r in runs.values()]
+        sd = float(np.std(losses, ddof=1)) if len(losses) > 1 else None
+        rep["per_schedule"][s] = {
+            "seeds": sorted(runs), "heldout_loss": losses, "heldout_loss_std": sd,
+            "flat_at_end": {k: r["flat_at_end"] for k, r in runs.items()},
+            "first_flat_step": first_flat, "steps": next(iter(runs.values()))["steps"] if runs else None,
+            "tokens_per_s": [r["tokens_per_s"] for r in runs.values()],
+            # unpaired spread: paired differences of two schedules have sd <= sqrt(2) x this (correlation >= 0)
+            "mdd_5_seeds_from_sqrt2_sd": min_detectable_difference(math.sqrt(2) * sd, SEEDS) if sd else None,
+        }
+    if len(schedules) >= 2:
+        a, b = _by(records, size, schedules[1]), _by(records, size, schedules[0])
+        d = paired_differences({k: _endpoint(v, "movie_reviews_heldout") for k, v in a.items()},
+                               {k: _endpoint(v, "movie_reviews_heldout") for k, v in b.items()})
+        d["mdd_5_seeds"] = min_detectable_difference(d["std"], SEEDS) if d["n"] > 1 else None
+        rep["paired"] = {f"{schedules[1]} - {schedules[0]}": d}
+    return rep
+
+
+def _parse_tokens(text: str | None, sizes: list[str]) -> dict[str, int]:
+    from headbudget.cli.train_cmd import parse_token_count
+
+    if not text:
+        missing = [s for s in sizes if REGISTERED_TOKENS.get(s) is None]
+        if missing:
+            raise SystemExit(f"no registered tokens per run for {', '.join(missing)}: run the pilot and register "
+                             "them in docs/prism_study.md, or pass --tokens")
+        return {s: int(REGISTERED_TOKENS[s]) for s in sizes}
+    if "=" not in text:
+        return {s: parse_token_count(text) for s in sizes}
+    out = {}
+    for item in text.split(","):
+        k, _, v = item.partition("=")
+        out[k.strip()] = parse_token_count(v)
+    if set(sizes) - set(out):
+        raise SystemExit(f"--tokens names no budget for {', '.join(sorted(set(sizes) - set(out)))}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pilot", action="store_true", help="protocol step 1: one schedule, one size, 2-3 seeds")
+    ap.add_argument("--sizes", default="cpu-tiny,cpu-small")
+    ap.add_argument("--schedules", help="comma list (default: all five of the study; the pilot: uniform)")
+    ap.add_argument("--seeds", type=int, help=f"seeds 0..N-1 (default {SEEDS}; the pilot 3)")
+    ap.add_argument("--tokens", help="tokens per run: one value (2M) or per size (cpu-tiny=2M,cpu-small=4M); "
+                    "default: the registered numbers")
+    ap.add_argument("--ood-tokens", type=int, default=65536, help="tokens scored of each out-of-domain text")
+    ap.add_argument("--heldout-tokens", type=int, help="score only the first N held-out tokens (default: all; "
+                    "for smoke tests)")
+    ap.add_argument("--attn-seqs", type=int, default=16, help="held-out sequences for the attention distance")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cache-dir", help="prepared-data cache (default: headbudget's)")
+    ap.add_argument("--out", default="runs/prism_study")
+    ap.add_argument("--results", default=None, help="results JSON (default benchmarks/results/prism_study.json, "
+                    "the pilot prism_study_pilot_SIZE.json)")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    from headbudget.io import atomic_write_json
+    from headbudget.train.compare import plot_curves, prepare_for
+
+    hf_logging.disable_progress_bar()
+    import torch
+
+    torch.set_num_threads(args.threads)  # the measurements after training too (the trainer restores threads)
+    for p in (MOVIE_REVIEWS, GPT2_DIR, *OOD_TEXTS.values()):
+        if not p.exists():
+            print(f"prism_study: {p} not found (the shared data)", file=sys.stderr)
+            return 2
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if unknown := [s for s in sizes if s not in SIZES]:
+        print(f"prism_study: unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}", file=sys.stderr)
+        return 2
+    if args.pilot and len(sizes) != 1:
+        print("prism_study: --pilot runs one size (--sizes cpu-tiny)", file=sys.stderr)
+        return 2
+    names = [s.strip() for s in (args.schedules or ("uniform" if args.pilot else ",".join(SCHEDULES))).split(",")]
+    n_seeds = args.seeds or (3 if args.pilot else SEEDS)
+    tokens = _parse_tokens(args.tokens, sizes)
+    out = Path(args.out)
+    results_path = Path(args.results) if args.results else RESULTS / (
+        f"prism_study_pilot_{sizes[0]}.json" if args.pilot else "prism_study.json")
+
+    records: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for size in sizes:
+        scheds = study_schedules(size, names)
+        cfg = run_config(size, scheds[0], 0, tokens[size], args.threads, args.cache_dir)
+        data = prepare_for(cfg, progress=False)
+        tok = data.tokenizer
+        ood = {name: torch.tensor(_token_ids(tok, path, args.ood_tokens), dtype=torch.long)
+               for name, path in OOD_TEXTS.items()}
+        print(f"== {size}: {len(scheds)} schedules x {n_seeds} seeds, {cfg.train.steps} steps x {BATCH} x "
+              f"{SIZES[size]} = {cfg.train.steps * BATCH * SIZES[size]:,} tokens a run "
+              f"({data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} held-out tokens)", flush=True)
+        for seed in range(n_seeds):  # seed-major: a partial study has every schedule at the first seeds
+            for s in scheds:
+                rec = run_one(size, s, seed, tokens[size], out, data, ood, args)
+                records.append(rec)
+                print(f"   {s:>20} seed {seed}: held-out {rec['texts']['movie_reviews_heldout']['loss']:.4f}  "
+                      f"wt2 {rec['texts']['wikitext2_valid']['loss']:.4f}  "
+                      f"shakespeare {rec['texts']['tinyshakespeare']['loss']:.4f}  "
+                      f"{rec['tokens_per_s']:,.0f} tok/s  flat {rec['flat_at_end']}", flush=True)
+        curves = {s: [[{**c} for c in r["curve"]] for r in _by(records, size, s).values()] for s in scheds}
+        if not args.pilot:
+            plot_curves({"curves": curves}, results_path.with_name(f"prism_study_curves_{size}.png"))
+
+    record: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]), "protocol": "docs/prism_study.md",
+        "tokens_per_run": tokens, "seeds": list(range(n_seeds)), "threads": args.threads,
+        "wall_s": time.perf_counter() - t0,
+        "runs": [{k: v for k, v in r.items() if k != "curve"} for r in records],
+        "curves": {f"{r['size']}/{r['schedule']}/seed{r['seed']}": r["curve"] for r in records},
+    }
+    if args.pilot:
+        record["pilot"] = pilot_report(records, sizes[0], study_schedules(sizes[0], names))
+        print(json.dumps(record["pilot"], indent=2))
+    else:
+        import numpy as np
+
+        mdd, observed = {}, {}
+        for size in sizes:  # the registered one decides; the one the main runs imply is recorded beside it
+            ref = _by(records, size, study_schedules(size)[0])
+            observed[size] = None
+            if len(ref) > 1:
+                sd = float(np.std([_endpoint(r, "movie_reviews_heldout") for r in ref.values()], ddof=1))
+                observed[size] = min_detectable_difference(math.sqrt(2) * sd, len(ref))
+            mdd[size] = REGISTERED_MDD.get(size)
+        record["mdd_registered"], record["mdd_from_main_uniform_spread"] = mdd, observed
+        record["analysis"] = analyse(records, sizes, mdd)
+        print_table(record["analysis"])
+    atomic_write_json(results_path, record)
+    print(f"\nwrote {results_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""benchmarks/prism_study.py: schedule names per size, the smallest detectable difference, the decision
+rule and the paired analysis on hand-made run records (no training)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "prism_study.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("prism_study", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_schedules_resolve_per_size(study):
+    assert study.study_schedules("cpu-tiny") == ["uniform", "prism", "reverse", "uniform@128", "late_dim_decay:0.75"]
+    assert study.study_schedules("cpu-small")[3] == "uniform@256"  # prism's widest head at cpu-small
+
+
+def test_min_detectable_difference_has_the_asked_power(study):
+    mdd = study.min_detectable_difference(1.0, 5)
+    assert mdd == pytest.approx(1.682, abs=1e-3)
+    assert study.min_detectable_difference(0.02, 5) == pytest.approx(0.02 * mdd, rel=1e-6)  # scales with sd
+    # Monte Carlo: 5 paired differences ~ N(mdd, 1), two-sided t-test at 5%: rejects 80% of the time
+    rng = np.random.default_rng(0)
+    d = rng.normal(mdd, 1.0, size=(200_000, 5))
+    t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(5))
+    assert np.mean(np.abs(t) > 2.7764451051977987) == pytest.approx(0.80, abs=0.005)
+    # many seeds: the normal approximation (z_0.975 + z_0.8) / sqrt(n) = 2.8016 / sqrt(n)
+    assert study.min_detectable_difference(1.0, 400) == pytest.approx(2.8016 / 20, rel=5e-3)
+
+
+def test_decision_rule(study):
+    assert study._decide([-0.03, -0.01], 0.02) == "beats"
+    assert study._decide([0.001, 0.05], 0.02) == "loses to"
+    assert study._decide([-0.015, 0.012], 0.02) == "equivalent within ±0.0200"
+    assert study._decide([-0.03, 0.01], 0.02) == "inconclusive"
+    assert study._decide([-0.015, 0.012], None) == "inconclusive"
+    assert study._decide(None, 0.02).startswith("not decidable")
+
+
+def _records(study, offsets):
+    """5 seeds per schedule and size; loss = 5 + 0.1 x seed + offsets[(size, schedule)][seed]."""
+    texts = ["movie_reviews_heldout", *study.OOD_TEXTS]
+    recs = []
+    for size in study.SIZES:
+        for sched in study.study_schedules(size):
+            for seed in range(5):
+                loss = 5 + 0.1 * seed + offsets.get((size, sched), [0.0] * 5)[seed]
+                recs.append({"size": size, "schedule": sched, "seed": seed, "params": 1, "flat_at_end": True,
+                             "tokens_per_s": 1000.0 + (10.0 * seed if sched == "prism" else 0.0),
+                             "texts": {t: {"loss": loss} for t in texts},
+                             "attention": {"mean_distance": [5, 9, 20, 30] if sched == "prism" else [8, 9, 9, 10]}})
+    return recs
+
+
+def test_analysis_pairs_by_seed_and_applies_the_rule(study):
+    prism_tiny = [-0.01, -0.02, -0.03, -0.02, -0.02]  # mean -0.02, sd 0.00707
+    prism_small = [-0.05, -0.06, -0.04, -0.05, -0.05]  # mean -0.05, sd 0.00707
+    recs = _records(study, {("cpu-tiny", "prism"): prism_tiny, ("cpu-small", "prism"): prism_small,
+                            ("cpu-tiny", "uniform@128"): [-0.02] * 5})
+    a = study.analyse(recs, list(study.SIZES), {"cpu-tiny": 0.04, "cpu-small": 0.04})
+    p1 = a["cpu-tiny"]["comparisons"]["prism - uniform"]["movie_reviews_heldout"]
+    assert p1["diffs"] == pytest.approx(prism_tiny, abs=1e-12) and p1["mean"] == pytest.approx(-0.02, abs=1e-12)
+    half = 2.7764451051977987 * np.std(prism_tiny, ddof=1) / math.sqrt(5)
+    assert p1["ci"] == pytest.approx([-0.02 - half, -0.02 + half], abs=1e-9) and p1["decision"] == "beats"
+    p2 = a["cpu-tiny"]["comparisons"]["prism - uniform@128"]["movie_reviews_heldout"]
+    assert p2["mean"] == pytest.approx(0.0, abs=1e-12) and p2["decision"] == "equivalent within ±0.0400"
+    # out of domain: no registered MDD, so an interval around 0 is inconclusive, not equivalent
+    assert a["cpu-tiny"]["comparisons"]["prism - uniform@128"]["wikitext2_valid"]["decision"] == "inconclusive"
+    speed = a["cpu-tiny"]["comparisons"]["prism - uniform"]["tokens_per_s_ratio"]
+    assert speed["mean"] == pytest.approx(np.mean([0.0, 0.01, 0.02, 0.03, 0.04]), abs=1e-12)
+    rise = a["cpu-tiny"]["comparisons"]["prism - uniform"]["distance_rises_with_depth"]
+    assert rise["prism"] == [True] * 5 and rise["rise_minus_uniform"] == [23] * 5
+    g = a["growth_with_size"]
+    assert g["difference"] == pytest.approx(-0.03, abs=1e-12) and g["decision"] == "grows"
+    se = math.sqrt(2 * np.var(prism_tiny, ddof=1) / 5)  # equal variances: Welch df = 8
+    assert g["df"] == pytest.approx(8.0) and g["ci"][1] == pytest.approx(-0.03 + 2.306004135204166 * se, abs=1e-9)
