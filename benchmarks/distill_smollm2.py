@@ -210,17 +210,17 @@ def main() -> None:
             rec = recover(student, teacher, texts, args, work / f"{kind}-{name}-{args.tokens}")
             row[kind] = rec
             row["ppl"][kind] = perplexities(rec["model"], texts, args, work / f"ppl-{name}-{kind}-{args.tokens}.json")
-            log(f"{name} {kind}: ppl {row['ppl'][kind]}, {rec['tokens_per_s_median']:.0f} tokens/s "
+            log(f"{name} {kind}: ppl {row['ppl'][kind]}, {rec['tokens_per_s_median']:.1f} tokens/s "
                 f"(1M tokens: {rec['projected_wall_h_1M_tokens']:.1f} h)")
-        # share of the pruned -> dense perplexity gap closed, per held-out text
-        row["gap_closed"] = {kind: {t: (row["ppl"]["pruned"][t] - row["ppl"][kind][t]) /
-                                    (row["ppl"]["pruned"][t] - dense[t]) for t in HELDOUT}
-                             for kind, _ in runs}
-        if not args.skip_lm:
-            row["distill_beats_lm"] = {t: row["ppl"]["distilled"][t] < row["ppl"]["lm_trained"][t] for t in HELDOUT}
-        result["rows"][name] = row
-        result["wall_s"] = time.perf_counter() - t0
-        atomic_write_json(args.out, result)
+            # share of the pruned -> dense perplexity gap closed, per held-out text
+            row.setdefault("gap_closed", {})[kind] = {t: (row["ppl"]["pruned"][t] - row["ppl"][kind][t]) /
+                                                      (row["ppl"]["pruned"][t] - dense[t]) for t in HELDOUT}
+            if "distilled" in row["ppl"] and "lm_trained" in row["ppl"]:
+                row["distill_beats_lm"] = {t: row["ppl"]["distilled"][t] < row["ppl"]["lm_trained"][t]
+                                           for t in HELDOUT}
+            result["rows"][name] = row  # written after every run: a partial row is a result too
+            result["wall_s"] = time.perf_counter() - t0
+            atomic_write_json(args.out, result)
     log(f"wrote {args.out}")
     for name, row in result["rows"].items():
         for kind in ("distilled", "lm_trained"):
