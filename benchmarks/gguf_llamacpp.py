@@ -78,7 +78,7 @@ def headbudget_side(model_path: str, kld: Path, add_bos: bool, bos: int | None) 
     model = load_model(model_path, as_headbudget=True, dtype=torch.float32)
     n_ctx, n_vocab, tokens, cpp_argmax, cpp_scale = read_llamacpp_logits(kld)
     first = n_ctx // 2
-    nll, count, agree, near_ties = 0.0, 0, 0, 0
+    nll, count, agree, near_ties, differ = 0.0, 0, 0, 0, []
     for c in range(len(tokens) // n_ctx):
         window = torch.from_numpy(tokens[c * n_ctx:(c + 1) * n_ctx].astype(np.int64)).clone()
         if add_bos:  # llama-perplexity puts BOS at each window's start
@@ -90,13 +90,17 @@ def headbudget_side(model_path: str, kld: Path, add_bos: bool, bos: int | None) 
         ours = logp.argmax(-1).numpy()
         theirs = cpp_argmax[c * (n_ctx - 1 - first):(c + 1) * (n_ctx - 1 - first)]
         agree += int((ours == theirs).sum())
+        for j in np.flatnonzero(ours != theirs):  # how close our top two were where llama.cpp chose otherwise
+            differ.append({"chunk": c, "position": int(first + j), "our_top2_gap": float(
+                logp[j].topk(2).values.diff().abs().item()), "llamacpp_choice_gap": float(
+                (logp[j].max() - logp[j, int(theirs[j])]).item())})
         # positions whose top two logits are closer than llama.cpp's 16-bit log-prob step: a tie there
         top2 = logp.topk(2, -1).values
         step = torch.from_numpy(cpp_scale[c * (n_ctx - 1 - first):(c + 1) * (n_ctx - 1 - first)])
         near_ties += int(((top2[:, 0] - top2[:, 1]) < step).sum())
         count += n_ctx - 1 - first
     return {"ppl": math.exp(nll / count), "positions": count, "argmax_agree": agree,
-            "argmax_agreement": agree / count, "near_ties": near_ties}
+            "argmax_agreement": agree / count, "near_ties": near_ties, "disagreements": differ}
 
 
 def gguf_summary(path: Path) -> dict:
