@@ -42,13 +42,19 @@ def tiny_bpe_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
 
 
-def tiny_llama(tie: bool = False, layers: int = 2):
+#: llama3 rotary scaling over 16 original positions: head size 8's highest frequency (wavelength 2 pi) is
+#: smoothed, the three lower ones divided by the factor (written as llama.cpp's rope_freqs tensor)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def tiny_llama(tie: bool = False, layers: int = 2, rope: dict | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tie, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+                      rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -157,6 +163,21 @@ def test_uniform_llama_export_has_llamacpp_keys_and_loads_back_with_equal_logits
         assert torch.allclose(back(ids).logits[0], ref, atol=1e-4)
     # and our llama.cpp reference agrees with transformers on the same file (it checks the deci test below)
     assert torch.allclose(llamacpp_reference_logits(tmp_path / "m.gguf", ids[0]), ref, atol=1e-4)
+
+
+def test_tied_embeddings_write_no_output_tensor_and_llama3_rope_writes_rope_freqs(tmp_path):
+    from headbudget.models.export_gguf import export_gguf
+
+    model = tiny_llama(tie=True, rope=LLAMA3_ROPE)
+    export_gguf(model, tiny_bpe_tokenizer(), tmp_path / "t.gguf", tokenizer_pre="gpt-2")
+    w = tensors(tmp_path / "t.gguf")
+    assert "output.weight" not in w and len(w) == 2 * 9 + 3  # llama.cpp reuses token_embd; + rope_freqs
+    smooth = (16 / (2 * math.pi) - 1.0) / (4.0 - 1.0)  # Meta's llama3 rule for wavelengths between 16/4 and 16
+    assert w["rope_freqs.weight"].tolist() == pytest.approx([1 / ((1 - smooth) / 8 + smooth), 8.0, 8.0, 8.0])
+    ids = torch.randint(0, 264, (40,), generator=torch.Generator().manual_seed(3))  # past the 16 original positions
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    assert torch.allclose(llamacpp_reference_logits(tmp_path / "t.gguf", ids), ref, atol=1e-4)
 
 
 def test_tokenizer_metadata_is_what_llamacpp_converter_writes(tmp_path):
@@ -293,8 +314,8 @@ def _llamacpp_perplexity(binary: str, gguf_path: Path, text: Path, ctx: int) -> 
     return float(found.group(1))
 
 
-@pytest.mark.parametrize("pruned", [False, True], ids=["llama", "deci"])
-def test_llamacpp_perplexity_matches_the_model(tmp_path, pruned):
+@pytest.mark.parametrize("kind", ["llama", "deci", "llama3-rope"])
+def test_llamacpp_perplexity_matches_the_model(tmp_path, kind):
     """llama.cpp scores each window's positions n_ctx/2 .. n_ctx-2 (predicting the next token); we compute the
     same from our logits (no BOS: llama.cpp adds none for a gpt2 tokenizer without add_bos_token)."""
     binary = llama_cpp_tool("llama-perplexity")
@@ -303,7 +324,9 @@ def test_llamacpp_perplexity_matches_the_model(tmp_path, pruned):
     from headbudget.models import to_headbudget
     from headbudget.models.export_gguf import export_gguf
 
-    model, tok = (pruned_headbudget() if pruned else to_headbudget(tiny_llama())), tiny_bpe_tokenizer()
+    model = {"llama": lambda: to_headbudget(tiny_llama()), "deci": pruned_headbudget,
+             "llama3-rope": lambda: to_headbudget(tiny_llama(tie=True, rope=LLAMA3_ROPE))}[kind]()
+    tok = tiny_bpe_tokenizer()
     export_gguf(model, tok, tmp_path / "m.gguf", tokenizer_pre="gpt-2")
     ctx = 32
     text = tmp_path / "t.txt"
