@@ -160,14 +160,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     for ax, (key, kind, title) in zip(axes, panels):
         for i, lab in enumerate(labels):
-            pts = [(r["heads_kept"] / 270 + 0.004 * (i - 2), val(r, key, kind)) for r in rows if r["label"] == lab]
+            pts = [(r["ratio"] + 0.025 * (i - 2), val(r, key, kind)) for r in rows if r["label"] == lab]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o" if lab == "cahp" else "s", label=lab, ms=4,
                     alpha=0.8, color=f"C{i}")
         if dense is not None:
             ax.axhline(val(dense, key, kind), color="k", lw=0.8, ls=":", label="dense")
         if kind == "ppl":
             ax.set_yscale("log")
-        ax.set_xlabel("fraction of heads kept")
+        ratios = sorted({r["ratio"] for r in rows if r["label"] != "dense"})
+        ax.set_xticks(ratios, [f"{x:.0%}" for x in ratios])
+        ax.set_xlabel("heads kept (methods side by side)")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -197,10 +199,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--results", default=str(HERE / "results" / "cahp_lm_smollm2_seeds.json"))
     ap.add_argument("--plot", default=str(HERE / "results" / "cahp_lm_smollm2_seeds.png"))
-    ap.add_argument("--table", action="store_true", help="only print the results file as markdown tables")
+    ap.add_argument("--table", action="store_true",
+                    help="only print the results file as markdown tables (and redraw the plot from it)")
     args = ap.parse_args()
     if args.table:
-        print(markdown_tables(json.loads(Path(args.results).read_text())))
+        data = json.loads(Path(args.results).read_text())
+        print(markdown_tables(data))
+        plot(data["rows"], Path(args.plot))
         return
 
     import torch
