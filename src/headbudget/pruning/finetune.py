@@ -15,10 +15,8 @@ pruned encoders, cached hub names).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from headbudget.io import atomic_write_json, follow_umask
+from headbudget.io import atomic_write_json, follow_umask, save_figure
 from headbudget.pruning.adapters import get_adapter, save_pruned
 from headbudget.pruning.tasks import Example, TaskData, get_task, load_task, make_loader, subsample
 
@@ -253,17 +251,10 @@ def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Pat
     if splits:
         ax.legend()
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
-        follow_umask(tmp)
-        os.replace(tmp, path)
+        return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file
     finally:
         plt.close(fig)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    return path
 
 
 def save_classifier(model: nn.Module, tokenizer: Any, out: str | os.PathLike[str]) -> Path:

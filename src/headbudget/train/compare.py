@@ -34,7 +34,7 @@ import numpy as np
 from scipy import stats  # a dependency of scikit-learn, which headbudget requires
 
 from headbudget.data.prepare import PreparedData, prepare_data
-from headbudget.io import atomic_write_text, follow_umask
+from headbudget.io import atomic_write_text, save_figure
 from headbudget.train.config import RunConfig
 from headbudget.train.trainer import Trainer, TrainResult, build_schedule
 
@@ -363,13 +363,7 @@ def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
     try:
-        fig.savefig(tmp, dpi=120)
-        follow_umask(tmp)
-        os.replace(tmp, path)
+        return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)  # a failed write leaves no temp file
-    return path
