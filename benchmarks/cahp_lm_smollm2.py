@@ -45,6 +45,26 @@ ZS_TASKS = ("arc_easy", "piqa")
 SEED_FREE = ("magnitude",)  # selection reads only the weights: identical for every calibration seed
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, Any]]:
+    """``LABEL:field=value,field=value`` -> ``{LABEL: {field: value}}`` (PruneJob fields of a cahp variant)."""
+    from dataclasses import fields
+
+    from headbudget.pruning.pipeline import PruneJob
+
+    names = {f.name for f in fields(PruneJob)}
+    out: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        label, _, rest = spec.partition(":")
+        kw: dict[str, Any] = {}
+        for item in filter(None, rest.split(",")):
+            k, _, v = item.partition("=")
+            if k not in names:
+                raise SystemExit(f"--variant {spec!r}: {k!r} is not a PruneJob field")
+            kw[k] = int(v) if v.lstrip("-").isdigit() else v
+        out[label] = kw
+    return out
+
+
 def ensure_base(out: Path, gguf: str) -> Path:
     """The GGUF converted once to a headbudget folder (model + tokenizer)."""
     base = out / "base"
@@ -87,10 +107,14 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ppl": {m: {t: spread(v) for t, v in d.items()} for m, d in ppl.items()},
             "zero_shot": {m: {t: spread(v) for t, v in d.items()} for m, d in acc.items()},
         }
-        if len(labels) > 1:
-            entry["ranking_ppl"] = rank_methods(ppl, lower_is_better=True)
-            entry["ranking_ppl_range"] = rank_methods(ppl, lower_is_better=True, rule="range")
-            entry["ranking_zero_shot"] = rank_methods(acc, lower_is_better=False)
+        main = [m for m in labels if m in ORDER]  # cahp variants are ranked against cahp only
+        if len(main) > 1:
+            entry["ranking_ppl"] = rank_methods({m: ppl[m] for m in main}, lower_is_better=True)
+            entry["ranking_ppl_range"] = rank_methods({m: ppl[m] for m in main}, lower_is_better=True, rule="range")
+            entry["ranking_zero_shot"] = rank_methods({m: acc[m] for m in main}, lower_is_better=False)
+        cahps = [m for m in labels if m == "cahp" or m not in ORDER]
+        if "cahp" in cahps and len(cahps) > 1:
+            entry["ranking_cahp_variants_ppl"] = rank_methods({m: ppl[m] for m in cahps}, lower_is_better=True)
         out[f"{ratio:.2f}"] = entry
     return out
 
@@ -132,14 +156,19 @@ def markdown_tables(data: dict[str, Any]) -> str:
                 s = e[kind][m][t]
                 c = f"{s['mean']:.{dig}f} ± {s['std']:.{dig}f} [{s['min']:.{dig}f}–{s['max']:.{dig}f}]"
                 rank = e.get("ranking_ppl" if kind == "ppl" else "ranking_zero_shot")
-                cells.append(f"**{c}**" if rank and rank["per_text"][t] == m else c)
-            note = " (weights only: one selection)" if m in SEED_FREE else ""
+                cells.append(f"**{c}**" if rank and rank["per_text"].get(t) == m else c)
+            note = (" (weights only: one selection)" if m in SEED_FREE else
+                    " (cahp variant, not in the ranking)" if m not in ORDER else "")
             lines.append(f"| {m}{note} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
         out.append("\n".join(lines) + "\n")
         if "ranking_ppl" in e:
             out.append(f"Perplexity ranking (rule: {RULES['mean']}): **{e['ranking_ppl']['label']}**; stricter "
                        f"(non-overlapping min-max): **{e['ranking_ppl_range']['label']}**. Zero-shot ranking "
                        f"(same rule over arc_easy, piqa): **{e['ranking_zero_shot']['label']}**.\n")
+        if "ranking_cahp_variants_ppl" in e:
+            rv = e["ranking_cahp_variants_ppl"]
+            out.append(f"cahp against its variants (perplexity, same rule): **{rv['label']}** (per text: "
+                       + ", ".join(f"{t} {w or 'none'}" for t, w in rv["per_text"].items()) + ").\n")
     return "\n".join(out)
 
 
@@ -189,6 +218,9 @@ def main() -> None:
     ap.add_argument("--zeroshot-dir", default=str(SHARED / "zeroshot"))
     ap.add_argument("--out", default="/work/runs/cahp_lm_seeds")
     ap.add_argument("--methods", default="dense,cahp,fisher,random,magnitude,michel")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL:field=value,... a cahp variant (PruneJob fields) usable as a --methods label, "
+                         "e.g. cahp-c15:n_clusters=15")
     ap.add_argument("--ratios", default="0.70,0.50")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--context", type=int, default=256)
@@ -204,6 +236,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.table:
         data = json.loads(Path(args.results).read_text())
+        data["aggregate"] = aggregate(data["rows"])  # the rule as the code states it now
         print(markdown_tables(data))
         plot(data["rows"], Path(args.plot))
         return
@@ -218,9 +251,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    variants = parse_variants(args.variant)
     for m in methods:
-        if m not in ORDER:
-            raise SystemExit(f"--methods: unknown method {m!r}; choose from {', '.join(ORDER)}")
+        if m not in ORDER and m not in variants:
+            raise SystemExit(f"--methods: unknown method {m!r}; choose from {', '.join(ORDER)} or a --variant")
     ratios = [float(r) for r in args.ratios.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     base = ensure_base(out, args.gguf)
@@ -267,7 +301,8 @@ def main() -> None:
         else:
             ld = get_loaded()
             ld.use_calibration_seed(base_job, seed)
-            job = replace(base_job, method=label, out=str(d), keep_ratio=ratio, calib_seed=seed, seed=42 + seed)
+            job = replace(base_job, method="cahp" if label in variants else label, out=str(d), keep_ratio=ratio,
+                          calib_seed=seed, seed=42 + seed, **variants.get(label, {}))
             if not ((d / "report.json").exists() and (d / "model").is_dir()):
                 res = run_prune(job, ld)
                 details = res["details"]
@@ -275,7 +310,8 @@ def main() -> None:
                 details = json.loads((d / "details.json").read_text())
             rep = json.loads((d / "report.json").read_text())
             model, tok = load_model_and_tokenizer(str(d / "model"), "causal")
-            row = {"label": label, "method": label, "ratio": ratio, "seed": seed, "heads_kept": rep["heads_kept"],
+            row = {"label": label, "method": job.method, "ratio": ratio, "seed": seed, "heads_kept": rep["heads_kept"],
+                   "options": variants.get(label, {}),
                    "kept_per_layer": [len(rep["kept"][str(i)]) for i in range(len(rep["kept"]))],
                    "calib_offsets": details.get("calib_offsets"),
                    "ppl": text_names({k: v["pruned"] for k, v in details["perplexity"].items()}),
