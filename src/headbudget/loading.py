@@ -106,8 +106,6 @@ def resolve_device(device: str | torch.device | None, flag: str = "--device") ->
     return torch.device(text)
 
 
-
-
 # --------------------------------------------------------------------------- where the model is
 @dataclass(frozen=True)
 class ModelSource:
