@@ -91,7 +91,11 @@ def run_interleaved(models: dict[str, Any], prompt: torch.Tensor, batches: list[
 
 def use_index_select(model: Any) -> Any:
     """``model`` with the attention of unequal-group layers as it was before issue 19 §2: the whole K/V cache
-    ``index_select``-ed to one row per query head on every step, then one SDPA call (the baseline)."""
+    ``index_select``-ed to one row per query head on every step, then one SDPA call (the baseline).
+
+    The forward below deliberately copies the pre-§2 ``HeadBudgetAttention.forward`` from
+    ``modeling_headbudget.py`` (same q/k/v split, rotary, cache update); only the gather differs. It is frozen
+    here on purpose so the benchmark keeps measuring the old path: do not make it call the model's code."""
     import types
 
     import torch.nn.functional as F
