@@ -316,7 +316,10 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
         if scores is not None:
             details["scores"] = scores
     if job.granularity != "head":
+        import numpy as np
+
         from headbudget.pruning.granularity import apply_granularity, kv_groups_of
+        from headbudget.pruning.importance import unflatten
 
         # per-head scores of the method; methods without one final score (cahp, michel) rank their own
         # selection first: 1 for a kept head, 0 for the rest
@@ -324,11 +327,8 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
         if flat is None or len(flat) != n_total:
             kept_set = set(kept)
             flat = [1.0 if i in kept_set else 0.0 for i in range(n_total)]
-        per_layer, start = [], 0
-        for n in counts:
-            per_layer.append([float(v) for v in flat[start:start + n]])
-            start += n
-        kept = apply_granularity(job.granularity, per_layer, kv_groups_of(adapter), target or len(kept))
+        kept = apply_granularity(job.granularity, unflatten(np.asarray(flat, dtype=np.float64), counts),
+                                 kv_groups_of(adapter), target or len(kept))
         details["granularity"] = job.granularity
     kept_layers = kept_by_layer(kept, heads, len(counts))
 
