@@ -37,6 +37,14 @@ def _snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}
 
 
+def _save_pretrained_on_a_full_disk(self, directory, *a, **k):
+    """A partial weights file, then ENOSPC (as safetensors would): monkeypatched over ``save_pretrained``."""
+    path = Path(directory) / "model.safetensors"
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * 100)
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
 def _no_temp_left(d: Path) -> list[str]:
     return [str(p) for p in d.rglob("*") if p.name.endswith(".tmp") or ".tmp" in p.name or p.name == LOCK_NAME]
 
@@ -191,13 +199,7 @@ def test_output_path_that_is_a_file_or_unwritable_is_one_line_before_any_work(tm
 def test_disk_full_mid_run_is_one_line_and_leaves_no_temp_files(tmp_path, capsys, monkeypatch):
     from headbudget.models import HeadBudgetForCausalLM
 
-    def full_disk(self, directory, *a, **k):  # a partial weights file, then ENOSPC (as safetensors would)
-        path = Path(directory) / "model.safetensors"
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"\0" * 100)
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-    monkeypatch.setattr(HeadBudgetForCausalLM, "save_pretrained", full_disk)
+    monkeypatch.setattr(HeadBudgetForCausalLM, "save_pretrained", _save_pretrained_on_a_full_disk)
     run = tmp_path / "run"
     assert _train(run, tmp_path / "cache", 2) == 2
     err = capsys.readouterr().err
@@ -332,13 +334,7 @@ def test_compress_disk_full_is_one_line_and_leaves_no_temp_files(tmp_path, capsy
     make_tokenizer("byte").save(model_dir / "tokenizer")
     capsys.readouterr()
 
-    def full_disk(self, directory, *a, **k):
-        path = Path(directory) / "model.safetensors"
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"\0" * 100)
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-    monkeypatch.setattr(HeadBudgetForCausalLM, "save_pretrained", full_disk)
+    monkeypatch.setattr(HeadBudgetForCausalLM, "save_pretrained", _save_pretrained_on_a_full_disk)
     out = tmp_path / "out"
     assert main(["compress", str(model_dir), "--keep", "0.5", "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # (after transformers' own "Loading weights" bar)
