@@ -56,54 +56,13 @@ from typing import Any
 
 import torch
 
+from headbudget.devices import DTYPES, resolve_device, resolve_dtype  # re-exported: loading's public names
 from headbudget.io import refused_pickle_reason
 
 KINDS = ("causal", "classifier")
 # Files whose presence makes a folder a Hugging Face tokenizer folder.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 KEPT_HEADS_FILE = "kept_heads.json"  # same name as pruning.adapters.KEPT_HEADS_FILE (no upward import)
-#: ``--dtype`` / ``dtype=`` values (lm-eval's hf backend takes the same names); "auto" keeps the
-#: checkpoint's own float type
-DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32,
-                                         "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# --------------------------------------------------------------------------- dtype and device
-def resolve_dtype(value: str | torch.dtype | None, flag: str = "--dtype") -> torch.dtype | None:
-    """The torch dtype of a ``--dtype`` flag or a ``dtype=`` model argument; None for "auto" (or
-    None): the checkpoint's own float type, as transformers loads it.
-
-        >>> resolve_dtype("bfloat16"), resolve_dtype("auto"), resolve_dtype(torch.float16)
-        (torch.bfloat16, None, torch.float16)
-    """
-    if value is None or isinstance(value, torch.dtype):
-        if value is not None and value not in DTYPES.values():
-            raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value}")
-        return value
-    name = str(value).strip().removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
-    return DTYPES[name]
-
-
-def resolve_device(device: str | torch.device | None, flag: str = "--device") -> torch.device:
-    """The device every command runs on: ``device`` when given (cpu, cuda, cuda:N), else cuda when
-    available, else cpu.
-
-        >>> resolve_device("cpu")
-        device(type='cpu')
-        >>> resolve_device(None)          # on a machine with a GPU       # doctest: +SKIP
-        device(type='cuda')
-    """
-    if device is None or str(device).strip() == "":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    text = str(device).strip()
-    kind, _, index = text.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
-        raise ValueError(f"{flag} must be cpu, cuda or cuda:N, got {text!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{flag} {text}: CUDA is not available on this machine (use --device cpu)")
-    return torch.device(text)
 
 
 # --------------------------------------------------------------------------- where the model is

@@ -1,0 +1,59 @@
+"""Which float type and which device a command runs with: ``--dtype`` / ``--device`` flags and the
+``dtype=`` / ``device=`` model arguments, each a one-line ValueError naming the flag when wrong.
+
+    >>> from headbudget.devices import resolve_device, resolve_dtype
+    >>> resolve_dtype("bfloat16"), resolve_device("cpu")
+    (torch.bfloat16, device(type='cpu'))
+
+(Also importable from :mod:`headbudget.loading`, where they were first defined.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ``--dtype`` / ``dtype=`` values (lm-eval's hf backend takes the same names); "auto" keeps the
+#: checkpoint's own float type
+DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32,
+                                         "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------- dtype and device
+def resolve_dtype(value: str | torch.dtype | None, flag: str = "--dtype") -> torch.dtype | None:
+    """The torch dtype of a ``--dtype`` flag or a ``dtype=`` model argument; None for "auto" (or
+    None): the checkpoint's own float type, as transformers loads it.
+
+        >>> resolve_dtype("bfloat16"), resolve_dtype("auto"), resolve_dtype(torch.float16)
+        (torch.bfloat16, None, torch.float16)
+    """
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and value not in DTYPES.values():
+            raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value}")
+        return value
+    name = str(value).strip().removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
+    return DTYPES[name]
+
+
+def resolve_device(device: str | torch.device | None, flag: str = "--device") -> torch.device:
+    """The device every command runs on: ``device`` when given (cpu, cuda, cuda:N), else cuda when
+    available, else cpu.
+
+        >>> resolve_device("cpu")
+        device(type='cpu')
+        >>> resolve_device(None)          # on a machine with a GPU       # doctest: +SKIP
+        device(type='cuda')
+    """
+    if device is None or str(device).strip() == "":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    text = str(device).strip()
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"{flag} must be cpu, cuda or cuda:N, got {text!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{flag} {text}: CUDA is not available on this machine (use --device cpu)")
+    return torch.device(text)
+
+
+__all__ = ["DTYPES", "resolve_device", "resolve_dtype"]
