@@ -16,24 +16,9 @@ from headbudget.cli.main import main
 
 lm_eval = pytest.importorskip("lm_eval")
 
-TASKS_DIR = Path(__file__).resolve().parent / "fixtures" / "lm_eval"
-
-
-@pytest.fixture(autouse=True)
-def _offline_one_thread(monkeypatch):
-    """No hub access, one thread, run in the lm-eval fixture folder (its YAML files' data paths)."""
-    import datasets
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
-    monkeypatch.chdir(TASKS_DIR)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# the autouse fixture of the harness tests: no hub access, run in the lm-eval fixture folder (its YAML
+# files' data paths)
+from tests.test_eval_harness import TASKS_DIR, _offline_one_thread  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
