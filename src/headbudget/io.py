@@ -194,7 +194,7 @@ def atomic_write_file(path: str | os.PathLike, write: Callable[[Path], Any]) -> 
     tmp = Path(name)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())
+        follow_umask(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException as exc:
         hidden = as_os_error(exc, path)  # before the cleanup frees the space
@@ -244,17 +244,5 @@ def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
     """Save a matplotlib figure atomically (format from the suffix, PNG by default)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = path.suffix or ".png"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=suffix[1:])
-        follow_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    fmt = Path(path).suffix[1:] or "png"
+    return atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=fmt))
