@@ -207,6 +207,9 @@ def _target_heads(job: PruneJob, heads_total: int) -> int | None:
 def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     """Select, remove, fine-tune and report one method; returns ``{"report", "details"}``."""
     from headbudget.evaluation.cost import model_cost, model_kv_cache_bytes
+
+    def cost_of(model) -> dict[str, Any]:
+        return dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))
     from headbudget.pruning import report as rpt
     from headbudget.pruning.cahp import cahp_select, kept_by_layer
     from headbudget.pruning.finetune import evaluate_accuracy
@@ -228,7 +231,7 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     model = loaded.fresh_model(job)
-    cost_before = dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))
+    cost_before = cost_of(model)
     adapter = model_adapter(model)
     counts = adapter.head_counts()
     heads = [(layer, h) for layer, n in enumerate(counts) for h in range(n)]
@@ -337,8 +340,7 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     seconds["prune"] = time.perf_counter() - t
     if adapter.head_counts() != [len(kept_layers[layer]) for layer in range(len(counts))]:
         raise RuntimeError("pruning left unexpected head counts")
-    cost = {"before": cost_before,
-            "after": dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))}
+    cost = {"before": cost_before, "after": cost_of(model)}
     t = time.perf_counter()
     pruned = _evaluate(model, loaded, job, "pruned")
     seconds["pruned_eval"] = time.perf_counter() - t
