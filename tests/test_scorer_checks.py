@@ -24,14 +24,6 @@ from headbudget.evaluation.harness import HeadBudgetLM  # noqa: E402  (needs lm_
 MAX_LEN = 48  # the rolling windows' length: 95 bytes + the prefix token = two full windows
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return byte_tokenizer()
@@ -95,18 +87,23 @@ def _lls(results: list) -> list[float]:
     return [r[0] if isinstance(r, tuple) else r for r in results]
 
 
-@pytest.mark.parametrize("order", ORDERS, ids=["-".join(o) for o in ORDERS])
-def test_mask_ignoring_model_is_caught_in_every_order(gpt2, tok, order):
-    """Whatever comes first -- rolling windows, which such a model gets right, or documents sharing a
-    row -- the first branched trie or shared row is checked: one warning, the plain scores."""
-    model = IgnoresTreeMask(gpt2).eval()
+def _plain_and_fast(model, tok, order: tuple[str, ...]) -> tuple[dict, dict, list[str], HeadBudgetLM]:
+    """The plain path's answers, the (checked) fast path's answers, its fallback warnings, its model."""
     plain = _answer(HeadBudgetLM(pretrained=model, tokenizer=tok, strategy="full", max_length=MAX_LEN,
                                  progress=False), order)
     lm = HeadBudgetLM(pretrained=model, tokenizer=tok, max_length=MAX_LEN, progress=False)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         got = _answer(lm, order)
-    msgs = _fallback_warnings(record)
+    return plain, got, _fallback_warnings(record), lm
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=["-".join(o) for o in ORDERS])
+def test_mask_ignoring_model_is_caught_in_every_order(gpt2, tok, order):
+    """Whatever comes first -- rolling windows, which such a model gets right, or documents sharing a
+    row -- the first branched trie or shared row is checked: one warning, the plain scores."""
+    model = IgnoresTreeMask(gpt2).eval()
+    plain, got, msgs, lm = _plain_and_fast(model, tok, order)
     assert len(msgs) == 1 and msgs[0].startswith("IgnoresTreeMask (float32, cpu): the tree scores of a ")
     assert lm.scorer.strategy == "full" and len(lm.scorer.stats.fallbacks) == 1
     for name in order:
@@ -157,13 +154,7 @@ def test_a_model_whose_fast_path_raises_falls_back_once(tok):
     torch.manual_seed(0)
     bloom = BloomForCausalLM(BloomConfig(n_layer=2, n_head=2, hidden_size=16, vocab_size=257)).eval()
     order = ("rolling", "mc")
-    plain = _answer(HeadBudgetLM(pretrained=bloom, tokenizer=tok, strategy="full", max_length=MAX_LEN,
-                                 progress=False), order)
-    lm = HeadBudgetLM(pretrained=bloom, tokenizer=tok, max_length=MAX_LEN, progress=False)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        got = _answer(lm, order)
-    msgs = _fallback_warnings(record)
+    plain, got, msgs, lm = _plain_and_fast(bloom, tok, order)
     assert len(msgs) == 1 and msgs[0].startswith("BloomForCausalLM (float32, cpu): tree scoring failed (")
     for name in order:
         assert _lls(got[name]) == pytest.approx(_lls(plain[name]), abs=1e-5)
@@ -214,7 +205,7 @@ def test_half_precision_keeps_the_fast_path(tok, dtype):
     assert max(diffs) > 1e-3 + 1e-4 * 5 and max(diffs) < 5 * tol
 
 
-def test_the_check_follows_a_cast_model(gpt2, tok):
+def test_the_check_follows_a_cast_model(tok):
     """A model cast after the scorer was made is checked again at its new dtype."""
     model = tiny_llama(torch.float32)
     items = [[(f"Q{i}: pick", " a"), (f"Q{i}: pick", " bb")] for i in range(3)]
