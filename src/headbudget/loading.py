@@ -299,6 +299,12 @@ def load_model(
     return model.eval()
 
 
+def _refused_pickle(src: ModelSource, exc: pickle.UnpicklingError) -> ValueError:
+    """torch.load(weights_only=True) refused a ``.bin`` file's pickle: one line saying what it held."""
+    return ValueError(f"{src.where}: refusing to load its weights, a pickle holding more than tensors "
+                      f"({refused_pickle_reason(exc)})")
+
+
 def _load_causal(src: ModelSource) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -321,9 +327,8 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
     except (OSError, ValueError, KeyError) as exc:
         where = Path(src.where) / src.gguf_file if src.gguf_file else src.where
         raise ValueError(f"{where}: cannot load a causal language model ({_first_line(exc)})") from None
-    except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) refused a .bin file's pickle
-        raise ValueError(f"{src.where}: refusing to load its weights, a pickle holding more than tensors "
-                         f"({refused_pickle_reason(exc)})") from None
+    except pickle.UnpicklingError as exc:
+        raise _refused_pickle(src, exc) from None
 
 
 class WeightsMismatchError(ValueError):
@@ -394,9 +399,8 @@ def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: 
                                                                            dtype=dtype)
             except (OSError, ValueError, KeyError) as exc:
                 raise ValueError(f"{src.where}: cannot load a sequence classifier ({_first_line(exc)})") from None
-            except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) refused a .bin file's pickle
-                raise ValueError(f"{src.where}: refusing to load its weights, a pickle holding more than tensors "
-                                 f"({refused_pickle_reason(exc)})") from None
+            except pickle.UnpicklingError as exc:
+                raise _refused_pickle(src, exc) from None
             finally:
                 hf_logging.set_verbosity(verbosity)
     if getattr(model.config, "num_labels", num_labels) != num_labels:
