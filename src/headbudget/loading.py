@@ -58,6 +58,7 @@ import torch
 
 from headbudget.devices import DTYPES, resolve_device, resolve_dtype  # re-exported: loading's public names
 from headbudget.io import refused_pickle_reason
+from headbudget.weight_shapes import WeightsMismatchError, check_weight_shapes  # re-exported
 
 KINDS = ("causal", "classifier")
 # Files whose presence makes a folder a Hugging Face tokenizer folder.
@@ -331,46 +332,6 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
         raise _refused_pickle(src, exc) from None
 
 
-class WeightsMismatchError(ValueError):
-    """Saved weights whose shapes do not fit the model their config describes (names file and tensor)."""
-
-
-def check_weight_shapes(folder: Path, config: Any) -> None:
-    """Read the headers of ``folder``'s ``*.safetensors`` files (no tensor data) and compare each tensor's
-    shape with the model ``config`` builds (on the meta device): a truncated or corrupt file, or a config
-    edited to another layout (e.g. its kv heads), is one ValueError naming the file and the first tensor,
-    instead of transformers' multi-line load report and a RuntimeError.
-
-    >>> check_weight_shapes(Path("runs/prism/model"), AutoConfig.from_pretrained("runs/prism/model"))
-    """
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return
-    from safetensors import SafetensorError, safe_open
-
-    expected: dict[str, tuple[int, ...]] | None = None
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                shapes = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"{f}: not a readable safetensors file ({exc})") from None
-        if expected is None:
-            from transformers import AutoModelForCausalLM
-
-            try:
-                with torch.device("meta"):
-                    model = AutoModelForCausalLM.from_config(config)
-            except Exception:  # an architecture from_config cannot build: from_pretrained says why
-                return
-            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        for key, shape in shapes.items():
-            if key in expected and expected[key] != shape:
-                raise WeightsMismatchError(
-                    f"{f}: tensor {key} has shape {list(shape)}, but {folder / 'config.json'} describes a model "
-                    f"whose {key} is {list(expected[key])}; the config does not belong to these weights")
-
-
 def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: int,
                      dtype: torch.dtype | None) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
@@ -534,5 +495,6 @@ def load_model_and_tokenizer(
     return model, tok
 
 
-__all__ = ["DTYPES", "KINDS", "ModelSource", "check_vocab", "checkpoint_role", "load_model", "load_model_and_tokenizer",
-           "load_tokenizer", "resolve_device", "resolve_dtype", "resolve_model", "to_headbudget"]
+__all__ = ["DTYPES", "KINDS", "ModelSource", "WeightsMismatchError", "check_vocab", "check_weight_shapes",
+           "checkpoint_role", "load_model", "load_model_and_tokenizer", "load_tokenizer", "resolve_device",
+           "resolve_dtype", "resolve_model", "to_headbudget"]

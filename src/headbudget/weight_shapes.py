@@ -1,0 +1,54 @@
+"""Do a model folder's saved weights fit its ``config.json``?  Read from the safetensors headers alone.
+
+(Also importable from :mod:`headbudget.loading`, which runs it before every local causal load.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class WeightsMismatchError(ValueError):
+    """Saved weights whose shapes do not fit the model their config describes (names file and tensor)."""
+
+
+def check_weight_shapes(folder: Path, config: Any) -> None:
+    """Read the headers of ``folder``'s ``*.safetensors`` files (no tensor data) and compare each tensor's
+    shape with the model ``config`` builds (on the meta device): a truncated or corrupt file, or a config
+    edited to another layout (e.g. its kv heads), is one ValueError naming the file and the first tensor,
+    instead of transformers' multi-line load report and a RuntimeError.
+
+    >>> check_weight_shapes(Path("runs/prism/model"), AutoConfig.from_pretrained("runs/prism/model"))
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return
+    from safetensors import SafetensorError, safe_open
+
+    expected: dict[str, tuple[int, ...]] | None = None
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                shapes = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{f}: not a readable safetensors file ({exc})") from None
+        if expected is None:
+            from transformers import AutoModelForCausalLM
+
+            try:
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config)
+            except Exception:  # an architecture from_config cannot build: from_pretrained says why
+                return
+            expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        for key, shape in shapes.items():
+            if key in expected and expected[key] != shape:
+                raise WeightsMismatchError(
+                    f"{f}: tensor {key} has shape {list(shape)}, but {folder / 'config.json'} describes a model "
+                    f"whose {key} is {list(expected[key])}; the config does not belong to these weights")
+
+
+__all__ = ["WeightsMismatchError", "check_weight_shapes"]
