@@ -14,8 +14,8 @@ The fast path is checked, not trusted: the first unit of every kind it builds (a
 unbranched row with or without a mask, a unit sharing its row with another document's, each for
 log-likelihood requests and for rolling windows) is compared with the plain computation, token by
 token, for every model dtype and device the scorer meets, whatever order the requests come in
-(:meth:`Scorer._verify`, tolerance :func:`logprob_tolerance`).  A model that ignores 4-D masks or
-positions, or whose fast path raises, falls back to ``strategy="full"`` (every choice's whole
+(:meth:`Scorer._verify`, the check in :mod:`headbudget.evaluation.scorer_check`).  A model that
+ignores 4-D masks or positions, or whose fast path raises, falls back to ``strategy="full"`` (every choice's whole
 sequence, batched by length) with one warning naming the model and the reason.
 
     >>> scorer = Scorer(model, tokenizer, batch_size=16)                   # doctest: +SKIP
@@ -34,6 +34,8 @@ import torch
 from tqdm.auto import tqdm
 
 from headbudget.evaluation.encoding import HarnessEncoder, model_max_length
+from headbudget.evaluation.scorer_check import _TreeMismatch, _unit_kind, verify_units
+from headbudget.evaluation.scorer_check import logprob_tolerance as logprob_tolerance  # public here too
 from headbudget.evaluation.tasks import MCExample
 
 # Rows of (scored positions, vocab) logits computed at once (bounds memory: 512 x 50k floats = 100 MB).
@@ -47,30 +49,6 @@ SHARE_MIN_TOKENS = 32
 SHARED_ROW_EXTRA_TOKENS = 512
 # Largest attention mask of one pass (rows x L x L entries; 2**27 floats = 512 MB).
 MASK_ELEMENTS = 2**27
-# Self-check tolerance on one token's log-probability, in units of the model dtype's machine epsilon
-# (see logprob_tolerance), and its floor (float32 rounding of a sum over a long context).
-CHECK_EPS_FACTOR = 128
-CHECK_MIN_TOLERANCE = 1e-3
-
-
-def logprob_tolerance(dtype: torch.dtype) -> float:
-    """Largest difference, in nats, allowed between one token's log-probability on the fast path and
-    on the plain path, both computed at ``dtype``.
-
-    The two paths run the same weights on differently shaped batches (a trie row with a 4-D mask
-    vs right-padded sequences), so their matmuls and attention sums round differently.  Every
-    activation is rounded to the dtype (relative error eps/2), and the logits themselves are: a bf16
-    logit near 20 is a multiple of 0.125.  Measured on SmolLM2-135M over 200 units of piqa, arc_easy,
-    hellaswag, winogrande and 256-token wikitext windows, the largest per-token difference was 0.65
-    nats in bf16, 0.05 in fp16 and 3e-5 in fp32.  ``CHECK_EPS_FACTOR`` x eps (bf16 1.0, fp16 0.125,
-    fp32 the 1e-3 floor) keeps those on the fast path, while a model that ignores the tree mask --
-    a later branch or document then reads tokens that are not its context -- was off by 4.5 to 17
-    nats on every branched trie.
-
-        >>> logprob_tolerance(torch.bfloat16), logprob_tolerance(torch.float16), logprob_tolerance(torch.float32)
-        (1.0, 0.125, 0.001)
-    """
-    return max(CHECK_MIN_TOLERANCE, CHECK_EPS_FACTOR * torch.finfo(dtype).eps)
 
 
 @dataclass
@@ -94,24 +72,6 @@ def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
         if any(s[i] != t for s in seqs[1:]):
             return i
     return n
-
-
-class _TreeMismatch(RuntimeError):
-    """The tree scores of the self-check differ from the plain ones."""
-
-
-def _unit_kind(source: str, position_in_row: int, n_choices: int, masked: bool) -> str:
-    """What the fast path did to a unit, as the self-check tells kinds apart: a unit after another in
-    its row relies on the mask to hide that unit's tokens; a unit of several choices relies on it to
-    hide its other branches; a lone sequence only on causal order (and a pass of lone, unpadded
-    sequences runs without a mask).  ``source``: ``"loglikelihood"`` or ``"rolling window"``."""
-    if position_in_row > 0:
-        layout = "row shared with another document"
-    elif n_choices > 1:
-        layout = "branched trie"
-    else:
-        layout = "unbranched row" if masked else "unbranched row without mask"
-    return f"{layout} ({source})"
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -307,25 +267,11 @@ class Scorer:
         return kind, self._dtype, str(self.device), self._head is not None
 
     def _verify(self, units: dict[str, tuple[list[tuple[list[int], int]], list[torch.Tensor]]]) -> None:
-        """Compare the per-token log-probabilities of one unit per kind (``kind -> (its rows, their
-        tree log-probabilities)``) with the plain computation of its rows, all in the same plain
-        passes; :class:`_TreeMismatch` when a token differs by more than :func:`logprob_tolerance`,
-        else the kinds count as checked at this dtype, device and output-head split."""
-        tol = logprob_tolerance(self._dtype)
+        """:func:`verify_units` of one unit per kind; then the kinds count as checked at this dtype,
+        device and output-head split."""
+        verify_units(units, self._plain_token_logprobs, self._dtype)
         dtype = str(self._dtype).removeprefix("torch.")
-        kinds = list(units)
-        rows = [r for kind in kinds for r in units[kind][0]]
-        tree = [t for kind in kinds for t in units[kind][1]]
-        owner = [kind for kind in kinds for _ in units[kind][0]]
-        worst = dict.fromkeys(kinds, 0.0)
-        for i, plain, _ in self._plain_token_logprobs(rows):
-            diff = float((tree[i] - plain.cpu()).abs().max())
-            worst[owner[i]] = diff if diff != diff else max(worst[owner[i]], diff)  # keep a NaN
-        for kind in kinds:
-            if not worst[kind] <= tol:
-                raise _TreeMismatch(f"the tree scores of a {kind} differ from the plain scores by up "
-                                    f"to {worst[kind]:.3g} nats per token (tolerance {tol:.3g} at {dtype})")
-        for kind in kinds:
+        for kind in units:
             self._checked.add(self._check_key(kind))
             self.stats.checked.append(f"{kind} ({dtype}, {self.device})")
 
