@@ -15,8 +15,8 @@ unbranched row with or without a mask, a unit sharing its row with another docum
 log-likelihood requests and for rolling windows) is compared with the plain computation, token by
 token, for every model dtype and device the scorer meets, whatever order the requests come in
 (:meth:`Scorer._verify`, the check in :mod:`headbudget.evaluation.scorer_check`).  A model that
-ignores 4-D masks or positions, or whose fast path raises, falls back to ``strategy="full"`` (every choice's whole
-sequence, batched by length) with one warning naming the model and the reason.
+ignores 4-D masks or positions, or whose fast path raises, falls back to ``strategy="full"`` (every
+choice's whole sequence, batched by length) with one warning naming the model and the reason.
 
     >>> scorer = Scorer(model, tokenizer, batch_size=16)                   # doctest: +SKIP
     >>> scorer.score_pairs([[("Q: 2+2\\nA:", " 4"), ("Q: 2+2\\nA:", " 5")]])   # doctest: +SKIP
