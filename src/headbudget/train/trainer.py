@@ -55,7 +55,8 @@ from headbudget.train.checkpoint import (
     save_checkpoint,
 )
 from headbudget.train.config import RunConfig
-from headbudget.train.distill import distill_step_loss, load_teacher
+from headbudget.train.distill import check_distill_section, distill_step_loss, load_teacher
+from headbudget.train.launcher import die_with_launcher  # (also imported from here)
 from headbudget.train.memory import PeakMemory
 from headbudget.train.setup import (
     build_model,
@@ -97,48 +98,6 @@ class TrainResult:
 def _dist_env() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
-
-
-_WATCHING_LAUNCHER = False
-
-
-def die_with_launcher() -> None:
-    """End this process (SIGTERM) when its parent, the ``torchrun`` launcher, dies, even by ``kill -9``.
-
-    Without it the workers of a killed launcher train on as orphans to the end of the run and race a
-    later ``--resume`` in the same folder.  Linux: ``prctl(PR_SET_PDEATHSIG)``; elsewhere a daemon
-    thread that notices the parent pid change.  Called by every :class:`Trainer` of a multi-process run.
-
-    >>> die_with_launcher()   # in a torchrun worker: gone within a second of its launcher
-    """
-    global _WATCHING_LAUNCHER
-    if _WATCHING_LAUNCHER:
-        return
-    import signal
-
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            pr_set_pdeathsig = 1
-            if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) == 0:
-                _WATCHING_LAUNCHER = True
-                if os.getppid() != parent:  # it died before the signal was armed
-                    os.kill(os.getpid(), signal.SIGTERM)
-                return
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    import threading
-
-    threading.Thread(target=watch, name="headbudget-launcher-watch", daemon=True).start()
-    _WATCHING_LAUNCHER = True
 
 
 # ---------------------------------------------------------------------------- trainer
@@ -189,18 +148,7 @@ class Trainer:
             )
         if t.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
-        d = self.cfg.distill
-        if d.teacher:
-            if not (math.isfinite(d.temperature) and d.temperature > 0):
-                raise ValueError(f"distill.temperature must be a positive number, got {d.temperature}")
-            if not 0 <= d.alpha <= 1:
-                raise ValueError(f"distill.alpha must be between 0 and 1 (the weight of the KL term), got {d.alpha}")
-            from headbudget.loading import resolve_model
-
-            try:  # a missing teacher before any data work
-                resolve_model(d.teacher)
-            except (FileNotFoundError, ValueError) as exc:
-                raise type(exc)(f"distill.teacher: {exc}") from None
+        check_distill_section(self.cfg.distill)
         if not self.cfg.model.init:
             build_schedule(self.cfg)  # schedule errors before any data work
 
