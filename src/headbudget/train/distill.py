@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from headbudget.train.config import DistillSection
 
 
 class TokenizerMismatchError(ValueError):
@@ -51,6 +55,27 @@ def check_same_tokenizer(student_tok: Any, teacher_tok: Any, teacher: str) -> No
             f"distill.teacher={teacher}: its tokenizer differs from the student's (both {n_s} tokens, but "
             f"token {first!r} is id {vs.get(first)} for the student and {vt.get(first)} for the teacher); "
             "distillation needs teacher and student to share one tokenizer")
+
+
+def check_distill_section(d: DistillSection) -> None:
+    """One-line errors for a bad ``distill`` section (temperature, alpha, a teacher that does not resolve),
+    before any data work; nothing to check while ``d.teacher`` is null.
+
+    >>> check_distill_section(DistillSection(teacher="runs/dense/model", temperature=0.0))  # doctest: +SKIP
+    ValueError: distill.temperature must be a positive number, got 0.0
+    """
+    if not d.teacher:
+        return
+    if not (math.isfinite(d.temperature) and d.temperature > 0):
+        raise ValueError(f"distill.temperature must be a positive number, got {d.temperature}")
+    if not 0 <= d.alpha <= 1:
+        raise ValueError(f"distill.alpha must be between 0 and 1 (the weight of the KL term), got {d.alpha}")
+    from headbudget.loading import resolve_model
+
+    try:  # a missing teacher before any data work
+        resolve_model(d.teacher)
+    except (FileNotFoundError, ValueError) as exc:
+        raise type(exc)(f"distill.teacher: {exc}") from None
 
 
 def load_teacher(teacher: str, student_tok: Any, device: torch.device, dtype: torch.dtype = torch.float32):
