@@ -189,14 +189,11 @@ def _lock(lock: Path, path: Path, flag: str, created: bool) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = _read_holder(lock)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                os.close(fd)
-                raise OutputDirError(
-                    f"{flag} {path} is being written by another headbudget process ({_describe(holder)}; lock "
-                    f"{lock}): wait for it to end or choose another {flag}") from None
-            # no flock on this filesystem: the recorded pid decides (same host only)
-            if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
-                    and holder["pid"] != os.getpid() and _pid_alive(holder["pid"]):
+            # EAGAIN/EACCES: another writer holds the flock; any other error: no flock on this filesystem,
+            # then the recorded pid decides (same host only)
+            if exc.errno in (errno.EAGAIN, errno.EACCES) or (
+                    holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
+                    and holder["pid"] != os.getpid() and _pid_alive(holder["pid"])):
                 os.close(fd)
                 raise OutputDirError(
                     f"{flag} {path} is being written by another headbudget process ({_describe(holder)}; lock "
