@@ -446,7 +446,7 @@ class Trainer:
                            schedule_spec=f"init:{cfg.model.init}" if cfg.model.init else cfg.model.schedule,
                            world_size=self.world, data=data.meta)
             if teacher is not None:
-                summary["distill"] = dict(asdict(cfg.distill))
+                summary["distill"] = asdict(cfg.distill)
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2))
         self.model = export
         return result
