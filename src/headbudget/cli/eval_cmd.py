@@ -43,9 +43,9 @@ def _check_model_flags(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The model and tokenizer of ``args``, its flags already checked by :func:`_check_model_flags`."""
     from headbudget.loading import load_model_and_tokenizer, resolve_dtype
 
-    _check_model_flags(args)
     return load_model_and_tokenizer(args.model, tokenizer=args.tokenizer, gguf_file=args.gguf_file,
                                     device=args.device, dtype=resolve_dtype(args.dtype))
 
@@ -97,7 +97,6 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
     if args.json:  # checked before the model loads, not after the scoring
         check_output_file(args.json, "--json")
-
     _check_model_flags(args)
     text = read_text(args.data, split=args.split)
     model, tok = _load(args)
