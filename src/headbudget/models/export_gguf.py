@@ -24,6 +24,7 @@ the tokenizer metadata is what the converter writes for a GPT-2-style BPE tokeni
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from headbudget.models.convert import to_headbudget
-from headbudget.models.modeling_headbudget import rotary_inv_freq
+from headbudget.models.modeling_headbudget import default_inv_freq, rotary_inv_freq
 
 OUTTYPES = ("f32", "f16")
 
@@ -159,9 +160,7 @@ def _rope_freq_factors(config: Any, head_dim: int) -> np.ndarray | None:
     if scaling != 1.0:
         raise _problem(f"rope_type={rope_type!r} scales attention by {scaling}: only default, linear and llama3 "
                        "rotary are exported")
-    base = float(params["rope_theta"])
-    default = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    return (default / inv_freq).to(torch.float32).numpy()
+    return (default_inv_freq(float(params["rope_theta"]), head_dim) / inv_freq).to(torch.float32).numpy()
 
 
 # ----------------------------------------------------------------------------- tokenizer metadata
@@ -216,8 +215,6 @@ def _write_tokenizer(writer: Any, gguf: Any, tokenizer: Any, vocab_size: int, to
     writer.add_token_types(types)
     with tempfile.TemporaryDirectory(prefix="headbudget-gguf-tok.") as tmp:
         tokenizer.save_pretrained(tmp)  # gguf.SpecialVocab reads merges and special ids as the converter does
-        import json
-
         config_file = Path(tmp) / "tokenizer_config.json"
         tok_config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
         if tok_config.get("add_prefix_space") is not None:

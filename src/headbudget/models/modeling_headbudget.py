@@ -84,6 +84,11 @@ def rope_problem(params: dict | None) -> str | None:
     return None
 
 
+def default_inv_freq(base: float, head_dim: int) -> torch.Tensor:
+    """Transformers' "default" rotary inverse frequencies: ``default_inv_freq(1e4, 4)`` is ``[1.0, 0.01]``."""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 def rotary_inv_freq(config: HeadBudgetConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for one head width, computed as transformers does."""
     params = dict(config.rope_parameters)
@@ -92,8 +97,7 @@ def rotary_inv_freq(config: HeadBudgetConfig, head_dim: int) -> tuple[torch.Tens
         raise ValueError(problem)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        base = float(params["rope_theta"])
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+        return default_inv_freq(float(params["rope_theta"]), head_dim), 1.0
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
