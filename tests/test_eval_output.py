@@ -256,7 +256,7 @@ def test_output_path_rules(tmp_path):
 @pytest.mark.parametrize("flags, expect", [
     (["--output-path", "{file}"], "--output-path: {file} is an existing file; give a folder"),
     (["--output-path", "{file}/sub"], "--output-path: {file} is a file, not a folder"),
-    (["--json", "{dir}"], "--json: {dir} is a folder"),
+    (["--json", "{dir}"], "--json {dir} is a folder, not a file"),  # as every command's --json
     (["--log-samples"], "--log-samples writes lm-eval's samples_<task>_<datetime>.jsonl files: give --output-path"),
 ])
 def test_bad_output_flags_fail_before_any_work(tmp_path, capsys, flags, expect):

@@ -163,26 +163,22 @@ def output_paths(output_path: str | Path, model_name: str, tasks: list[str],
 
 def check_output_args(*, output_path: str | None = None, json_path: str | None = None,
                       log_samples: bool = False) -> None:
-    """The cheap checks of ``--output-path``/``--json``/``--log-samples``, before any evaluation
-    (one-line ValueErrors naming the flag)."""
+    """The cheap checks of ``--output-path``/``--log-samples``, before any evaluation (one-line
+    ValueErrors naming the flag); ``--json``, one file, is :func:`headbudget.run_dir.check_output_file`'s."""
     if log_samples and not (output_path or json_path):
         raise ValueError("--log-samples writes lm-eval's samples_<task>_<datetime>.jsonl files: give "
                          "--output-path DIR (or --json FILE: written next to it)")
-    for flag, value, want_dir in (("--output-path", output_path, True), ("--json", json_path, False)):
-        if not value:
-            continue
-        path = Path(value)
-        if want_dir and path.exists() and not path.is_dir():
-            raise ValueError(f"--output-path: {value} is an existing file; give a folder (lm-eval's "
-                             "layout: DIR/<model>/results_<datetime>.json)")
-        if not want_dir and path.is_dir():
-            raise ValueError(f"--json: {value} is a folder; give a file name (or use --output-path "
-                             f"{value})")
-        parent = path.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise ValueError(f"{flag}: {parent} is a file, not a folder, so {value} cannot be written")
+    if not output_path:
+        return
+    path = Path(output_path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--output-path: {output_path} is an existing file; give a folder (lm-eval's "
+                         "layout: DIR/<model>/results_<datetime>.json)")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--output-path: {parent} is a file, not a folder, so {output_path} cannot be written")
 
 
 def write_lm_eval_files(report: dict[str, Any], *, model_name: str, output_path: str | Path | None = None,
