@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from headbudget.train.config import RunConfig, load_config, resolve_config_path
+from headbudget.train.config import RunConfig, load_config, resolve_config_path, steps_for_tokens
 
 
 def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
@@ -141,8 +141,8 @@ def _distill_config(args: argparse.Namespace) -> RunConfig:
     if args.data:
         cfg = cfg.replace(data={"source": args.data})
     if args.tokens:
-        per_step = cfg.train.batch_size * cfg.train.context
-        cfg = cfg.replace(train={"steps": -(-parse_token_count(args.tokens) // per_step)})
+        cfg = cfg.replace(train={"steps": steps_for_tokens(parse_token_count(args.tokens), cfg.train.batch_size,
+                                                           cfg.train.context)})
     if args.seed is not None:
         cfg = cfg.replace(seed=args.seed)
     return cfg
@@ -162,7 +162,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cfg = getattr(args, "cfg", None) or _load(args)
     _quiet_transformers()
     from headbudget.run_dir import claim_output_dir
-    from headbudget.train.compare import default_reference, parse_schedules, run_compare, steps_for_tokens
+    from headbudget.train.compare import default_reference, parse_schedules, run_compare
 
     schedules = parse_schedules(args.schedules)
     if args.seeds < 1:

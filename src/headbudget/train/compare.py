@@ -6,7 +6,7 @@ difference to the reference schedule (default ``uniform``) is reported per seed 
 95% Student-t interval over seeds (:func:`paired_differences`).  Writes into ``out``:
 ``compare.json`` (per run and per schedule), ``report.md`` and ``loss_curves.png``.
 
-How long runs train: ``train.steps`` (:func:`steps_for_tokens` turns a token budget into steps), or,
+How long runs train: ``train.steps`` (:func:`~headbudget.train.config.steps_for_tokens` turns a token budget into steps), or,
 with ``until_flat=True``, the reference schedule at the first seed trains until its validation loss is
 flat (:func:`is_flat`, checked at every eval point) and every other run then trains exactly as many
 steps; all runs keep the learning-rate schedule of ``train.steps``, so every run sees the same
@@ -36,6 +36,7 @@ from scipy import stats  # a dependency of scikit-learn, which headbudget requir
 from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text, save_figure
 from headbudget.train.config import RunConfig
+from headbudget.train.config import steps_for_tokens as steps_for_tokens  # re-exported
 from headbudget.train.trainer import Trainer, TrainResult, build_schedule
 
 
@@ -51,17 +52,6 @@ def parse_schedules(text: str | Sequence[str]) -> list[str]:
     if len(set(items)) != len(items):
         raise ValueError(f"--schedules lists a schedule twice: {text!r}")
     return items
-
-
-def steps_for_tokens(tokens: int, batch_size: int, context: int) -> int:
-    """Optimizer steps that train at least ``tokens`` tokens at ``batch_size`` x ``context`` per step.
-
-    >>> steps_for_tokens(1_000_000, 16, 128)   # 2,048 tokens a step: 488.28 -> 489
-    489
-    """
-    if tokens < 1 or batch_size < 1 or context < 1:
-        raise ValueError(f"tokens, batch_size and context must be positive, got {tokens}, {batch_size}, {context}")
-    return -(-tokens // (batch_size * context))
 
 
 #: the stopping rule of ``until_flat``: the last 20% of the steps so far, a spread under 1%

@@ -256,6 +256,17 @@ def _build(cls: type, d: dict[str, Any], origin: str, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def steps_for_tokens(tokens: int, batch_size: int, context: int) -> int:
+    """Optimizer steps (``train.steps``) that train at least ``tokens`` tokens at ``batch_size`` x ``context`` per step.
+
+    >>> steps_for_tokens(1_000_000, 16, 128)   # 2,048 tokens a step: 488.28 -> 489
+    489
+    """
+    if tokens < 1 or batch_size < 1 or context < 1:
+        raise ValueError(f"tokens, batch_size and context must be positive, got {tokens}, {batch_size}, {context}")
+    return -(-tokens // (batch_size * context))
+
+
 def apply_overrides(cfg: RunConfig, overrides: list[str] | None) -> RunConfig:
     """Apply ``section.key=value`` strings (values parsed as YAML, then coerced to the field type)."""
     d = cfg.to_dict()
