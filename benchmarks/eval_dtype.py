@@ -17,7 +17,6 @@ log-likelihood (perplexity) over ``--ppl-docs`` WikiText-2 passages in windows o
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -59,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from headbudget.evaluation.harness import HeadBudgetLM
     from headbudget.evaluation.tasks import load_examples
+    from headbudget.io import atomic_write_json
     from headbudget.loading import load_model_and_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                       for t in args.tasks.split(",")]
     work.append(("rolling", [SimpleNamespace(args=(p,), task_name="rolling", doc_id=i, idx=0)
                              for i, p in enumerate(passages)]))
+    n_tok = sum(len(tok.encode(p, add_special_tokens=False)) for p in passages)  # the ppl denominator
     res: dict[str, dict] = {}
     for task, data in work:
         out = res[task] = {"n": len(data), "configs": {}}
@@ -91,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                    "fallback_warnings": [str(w.message) for w in record if "in full" in str(w.message)],
                    "loglik": lls}
             if task == "rolling":
-                n_tok = sum(len(tok.encode(p, add_special_tokens=False)) for p in passages)
                 row["ppl"] = math.exp(-sum(x[0] for x in lls) / n_tok)
             else:
                 pred = [int(np.argmax(s)) for s in lls]
@@ -127,12 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print("total seconds: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     checked = {name: lm.scorer.stats.checked for name, lm in lms.items()}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": str(args.gguf.name), "threads": args.threads,
-                                         "batch_size": args.batch_size, "limit": args.limit,
-                                         "ppl_context": args.ppl_context, "load_seconds": round(load_s, 1),
-                                         "tasks": res, "total_seconds": totals, "checked": checked},
-                                        indent=1) + "\n")
+        atomic_write_json(args.json, {"model": str(args.gguf.name), "threads": args.threads,
+                                      "batch_size": args.batch_size, "limit": args.limit,
+                                      "ppl_context": args.ppl_context, "load_seconds": round(load_s, 1),
+                                      "tasks": res, "total_seconds": totals, "checked": checked}, indent=1)
         print(f"wrote {args.json}")
     return 0
 
