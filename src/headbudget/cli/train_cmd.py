@@ -32,10 +32,12 @@ def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> Non
                    help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
 
 
-def _load(args: argparse.Namespace) -> RunConfig:
+def _load(args: argparse.Namespace, defaults: list[str] | None = None) -> RunConfig:
+    """The config of ``args.config`` (or, with none, the built-in defaults changed by ``defaults``) and --set."""
     path = resolve_config_path(args.config) if args.config else None
     threads = getattr(args, "threads", None)  # --threads (cli.main) wins over the config's train.threads
-    return load_config(path, args.overrides + ([f"train.threads={threads}"] if threads else []))
+    return load_config(path, ([] if path else defaults or []) + args.overrides +
+                       ([f"train.threads={threads}"] if threads else []))
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -130,11 +132,7 @@ def parse_token_count(value: str, flag: str = "--tokens") -> int:
 
 def _distill_config(args: argparse.Namespace) -> RunConfig:
     """The run ``distill`` trains: ``train --init STUDENT --teacher TEACHER`` with --data and --tokens applied."""
-    path = resolve_config_path(args.config) if args.config else None
-    threads = getattr(args, "threads", None)
-    cfg = load_config(path, ([] if path else DISTILL_DEFAULTS) + args.overrides +
-                      ([f"train.threads={threads}"] if threads else []))
-    cfg = _with_init(cfg, args.student, args.overrides)
+    cfg = _with_init(_load(args, DISTILL_DEFAULTS), args.student, args.overrides)
     changes = {k: v for k, v in (("teacher", args.teacher), ("temperature", args.temperature),
                                  ("alpha", args.alpha)) if v is not None}
     cfg = cfg.replace(distill=changes)
