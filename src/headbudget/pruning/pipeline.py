@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, replace  # noqa: F401 (replace: kept importable here, tests use it)
 from pathlib import Path
 from typing import Any
 
@@ -395,32 +394,6 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     return {"report": report, "details": details}
 
 
-def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
-    """``"cahp@2,cahp@6,michel"`` -> ``[(label, method, poly_degree), ...]``."""
-    out = []
-    for raw in spec.split(","):
-        item = raw.strip()
-        if not item:
-            continue
-        method, _, deg = item.partition("@")
-        if method not in METHODS:
-            raise ValueError(f"methods {spec!r}: unknown method {method!r}; choose from {', '.join(METHODS)}")
-        if deg and method != "cahp":
-            raise ValueError(f"methods {spec!r}: only cahp takes a polynomial degree (@d), got {item!r}")
-        try:
-            degree = int(deg) if deg else None
-        except ValueError:
-            raise ValueError(f"methods {spec!r}: bad polynomial degree in {item!r}") from None
-        label = f"cahp-d{degree}" if degree is not None else method
-        out.append((label, method, degree))
-    if not out:
-        raise ValueError("methods: no method given")
-    labels = [lbl for lbl, _, _ in out]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"methods {spec!r}: repeated entry")
-    return out
-
-
 def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     """The settings that decide a method's result (``resume`` reuses a finished method only when they match)."""
     d = {k: v for k, v in vars(job).items() if k not in ("out", "progress", "device", "extra")}
@@ -440,198 +413,14 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
-def _finished(sub: PruneJob) -> dict[str, Any] | None:
-    """``{"report", "details"}`` of a method already finished in ``sub.out`` with the same settings, else None."""
-    out = Path(sub.out)
-    try:
-        report = json.loads((out / "report.json").read_text())
-        details = json.loads((out / "details.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if details.get("job") != _job_fingerprint(sub) or (sub.save_model and not (out / "model").is_dir()):
-        return None
-    return {"report": report, "details": details}
+def __getattr__(name: str) -> Any:
+    # run_compare / parse_methods moved to headbudget.pruning.compare (which imports this module); re-exported
+    # lazily so both import orders work
+    if name in ("parse_methods", "run_compare"):
+        from headbudget.pruning import compare
+
+        return getattr(compare, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def run_compare(job: PruneJob, methods: str, resume: bool = False,
-                on_row: Callable[[dict[str, Any]], None] | None = None,
-                calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean") -> dict[str, Any]:
-    """Run several methods. Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry finds
-    its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one, every entry
-    uses it. Each row records where its count came from (``count_from``).
-
-    ``resume`` reuses every method already finished in ``job.out`` with the same settings (its
-    ``details.json`` records them), so an interrupted comparison continues with the next method;
-    ``on_row(row)`` is called after each method (e.g. to write partial results).
-
-    ``calibration_seeds`` (task lm): the whole comparison once per seed ``s`` in ``job.out/seed<s>`` --
-    calibration windows drawn with ``s`` (:func:`headbudget.pruning.lm.calibration_offsets`), run seed
-    ``job.seed + s`` -- then ``compare.md`` / ``compare.json`` give every method's per-seed values, mean,
-    sample std and min-max per text, and the ranking of :func:`headbudget.evaluation.rankings.rank_methods`
-    (``ranking_rule``): a method is named best only if it is best on every text, else "no method best".
-
-        run_compare(PruneJob("runs/smol", "lm", None, "runs/cmp", data="movie_reviews.txt", keep_ratio=0.7,
-                             eval_data=("wikitext2_valid.tokens", "tinyshakespeare.txt")),
-                    "cahp,fisher,random", calibration_seeds=[0, 1, 2])
-    """
-    entries = parse_methods(methods)
-    forced = job.keep is not None or job.keep_ratio is not None
-    if not forced and entries[0][1] != "cahp":
-        raise ValueError("without a forced head count (keep / keep_ratio) the first method must be cahp "
-                         "(it sets the head count)")
-    check_job(replace(job, method="cahp"))
-    if calibration_seeds is not None:
-        return _run_compare_seeds(job, entries, list(calibration_seeds), resume, on_row, ranking_rule)
-    loaded = load_workload(job)
-    rows = _compare_rows(job, entries, loaded, resume, on_row)
-    return _write_compare(job, loaded, rows)
-
-
-def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]], seeds: list[int], resume: bool,
-                       on_row: Callable[[dict[str, Any]], None] | None, rule: str) -> dict[str, Any]:
-    from headbudget.evaluation.rankings import RULES, rank_methods, ranking_markdown, spread
-    from headbudget.pruning import report as rpt
-
-    if job.task != "lm":
-        raise ValueError(f"calibration seeds re-draw an LM's calibration windows: they need task lm, not {job.task}")
-    if not seeds:
-        raise ValueError("calibration seeds: no seed given")
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"calibration seeds {seeds}: repeated seed")
-    if rule not in RULES:
-        raise ValueError(f"ranking rule must be one of {', '.join(RULES)}, got {rule!r}")
-    loaded = load_workload(replace(job, calib_seed=seeds[0]))
-    assert isinstance(loaded, LMWorkload)
-    out = Path(job.out)
-    per_seed: dict[str, Any] = {}
-    for s in seeds:
-        sub = replace(job, out=str(out / f"seed{s}"), calib_seed=s, seed=job.seed + s)
-        loaded.use_calibration_seed(sub, s)
-
-        def tagged(row: dict[str, Any], s: int = s) -> None:
-            row["seed"] = s
-            if on_row is not None:
-                on_row(row)
-
-        rows = _compare_rows(sub, entries, loaded, resume, tagged)
-        _write_compare(sub, loaded, rows)
-        per_seed[str(s)] = {"calib_offsets": list(loaded.data.calib_offsets), "out": sub.out, "rows": rows}
-    labels = [lbl for lbl, _, _ in entries]
-    splits = list(loaded.evals)
-    names = {sp: (f"{Path(str(job.data)).stem} (held-out tail)" if sp == "heldout" else sp) for sp in splits}
-    lower = loaded.metric_name == "perplexity"
-    stages = ["pruned"] + (["finetuned"] if job.finetune_epochs > 0 else [])
-    values = {st: {lbl: {names[sp]: [next(r for r in per_seed[str(s)]["rows"] if r["label"] == lbl)
-                                     ["metric"][sp][st] for s in seeds] for sp in splits} for lbl in labels}
-              for st in stages}
-    aggregate = {st: {lbl: {t: spread(v) for t, v in d.items()} for lbl, d in values[st].items()} for st in stages}
-    ranking = ({st: rank_methods(values[st], lower_is_better=lower, rule=rule) for st in stages}
-               if len(labels) > 1 else {})
-    heads = {lbl: [next(r for r in per_seed[str(s)]["rows"] if r["label"] == lbl)["heads_kept"]
-                   for s in seeds] for lbl in labels}
-    md = [f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads), calibration seeds "
-          f"{', '.join(map(str, seeds))}\n",
-          f"Calibration: {len(loaded.data.calib)} windows of {loaded.data.context} tokens of {job.data} per seed "
-          "(offsets in compare.json); scored: " + ", ".join(names.values())
-          + f" ({loaded.metric_name}, {'lower' if lower else 'higher'} is better). Heads kept per seed: "
-          + "; ".join(f"{lbl} {', '.join(map(str, h))}" for lbl, h in heads.items()) + ".\n",
-          "Dense: " + ", ".join(f"{names[sp]} {rpt._fmt(loaded.dense_acc[sp])}" for sp in splits) + "\n"
-          if loaded.dense_acc else ""]
-    for st in stages:
-        md.append(f"## {st.capitalize()}: mean ± std [min–max] over the seeds\n")
-        if len(labels) > 1:
-            md.append(ranking_markdown(values[st], lower_is_better=lower, rule=rule, digits=4))
-        md.append("Per seed:\n\n| method | text | " + " | ".join(f"seed {s}" for s in seeds) + " |\n|---|---|"
-                  + "---:|" * len(seeds))
-        md.append("\n".join(f"| {lbl} | {t} | " + " | ".join(rpt._fmt(v) for v in vs) + " |"
-                            for lbl, d in values[st].items() for t, vs in d.items()) + "\n")
-    md.append("Each seed's own table: " + ", ".join(f"[seed {s}](seed{s}/compare.md)" for s in seeds) + ".\n")
-    rpt.atomic_write_text(out / "compare.md", "\n".join(md))
-    summary = {"task": job.task, "model": job.model, "metric_name": loaded.metric_name,
-               "heads_total": loaded.heads_total, "calibration_seeds": seeds, "texts": names,
-               "per_seed": {s: {k: v for k, v in d.items() if k != "rows"} for s, d in per_seed.items()},
-               "values": values, "aggregate": aggregate, "ranking": ranking,
-               "rows": [r for s in seeds for r in per_seed[str(s)]["rows"]]}
-    rpt.write_json(out / "compare.json", summary)
-    return summary
-
-
-def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loaded: Workload, resume: bool,
-                  on_row: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
-    from headbudget.pruning import report as rpt
-
-    forced = job.keep is not None or job.keep_ratio is not None
-    out = Path(job.out)
-    rows: list[dict[str, Any]] = []
-    if job.keep is not None:
-        forced_from = f"keep={job.keep}"
-    elif job.keep_ratio is not None:
-        forced_from = f"keep_ratio={job.keep_ratio:g}"
-    else:
-        forced_from = ""
-    last_cahp: tuple[int, str] | None = None  # (heads kept, label) of the nearest cahp entry so far
-    for label, method, degree in entries:
-        if forced:
-            keep, ratio, count_from = job.keep, job.keep_ratio, forced_from
-        elif method == "cahp":
-            keep, ratio, count_from = None, None, f"{label} knee"
-        else:
-            assert last_cahp is not None  # the first entry is cahp
-            keep, ratio, count_from = last_cahp[0], None, f"{last_cahp[1]} knee"
-        sub = replace(job, method=method, out=str(out / label), keep=keep, keep_ratio=ratio,
-                      poly_degree=degree if degree is not None else job.poly_degree)
-        res = _finished(sub) if resume else None
-        if res is None:
-            res = run_prune(sub, loaded)
-        elif loaded.dense_acc is None:
-            loaded.dense_acc = {s: v["dense"] for s, v in res["details"][loaded.metric_name].items()}
-        rep = res["report"]
-        if method == "cahp" and not forced:
-            last_cahp = (rep["heads_kept"], label)
-        depth = rpt.depth_profile(rep["kept"], len(rep["kept"]))
-        row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "count_from": count_from,
-               "kept": rep["kept"], "knee_k": rep["knee_k"], "mean_depth": rep.get("mean_depth", depth[0]),
-               "middle_third_share": rep.get("middle_third_share", depth[1]),
-               "metric": res["details"][loaded.metric_name],
-               "seconds": rep["seconds"], "cost": rep["cost"]}
-        if rep.get("warning"):
-            row["warning"] = rep["warning"]
-        if loaded.metric_name == "accuracy":
-            row["accuracy"] = row["metric"]
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
-    return rows
-
-
-def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """``compare.md``, ``compare.json`` and the plots of one comparison in ``job.out``."""
-    from headbudget.pruning import report as rpt
-
-    out = Path(job.out)
-    splits = list(loaded.evals)
-    n_layers = len(rows[0]["kept"])
-    table = rpt.compare_markdown(rows, splits)
-    rpt.plot_heads_per_layer({r["label"]: r["kept"] for r in rows}, n_layers, out / "heads_per_layer.png")
-    p = loaded.primary
-    points = {}
-    for r in rows:
-        points[f"{r['label']} pruned"] = [(r["heads_kept"], r["metric"][p]["pruned"])]
-        if r["metric"][p]["finetuned"] is not None:
-            points[f"{r['label']} fine-tuned"] = [(r["heads_kept"], r["metric"][p]["finetuned"])]
-    mname = loaded.metric_name
-    rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png",
-                               dense=(loaded.heads_total, loaded.dense_acc[p]) if loaded.dense_acc else None,
-                               ylabel=f"{p} {mname}", title=f"{mname.capitalize()} vs heads kept")
-    md = (f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads)\n\n{table}\n"
-          "![heads per layer](heads_per_layer.png)\n\n![accuracy vs heads](accuracy_vs_heads.png)\n")
-    if mname == "perplexity":
-        md += "\nMetric: held-out perplexity (lower is better).\n"
-    rpt.atomic_write_text(out / "compare.md", md)
-    summary = {"task": job.task, "model": job.model, "metric_name": mname, "heads_total": loaded.heads_total,
-               "load_seconds": loaded.load_seconds, "rows": rows}
-    rpt.write_json(out / "compare.json", summary)
-    return summary
-
-
-__all__ = ["METHODS", "PruneJob", "check_job", "parse_methods", "run_compare", "run_prune"]
+__all__ = ["METHODS", "PruneJob", "check_job", "parse_methods", "run_compare", "run_prune"]  # noqa: F822 (__getattr__)
