@@ -126,6 +126,6 @@ def test_scaled_or_soft_capped_logits_are_scored_as_the_model_returns_them(tok, 
     got = scorer.score_pairs([pairs])[0]
     for (ctx, cont), (ll, g) in zip(pairs, got):
         whole = tok.encode(ctx + cont)
-        assert (ll, g) == (pytest.approx(_hand(model, whole, len(whole) - len(tok.encode(ctx)))[0], abs=1e-5),
-                           _hand(model, whole, len(whole) - len(tok.encode(ctx)))[1])
+        ref, ref_greedy = _hand(model, whole, len(whole) - len(tok.encode(ctx)))
+        assert (ll, g) == (pytest.approx(ref, abs=1e-5), ref_greedy)
     assert scorer.stats.fallbacks == [] and scorer.stats.strategy == strategy
