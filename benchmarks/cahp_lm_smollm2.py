@@ -244,6 +244,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from headbudget.io import atomic_write_json
     from headbudget.loading import load_model_and_tokenizer
     from headbudget.pruning.pipeline import PruneJob, run_prune
     from headbudget.pruning.workloads import LMWorkload
@@ -321,7 +322,8 @@ def main() -> None:
             row.update(zero_shot(model, tok, args))
             row.setdefault("seconds", {})["total"] = round(time.perf_counter() - t0, 1)
         d.mkdir(parents=True, exist_ok=True)
-        (d / "eval.json").write_text(json.dumps(row, indent=1))
+        # atomic: a resumed run json-loads every eval.json, so an interrupted write must not leave half of one
+        atomic_write_json(d / "eval.json", row, indent=1)
         if (d / "model").is_dir():
             shutil.rmtree(d / "model")  # 0.5 GB each; report.json keeps the kept heads
         rows.append(row)
