@@ -83,11 +83,11 @@ def model_kv_cache_bytes(model: nn.Module) -> int | None:
         92160
     """
     config = model.config
-    size = next(model.parameters()).element_size()
     if getattr(config, "model_type", None) == "headbudget":
         from headbudget.accounting import kv_cache_bytes_per_token
 
         return kv_cache_bytes_per_token(config, next(model.parameters()).dtype)
+    size = next(model.parameters()).element_size()
     if not (getattr(config, "is_decoder", False) or type(model).__name__.endswith("ForCausalLM")):
         return None
     elements = 0
