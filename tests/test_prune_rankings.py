@@ -139,7 +139,9 @@ def test_seeded_compare_records_exact_per_seed_values(seeded_compare):
             for label in values:
                 model = AutoModelForCausalLM.from_pretrained(out / f"seed{seed}" / label / "model").eval()
                 want = perplexity(model, None, input_ids=ids, context=32, stride=31, max_windows=6)["ppl"]
-                assert values[label][name][i] == pytest.approx(want, rel=1e-6), (label, seed, name)
+                # same weights reloaded from disk, possibly another thread count: fp32 NLL sums over ~190 tokens
+                # then exp() differ in the last bits, so a relative tolerance of 1e-5, not float equality
+                assert values[label][name][i] == pytest.approx(want, rel=1e-5), (label, seed, name)
                 det = json.loads((out / f"seed{seed}" / label / "details.json").read_text())
                 assert det["perplexity"][name]["pruned"] == values[label][name][i]
                 assert det["perplexity"]["heldout"]["pruned"] == values[label][texts[0]][i]
