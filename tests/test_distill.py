@@ -250,19 +250,15 @@ def _ddp_worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> N
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_two_processes_distil_like_one(tmp_path, models, fsdp):
     """Each rank loads its own teacher (never sharded); 2 gloo processes match one on the same global batch."""
-    import socket
-
     import torch.multiprocessing as mp
+    from tests.test_train_ddp import _free_port
 
     teacher, student = models
     cfg = _cfg(tmp_path, student, teacher, train={"steps": 3, "eval_every": 3, "fsdp": fsdp},
                distill={"alpha": 0.5})
     single = Trainer(cfg, tmp_path / "single", save_model=False)
     single.run()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, cfg.to_dict(), str(tmp_path / "two")), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), cfg.to_dict(), str(tmp_path / "two")), nprocs=2, join=True)
     got = torch.load(tmp_path / "two" / "rank0.pt", weights_only=True)
     want = [r["distill_kl"] for r in _metrics(tmp_path / "single")]
     assert got["kl"] == pytest.approx(want, rel=1e-5, abs=1e-6)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tests.test_train_ddp import _free_port
 
 from headbudget.train import RunConfig, Trainer, train
 from headbudget.train import checkpoint as ckpt
@@ -210,10 +210,7 @@ def _worker(rank: int, world: int, port: int, cache: str, jobs: list[dict]) -> N
 
 
 def _spawn(cache: str, jobs: list[dict]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, cache, jobs), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), cache, jobs), nprocs=2, join=True)
 
 
 @pytest.mark.slow
