@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headbudget.io import as_os_error, atomic_write_text
+from headbudget.io import as_os_error, atomic_write_text, refused_pickle_reason
 
 _NAME = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -356,8 +356,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         try:
             saved_rng = torch.load(rng_file, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-            from headbudget.io import refused_pickle_reason
-
             raise CheckpointError(f"{rng_file}: not a headbudget RNG state ({refused_pickle_reason(exc)})") from None
     state, param_groups = _tensor_state(model, optimizer)
     _check_shapes(path, md, state)
