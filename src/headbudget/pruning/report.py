@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from headbudget.io import atomic_write_text, follow_umask  # atomic_write_text: re-exported for the CLI
+from headbudget.io import atomic_write_text, save_figure  # atomic_write_text: re-exported for the CLI
 
 __all__ = [
     "REPORT_KEYS",
@@ -236,19 +235,10 @@ def _plt():
 
 
 def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        follow_umask(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
+        return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         _plt().close(fig)
-    return path
 
 
 def plot_mss(mss: Sequence[tuple[int, float]], knee_k: int | None, path: str | os.PathLike[str],
