@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from prune_latency import measure
 
+    from headbudget.pruning.compare import run_compare
     from headbudget.pruning.finetune import run_finetune
-    from headbudget.pruning.pipeline import PruneJob, run_compare
+    from headbudget.pruning.pipeline import PruneJob
     from headbudget.pruning.report import write_json
 
     out = Path(args.out)

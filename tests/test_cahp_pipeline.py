@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def test_gpt2_decoder_family_pipeline(tmp_path):
 
 
 def test_prune_compare_same_head_count(tiny_bert, tmp_path):
-    from headbudget.pruning.pipeline import parse_methods, run_compare
+    from headbudget.pruning.compare import parse_methods, run_compare
 
     assert parse_methods("cahp@2, michel") == [("cahp-d2", "cahp", 2), ("michel", "michel", None)]
     with pytest.raises(ValueError, match="unknown method 'foo'"):
@@ -242,7 +243,8 @@ def test_accuracy_curve_knee(tiny_bert, tmp_path):
 
 def test_prune_compare_each_cahp_its_own_knee(tiny_bert, tmp_path):
     """Every cahp@d finds its own knee; a baseline takes the count of the nearest cahp entry before it."""
-    from headbudget.pruning.pipeline import run_compare, run_prune
+    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.pipeline import run_prune
 
     summary = run_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False),
                           "cahp@6,magnitude,cahp@3,random")  # knees 5 and 4 at seed 42
@@ -341,9 +343,10 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
     """``resume``: methods finished with the same settings are read back (not rerun) with identical rows;
     changed settings rerun them."""
     import headbudget.pruning.pipeline as pl
+    from headbudget.pruning.compare import run_compare
 
     job = _job(tiny_bert, tmp_path / "cmp", keep=4)
-    first = pl.run_compare(job, "cahp@6,random")
+    first = run_compare(job, "cahp@6,random")
     calls = []
     real = pl.run_prune
 
@@ -353,10 +356,20 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
 
     monkeypatch.setattr(pl, "run_prune", spy)
     seen = []
-    again = pl.run_compare(job, "cahp@6,random,magnitude", resume=True, on_row=lambda r: seen.append(r["label"]))
+    again = run_compare(job, "cahp@6,random,magnitude", resume=True, on_row=lambda r: seen.append(r["label"]))
     assert calls == ["magnitude"] and seen == ["cahp-d6", "random", "magnitude"]
     for a, b in zip(first["rows"], again["rows"]):
         assert a == b
     calls.clear()
-    pl.run_compare(pl.replace(job, seed=7), "cahp@6", resume=True)
+    run_compare(dataclasses.replace(job, seed=7), "cahp@6", resume=True)
     assert calls == ["cahp"]  # another seed: not the finished run
+
+
+def test_run_compare_old_import_path_warns_and_is_the_same_function():
+    import headbudget.pruning.compare as cmp
+    import headbudget.pruning.pipeline as pl
+
+    with pytest.warns(DeprecationWarning, match="moved to headbudget.pruning.compare.run_compare"):
+        assert pl.run_compare is cmp.run_compare
+    with pytest.raises(AttributeError):
+        pl.no_such_name  # noqa: B018

@@ -96,7 +96,8 @@ def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
     the pruned GPT-2 is saved as a headbudget checkpoint whose schedule is what was kept."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from headbudget.pruning.pipeline import PruneJob, run_compare
+    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.pipeline import PruneJob
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=257, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(

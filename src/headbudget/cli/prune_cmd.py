@@ -24,7 +24,8 @@ from dataclasses import replace
 from typing import Any
 
 from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
-from headbudget.pruning.pipeline import METHODS, PruneJob, run_compare, run_prune
+from headbudget.pruning.compare import run_compare
+from headbudget.pruning.pipeline import METHODS, PruneJob, run_prune
 from headbudget.run_dir import claim_output_dir
 
 

@@ -1,12 +1,11 @@
-"""The pruning pipelines: one method (:func:`run_prune`) and several at one head count (:func:`run_compare`).
+"""The pruning pipeline of one method (:func:`run_prune`); several at one head count are
+:func:`headbudget.pruning.compare.run_compare`.
 
-    >>> from headbudget.pruning.pipeline import PruneJob, run_prune, run_compare
+    >>> from headbudget.pruning.pipeline import PruneJob, run_prune
     >>> run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
     ...                                                                              # doctest: +SKIP
     >>> run_prune(PruneJob("runs/prism", "lm", None, "runs/cahp-lm", data="../shared/data/text/tinyshakespeare.txt",
     ...                    keep=12))                                                 # doctest: +SKIP
-    >>> run_compare(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cmp"),
-    ...             "cahp@2,cahp@6,michel,fisher,magnitude,random")                  # doctest: +SKIP
 
 Classification tasks (``sst5``, ``mnli``) prune a classifier (BERT family or a fine-tuned
 ``*ForSequenceClassification``); it keeps its Hugging Face class and is saved with
@@ -25,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace  # noqa: F401 (replace: kept importable here, tests use it)
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -414,13 +413,17 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
 
 
 def __getattr__(name: str) -> Any:
-    # run_compare / parse_methods moved to headbudget.pruning.compare (which imports this module); re-exported
-    # lazily so both import orders work
+    # run_compare / parse_methods moved to headbudget.pruning.compare (which imports this module): the old
+    # import path keeps working, with a warning, until callers have moved
     if name in ("parse_methods", "run_compare"):
+        import warnings
+
         from headbudget.pruning import compare
 
+        warnings.warn(f"headbudget.pruning.pipeline.{name} moved to headbudget.pruning.compare.{name}",
+                      DeprecationWarning, stacklevel=2)
         return getattr(compare, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["METHODS", "PruneJob", "check_job", "parse_methods", "run_compare", "run_prune"]  # noqa: F822 (__getattr__)
+__all__ = ["METHODS", "PruneJob", "check_job", "run_prune"]
