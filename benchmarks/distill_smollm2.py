@@ -11,6 +11,8 @@ training: WikiText-2 valid, the tail of movie_reviews.txt (``--tail-chars``), ti
     python benchmarks/distill_smollm2.py --tokens 1M                          # the goal: hours on 2 CPU cores
     python benchmarks/distill_smollm2.py --tokens 10240 --methods fisher      # a short run: tokens/s, projection
     nohup python benchmarks/distill_smollm2.py --tokens 1M > runs/distill_smollm2.log 2>&1 &   # background
+    python benchmarks/distill_smollm2.py --tokens 200k --methods fisher,cahp --keep-ratios 0.7,0.5 \
+        --svd-keep 0.75 --batch-size 8 --context 256      # the run in RESULTS.md (bf16 autocast, ~10 min/run)
 
 Resumable and background-friendly: every pruned model, training run (checkpoints every ``--ckpt-every``
 steps, ``resume=True``) and perplexity is cached under ``--work``; a rerun skips what exists.  Writes
@@ -128,7 +130,7 @@ def recover(student: Path, teacher: str | None, texts: dict[str, Path], args: ar
                   "context": args.context, "lr": args.lr, "min_lr_ratio": 0.1,
                   "warmup_steps": max(1, steps // 20), "weight_decay": 0.0, "eval_every": steps,
                   "eval_batches": 4, "log_every": 1, "ckpt_every": args.ckpt_every, "keep_last": 1,
-                  "threads": args.threads, "progress": False},
+                  "threads": args.threads, "progress": False, "precision": args.precision},
         "distill": {"teacher": teacher, "temperature": args.temperature, "alpha": args.alpha}})
     summary = out / "summary.json"
     if not summary.exists():
@@ -169,6 +171,9 @@ def main() -> None:
     ap.add_argument("--max-windows", type=int, default=16)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "auto"),
+                    help="training precision: bf16 autocast runs ~2x faster on CPUs with AMX (measured 370 vs 170 "
+                         "tokens/s distilling SmolLM2 on this machine); scoring is always float32")
     ap.add_argument("--skip-lm", action="store_true", help="distil only (no plain LM baseline)")
     ap.add_argument("--work", default=str(REPO / "runs" / "distill_smollm2"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distill_smollm2.json"))
