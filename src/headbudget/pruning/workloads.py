@@ -4,7 +4,7 @@ accuracy) and :class:`LMWorkload` (``task="lm"``: a causal LM as a headbudget mo
 perplexity) offer the same methods to :func:`headbudget.pruning.pipeline.run_prune`: ``fresh_model``,
 ``evaluate``, ``batches``, ``salience_batches``, ``describe``, ``finetune``, ``save``.
 
-    >>> from headbudget.pruning.pipeline import PruneJob
+    >>> from headbudget.pruning.job import PruneJob
     >>> work = load_workload(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
     ...                                                                              # doctest: +SKIP
     >>> work.evaluate(work.fresh_model(job), job, "dense")                           # doctest: +SKIP
@@ -16,12 +16,10 @@ import copy
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from headbudget.io import atomic_write_dir
-
-if TYPE_CHECKING:
-    from headbudget.pruning.pipeline import PruneJob
+from headbudget.pruning.job import PruneJob
 
 
 def _device(job: PruneJob) -> Any:
