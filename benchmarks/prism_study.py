@@ -73,7 +73,7 @@ def study_schedules(size: str, names: list[str] | tuple[str, ...] = SCHEDULES) -
     >>> study_schedules("cpu-tiny")
     ['uniform', 'prism', 'reverse', 'uniform@128', 'late_dim_decay:0.75']
     """
-    from headbudget.schedules import schedule_from_spec
+    from headbudget.schedule_spec import schedule_from_spec
 
     widest = max(schedule_from_spec("prism", size).head_dims)
     out = []

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from headbudget import schedules
+from headbudget import schedule_spec, schedules
 from headbudget.budget import (
     BudgetError,
     budget_report,
-    budget_schedule_from_spec,
     budget_step,
     budgeted_schedule,
     fit_integer_total,
@@ -100,17 +99,28 @@ def test_spec_parsing_and_registration():
     assert parse_budget_spec("late_dim_decay:0.5:geometric")[2] == {"decay": "geometric"}
     with pytest.raises(BudgetError, match="needs a fraction"):
         parse_budget_spec("uniform_shrink")
-    s = budget_schedule_from_spec("late_dim_decay:0.75", "cpu-small")
+    s = schedule_spec.schedule_from_spec("late_dim_decay:0.75", "cpu-small")
     assert s == budgeted_schedule("cpu-small", 0.75, "late_dim_decay")
-    assert budget_schedule_from_spec("custom:4x32/4x32/2x32/2x32", "cpu-tiny").heads == (4, 4, 2, 2)
-    assert budget_schedule_from_spec("prism", "cpu-small") == schedules.prism(6, 256, 256, 64)
-    # registered kinds work through the lead's schedule_from_spec (fraction passed as an option)
+    assert schedule_spec.schedule_from_spec("custom:4x32/4x32/2x32/2x32", "cpu-tiny").heads == (4, 4, 2, 2)
+    assert schedule_spec.schedule_from_spec("prism", "cpu-small") == schedules.prism(6, 256, 256, 64)
+    with pytest.raises(BudgetError, match="unknown budget strategy 'spiral' in 'spiral:0.5'"):
+        schedule_spec.schedule_from_spec("spiral:0.5", "cpu-small")
+    # the strategies are kinds from the start (no import of headbudget.budget needed to register them)
     for kind in ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom"):
-        assert kind in schedules.SCHEDULE_KINDS
-    s2 = schedules.schedule_from_spec("uniform_shrink", "cpu-small", budget=0.5)
+        assert kind in schedule_spec.SCHEDULE_KINDS
+    s2 = schedule_spec.schedule_from_spec("uniform_shrink", "cpu-small", budget=0.5)
     assert s2.head_dims == (32,) * 6
-    s3 = schedules.SCHEDULE_KINDS["late_dim_decay"](schedules.get_preset("cpu-small"), spec_arg="0.75")
+    s3 = schedule_spec.SCHEDULE_KINDS["late_dim_decay"](schedules.get_preset("cpu-small"), spec_arg="0.75")
     assert s3 == s
+
+
+def test_budget_schedule_from_spec_moved_to_schedule_spec_with_a_warning():
+    import headbudget.budget as budget
+
+    with pytest.warns(DeprecationWarning, match="headbudget.schedule_spec.schedule_from_spec"):
+        old = budget.budget_schedule_from_spec
+    assert old is schedule_spec.schedule_from_spec
+    assert old("custom:4x32/4x32/2x32/2x32", "cpu-tiny").heads == (4, 4, 2, 2)
 
 
 def test_budget_report_counts():

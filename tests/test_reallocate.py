@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headbudget.cli.main import main
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM, to_headbudget
-from headbudget.schedules import ScheduleError, schedule_from_spec
+from headbudget.schedule_spec import schedule_from_spec
+from headbudget.schedules import ScheduleError
 
 
 @pytest.fixture

@@ -32,8 +32,9 @@ Spec syntax (for ``schedule_from_spec``/``compare``/``--schedule``)::
     custom:0.75:profile=1/1/0.75/0.5     # relative per-layer widths
     custom:4x32/4x32/2x32/2x32           # exact per-layer HEADSxHEAD_DIM
 
-The kinds are registered with :func:`headbudget.schedules.register_schedule_kind` when this module is
-imported; :func:`budget_schedule_from_spec` parses the colon form directly.
+:func:`parse_budget_spec` splits the colon form; :func:`headbudget.schedule_spec.schedule_from_spec`
+reads it (and registers every strategy as a plain schedule kind).  This module imports only
+:mod:`headbudget.schedules` and :mod:`headbudget.budget_report`, so it sits below the spec parser.
 
     >>> s = budgeted_schedule("cpu-small", 0.75, "late_dim_decay")
     >>> s.head_dims, round(s.budget / (6 * 256), 3)
@@ -49,16 +50,7 @@ from typing import Any
 from headbudget.budget_report import BudgetReport as BudgetReport
 from headbudget.budget_report import budget_report as budget_report
 from headbudget.budget_report import budget_step
-from headbudget.schedules import (
-    HeadSchedule,
-    LayerSpec,
-    ModelPreset,
-    ScheduleError,
-    get_preset,
-    register_schedule_kind,
-    schedule_from_spec,
-    uniform,
-)
+from headbudget.schedules import HeadSchedule, LayerSpec, ModelPreset, ScheduleError, get_preset, uniform
 
 STRATEGIES = ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom")
 DECAYS = ("linear", "geometric")
@@ -453,38 +445,15 @@ def value_is_number(text: str) -> bool:
     return True
 
 
-def budget_schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> HeadSchedule:
-    """Like :func:`schedule_from_spec`, but also reads the budget form ``KIND:FRACTION[:OPT=VAL]``.
+def __getattr__(name: str) -> Any:
+    # budget_schedule_from_spec moved up to headbudget.schedule_spec (as schedule_from_spec, which reads
+    # every form); imported late because schedule_spec imports this module.
+    if name == "budget_schedule_from_spec":
+        import warnings
 
-    >>> budget_schedule_from_spec("uniform_shrink:0.5", "cpu-tiny").head_dims
-    (16, 16, 16, 16)
-    """
-    name, colon, _ = spec.strip().partition(":")
-    if name in STRATEGIES:
-        kind, fraction, opts = parse_budget_spec(spec)
-        return budgeted_schedule(preset, fraction, kind, **{**options, **opts})
-    if colon:  # never hand a colon spec back to schedule_from_spec (it may delegate here)
-        raise BudgetError(f"unknown budget strategy {name!r} in {spec!r}; choose from {', '.join(STRATEGIES)}")
-    return schedule_from_spec(spec, preset, **options)
+        warnings.warn("headbudget.budget.budget_schedule_from_spec moved: use "
+                      "headbudget.schedule_spec.schedule_from_spec", DeprecationWarning, stacklevel=2)
+        from headbudget.schedule_spec import schedule_from_spec
 
-
-def _make_kind(strategy: str) -> Callable[..., HeadSchedule]:
-    def factory(p: ModelPreset, budget: float | None = None, spec_arg: str | None = None, **options: Any
-                ) -> HeadSchedule:
-        known = {k: v for k, v in options.items() if k in ("decay", "keep_layers", "max_heads", "layers", "profile")}
-        if spec_arg:
-            _, fraction, opts = parse_budget_spec(f"{strategy}:{spec_arg}")
-            known.update(opts)
-            budget = fraction if fraction is not None else budget
-        if budget is None and strategy != "custom":
-            budget = 0.75
-        return budgeted_schedule(p, budget, strategy, **known)
-
-    factory.__name__ = f"_kind_{strategy}"
-    factory.__doc__ = f"Registered schedule kind {strategy!r}: budgeted_schedule(p, budget, {strategy!r})."
-    return factory
-
-
-for _strategy in STRATEGIES:
-    register_schedule_kind(_strategy)(_make_kind(_strategy))
-
+        return schedule_from_spec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

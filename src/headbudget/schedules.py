@@ -10,12 +10,15 @@ FLOPs); a non-neutral one (budgeted or pruned) may be narrower.
     (3, 3, 3, 3, 6, 6, 6, 6, 12, 12, 12, 12)
     >>> uniform(12, 768, 12).head_dims[0]
     64
+
+Command-line names of schedules (``prism``, ``uniform@128``, ``late_dim_decay:0.75``, ``from:DIR``) are
+read by :func:`headbudget.schedule_spec.schedule_from_spec`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -392,136 +395,20 @@ def get_preset(name: str) -> ModelPreset:
         raise ScheduleError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None
 
 
-# Kinds of schedule a user can name on the command line / in configs.  Each takes the preset and
-# keyword options; ``register_schedule_kind`` lets other modules (budgeted strategies) add more.
-ScheduleFactory = Callable[..., HeadSchedule]
-SCHEDULE_KINDS: dict[str, ScheduleFactory] = {}
+# Spec parsing (``schedule_from_spec``, the kind registry, ``from:DIR``) lives one level up in
+# headbudget.schedule_spec, which also reads the budget forms of headbudget.budget; importing it from
+# here would close the circle schedules -> budget -> ... -> schedules.  Old import paths still work:
+_MOVED_TO_SCHEDULE_SPEC = ("SCHEDULE_KINDS", "ScheduleFactory", "register_schedule_kind", "schedule_from_model",
+                           "schedule_from_spec")
 
 
-def register_schedule_kind(name: str) -> Callable[[ScheduleFactory], ScheduleFactory]:
-    def deco(fn: ScheduleFactory) -> ScheduleFactory:
-        SCHEDULE_KINDS[name] = fn
-        return fn
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_SCHEDULE_SPEC:
+        import warnings
 
-    return deco
+        warnings.warn(f"headbudget.schedules.{name} moved to headbudget.schedule_spec.{name}; "
+                      "import it from there", DeprecationWarning, stacklevel=2)
+        from headbudget import schedule_spec
 
-
-@register_schedule_kind("uniform")
-def _kind_uniform(p: ModelPreset, **_: Any) -> HeadSchedule:
-    return uniform(p.n_layers, p.d_model, p.n_heads)
-
-
-@register_schedule_kind("prism")
-def _kind_prism(p: ModelPreset, max_head_dim: int | None = None, min_head_dim: int | None = None,
-                **_: Any) -> HeadSchedule:
-    return prism(p.n_layers, p.d_model, max_head_dim or p.prism_max_head_dim,
-                 min_head_dim or p.prism_min_head_dim)
-
-
-@register_schedule_kind("reverse")
-def _kind_reverse(p: ModelPreset, max_head_dim: int | None = None, min_head_dim: int | None = None,
-                  **_: Any) -> HeadSchedule:
-    return reverse(p.n_layers, p.d_model, max_head_dim or p.prism_max_head_dim,
-                   min_head_dim or p.prism_min_head_dim)
-
-
-@register_schedule_kind("linear")
-def _kind_linear(p: ModelPreset, max_head_dim: int | None = None, min_head_dim: int | None = None,
-                 **_: Any) -> HeadSchedule:
-    lo = p.d_model // (max_head_dim or p.prism_max_head_dim)
-    hi = p.d_model // (min_head_dim or p.prism_min_head_dim)
-    return replace(linear(p.n_layers, p.d_model, max(1, lo), hi), name="linear")
-
-
-def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> HeadSchedule:
-    """Build a schedule from its command-line name for a preset.
-
-    ``spec`` is a registered kind (``uniform``, ``prism``, ``reverse``, ``linear``, ...),
-    ``uniform@HEAD_DIM`` (a uniform control at a given head width), a comma list of head counts,
-    ``from:DIR`` (the layout of a saved headbudget model, e.g. a pruned one) or ``from:DIR:neutral``
-    (that head profile re-widened to the dense model's attention budget, see :func:`schedule_from_model`).
-
-    >>> schedule_from_spec("uniform@128", "cpu-small").heads
-    (2, 2, 2, 2, 2, 2)
-    """
-    p = get_preset(preset) if isinstance(preset, str) else preset
-    spec = spec.strip()
-    if spec.startswith("from:"):
-        path, _, mode = spec[len("from:"):].partition(":")
-        if mode not in ("", "neutral"):
-            raise ScheduleError(f"bad schedule {spec!r}: expected from:DIR or from:DIR:neutral")
-        sched = schedule_from_model(path, neutral=mode == "neutral")
-        if sched.d_model != p.d_model or sched.n_layers != p.n_layers:
-            raise ScheduleError(f"{path}: its schedule is {sched.n_layers} layers x d_model {sched.d_model}, "
-                                f"preset {p.name} is {p.n_layers} x {p.d_model}")
-        return sched
-    # Budgeted kinds (uniform_shrink, late_dim_decay, ...) live in headbudget.budget, which registers
-    # them on import; ``KIND:FRACTION[:OPT=VAL]`` is their spec form.
-    import headbudget.budget as budget
-
-    if ":" in spec:
-        sched = budget.budget_schedule_from_spec(spec, p, **options)
-        if sched.n_layers != p.n_layers:
-            raise ScheduleError(f"schedule has {sched.n_layers} layers but preset {p.name} has {p.n_layers}")
-        return sched
-    if spec in SCHEDULE_KINDS:
-        sched = SCHEDULE_KINDS[spec](p, **options)
-    elif spec.startswith("uniform@"):
-        try:
-            dim = int(spec.split("@", 1)[1])
-        except ValueError:
-            raise ScheduleError(f"bad schedule {spec!r}: expected uniform@HEAD_DIM, e.g. uniform@128") from None
-        sched = uniform_head_dim(p.n_layers, p.d_model, dim)
-    elif "," in spec or spec.isdigit():
-        sched = from_list(spec, p.d_model, p.n_layers)
-    else:
-        raise ScheduleError(
-            f"unknown schedule {spec!r}; use one of {', '.join(SCHEDULE_KINDS)}, uniform@HEAD_DIM, "
-            "or a comma list of head counts"
-        )
-    if sched.n_layers != p.n_layers:
-        raise ScheduleError(f"schedule has {sched.n_layers} layers but preset {p.name} has {p.n_layers}")
-    return sched
-
-
-
-def schedule_from_model(directory: str, neutral: bool = False) -> HeadSchedule:
-    """The schedule a saved headbudget model has (heads kept per layer, kv groups, widths).
-
-    ``neutral=True`` keeps every layer's head and kv-head counts but re-widens the heads, with one
-    head_dim for all layers as far as the multiple allows, so the attention budget D = sum(heads x
-    head_dim) equals the dense model's again (recorded at the first pruning as ``dense_budget``;
-    else layers x d_model).  For multi-head attention that makes the parameters equal the dense model's.
-
-        >>> schedule_from_model("runs/pruned/model").heads          # doctest: +SKIP
-        (2, 3, 3, 5, 6, 6)
-    """
-    from pathlib import Path
-
-    cfg_path = Path(directory) / "config.json"
-    if not cfg_path.is_file() and (Path(directory) / "model" / "config.json").is_file():
-        cfg_path = Path(directory) / "model" / "config.json"  # a run folder
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ScheduleError(f"{directory}: no config.json (from:DIR needs a saved headbudget model)") from None
-    except json.JSONDecodeError as exc:
-        raise ScheduleError(f"{cfg_path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    if "schedule" not in raw:
-        raise ScheduleError(f"{cfg_path}: model_type {raw.get('model_type')!r} has no headbudget schedule "
-                            "(convert and save it with headbudget first, e.g. headbudget prune)")
-    sched = HeadSchedule.from_dict(dict(raw["schedule"], head_dim_multiple=1, neutral=False))
-    dense = int(raw["schedule"].get("dense_budget", sched.n_layers * sched.d_model))
-    if not neutral:
-        return replace(sched, name=f"from:{directory}")
-    from headbudget.budget import fit_integer_total
-
-    multiple = int(raw["schedule"].get("head_dim_multiple", 8))
-    heads = [s.n_heads for s in sched.layers]
-    unit = dense / (sum(heads) * multiple)  # one shared head_dim, in units of the multiple
-    units = fit_integer_total([unit] * len(heads), [1] * len(heads), [10 ** 6] * len(heads),
-                              [h * multiple for h in heads], dense)
-    layers = [LayerSpec(s.n_heads, u * multiple, s.n_kv_heads, kv_groups=s.kv_groups)
-              for s, u in zip(sched.layers, units)]
-    return HeadSchedule(sched.d_model, tuple(layers), neutral=False, head_dim_multiple=multiple,
-                        name=f"from:{directory}:neutral")
+        return getattr(schedule_spec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,8 @@ import argparse
 import json
 
 from headbudget.accounting import attention_parameters, count_parameters, flops_per_token
-from headbudget.schedules import HeadSchedule, get_preset, schedule_from_spec
+from headbudget.schedule_spec import schedule_from_spec
+from headbudget.schedules import HeadSchedule, get_preset
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from headbudget.models import configuration_headbudget as standalone
-from headbudget.schedules import HeadSchedule, get_preset, schedule_from_spec
+from headbudget.schedule_spec import schedule_from_spec
+from headbudget.schedules import HeadSchedule, get_preset
 
 
 class HeadBudgetConfig(standalone.HeadBudgetConfig):

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from headbudget.schedules import HeadSchedule, ModelPreset, get_preset, schedule_from_spec
+from headbudget.schedule_spec import schedule_from_spec
+from headbudget.schedules import HeadSchedule, ModelPreset, get_preset
 from headbudget.train.config import RunConfig
 
 
