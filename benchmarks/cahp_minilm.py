@@ -32,7 +32,7 @@ def _with_se(acc: float | None, n: int) -> dict | None:
 
 def results_summary(rows: list[dict], args: argparse.Namespace, seconds: dict) -> dict:
     """The issue-10 file: dense and per-method test accuracy (before / after recovery) with standard errors."""
-    from headbudget.pruning.tasks import load_task
+    from headbudget.data.classification import load_task
 
     data = load_task("sst5", args.data_dir)
     n_test = len(data.splits["test"]) if args.limit_eval is None else min(args.limit_eval, len(data.splits["test"]))

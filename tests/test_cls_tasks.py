@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from headbudget.pruning.tasks import (
+from headbudget.data.classification import (
     TASKS,
     ClassificationCollator,
     Example,

@@ -17,46 +17,9 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-
-class NotUTF8Error(ValueError):
-    """A text file that is not UTF-8: names the file, the byte, its offset and line."""
-
-
-def _not_utf8(path: str | os.PathLike, raw: bytes, exc: UnicodeDecodeError, base: int = 0,
-              line: int | None = None) -> NotUTF8Error:
-    offset = base + exc.start
-    line = line if line is not None else raw.count(b"\n", 0, exc.start) + 1
-    return NotUTF8Error(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {offset}, line {line})")
-
-
-def read_text_file(path: str | os.PathLike) -> str:
-    """The text of a UTF-8 file; any other encoding is one :class:`NotUTF8Error` line naming the file
-    and the byte offset (Python's own message names neither).
-
-    >>> read_text_file("corpus.txt")     # a latin-1 file: "corpus.txt: not UTF-8 text (byte 0xe9 at offset 41, line 2)"
-    """
-    raw = Path(path).read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _not_utf8(path, raw, exc) from None
-
-
-def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
-    """``(line_number, line)`` of a UTF-8 file read line by line (JSONL); bytes that are not UTF-8 are one
-    :class:`NotUTF8Error` line naming the file, the byte offset and the line."""
-    offset = 0
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise _not_utf8(path, raw, exc, base=offset, line=lineno) from None
-            offset += len(raw)
 
 
 def refused_pickle_reason(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
-from headbudget.io import read_text_file
+from headbudget.data.text import read_text
 from headbudget.threads import add_threads_flag
 
 
@@ -72,7 +72,7 @@ def read_groups(path: str) -> list | dict:
     if not p.is_file():
         raise FileNotFoundError(f"--groups: no file {path}")
     try:
-        data = json.loads(read_text_file(p))
+        data = json.loads(read_text(p))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
     if isinstance(data, dict):  # {"layer": groups}: layers not named are allocated

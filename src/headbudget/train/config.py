@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from headbudget.io import read_text_file
+from headbudget.data.text import read_text
 
 
 class ConfigError(ValueError):
@@ -143,7 +143,7 @@ class RunConfig:
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} not found")
         try:
-            raw = yaml.safe_load(read_text_file(p))  # not UTF-8: names the file and the byte offset
+            raw = yaml.safe_load(read_text(p))  # not UTF-8: names the file and the byte offset
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark else str(p)

@@ -1,0 +1,399 @@
+"""Sentence(-pair) classification tasks for fine-tuning and head pruning: SST-5 and MNLI.
+
+Each task reads either its original distribution format or the Hugging Face datasets schema from a
+local directory (nothing is downloaded):
+
+* ``sst5``: ``{train,dev,test}.txt`` with one Stanford PTB tree a line (the root's label 0..4 is the
+  sentence label, the sentence is the leaves joined by spaces, PTB escapes such as ``-LRB-`` and
+  ``\\/`` turned back into ``(`` and ``/``), or ``SetFit/sst5`` JSON lines ``{train,validation,test}.jsonl``
+  with ``text``/``label``.  ``validation`` is read as ``dev``.
+* ``mnli``: GLUE TSV ``train.tsv``, ``dev_matched.tsv``, ``dev_mismatched.tsv`` (columns ``sentence1``,
+  ``sentence2``, ``gold_label``; rows whose gold label is ``-`` (no annotator consensus) are skipped, as in
+  GLUE), or the ``nyu-mll/glue`` ``mnli`` schema ``{train,validation_matched,validation_mismatched}.jsonl``
+  with ``premise``/``hypothesis``/``label``.  Labels: 0 entailment, 1 neutral, 2 contradiction.
+
+Malformed input raises :class:`TaskDataError` (a ``ValueError``) naming the file and line; a file that
+is not UTF-8 a :class:`headbudget.data.text.NotUTF8Error` naming the file, byte offset and line.
+(``headbudget.pruning.tasks``, this module's old home, re-exports it.)
+
+    >>> from headbudget.data.classification import load_task, make_loader
+    >>> data = load_task("sst5", "../shared/data/classification/sst5")
+    >>> data.num_labels, len(data.splits["dev"]), data.splits["dev"][0].label
+    (5, 1101, 3)
+    >>> loader = make_loader(data.splits["train"], tokenizer, batch_size=32, shuffle=True, seed=0)
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headbudget.data.text import iter_jsonl, iter_text_lines
+
+
+class TaskDataError(ValueError):
+    """A malformed data file; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One classification example (``text_pair`` is the hypothesis for NLI, else ``None``)."""
+
+    text: str
+    label: int
+    text_pair: str | None = None
+
+
+@dataclass
+class TaskData:
+    """A loaded task: its splits (name -> examples) and label set."""
+
+    name: str
+    num_labels: int
+    label_names: tuple[str, ...]
+    splits: dict[str, list[Example]]
+    eval_splits: tuple[str, ...] = ()
+    source: str = ""
+
+    @property
+    def train(self) -> list[Example]:
+        return self.splits["train"]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Registry entry: label set, split names and the loader ``loader(data_dir, splits) -> (splits, source)``."""
+
+    name: str
+    num_labels: int
+    label_names: tuple[str, ...]
+    splits: tuple[str, ...]
+    eval_splits: tuple[str, ...]
+    loader: Callable[[Path, Sequence[str]], tuple[dict[str, list[Example]], str]] = field(repr=False)
+    sentence_pair: bool = False
+
+
+# --------------------------------------------------------------------------- PTB trees (SST)
+_PTB_UNESCAPE = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": "{", "-RCB-": "}"}
+
+
+_PTB_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+
+
+def _unescape(word: str) -> str:
+    return _PTB_UNESCAPE.get(word, word).replace("\\/", "/").replace("\\*", "*")
+
+
+def parse_ptb_tree(line: str, where: str = "<tree>", num_labels: int = 5, unescape: bool = True) -> Example:
+    """Parse one PTB tree ``(3 (2 It) (4 ...))``: the root label and the leaves joined by spaces.
+
+    ``where`` (``file:line``) prefixes any error.
+    """
+    tokens = _PTB_TOKEN.findall(line)
+    if not tokens:
+        raise TaskDataError(f"{where}: empty line (expected a PTB tree)")
+    leaves: list[str] = []
+    # stack of [label, n_children, has_leaf] for the open nodes
+    stack: list[list[int]] = []
+    root = -1
+    n = len(tokens)
+    pos = 0
+    while pos < n:
+        tok = tokens[pos]
+        if tok == "(":
+            if root >= 0:
+                raise TaskDataError(
+                    f"{where}: malformed PTB tree: trailing text after the root: {' '.join(tokens[pos:])!r}"
+                )
+            if stack and stack[-1][2]:
+                raise TaskDataError(f"{where}: malformed PTB tree: a node mixes words and subtrees")
+            if pos + 1 >= n or tokens[pos + 1] in ("(", ")"):
+                raise TaskDataError(f"{where}: malformed PTB tree: node without a label")
+            lab = tokens[pos + 1]
+            if not lab.isdigit():
+                raise TaskDataError(f"{where}: malformed PTB tree: label {lab!r} is not an integer")
+            label = int(lab)
+            if not 0 <= label < num_labels:
+                raise TaskDataError(f"{where}: malformed PTB tree: label {label} outside 0..{num_labels - 1}")
+            if stack:
+                stack[-1][1] += 1
+            stack.append([label, 0, 0])
+            pos += 2
+        elif tok == ")":
+            if not stack:
+                raise TaskDataError(f"{where}: malformed PTB tree: unbalanced parentheses (unexpected ')')")
+            label, kids, has_leaf = stack.pop()
+            if not kids and not has_leaf:
+                raise TaskDataError(f"{where}: malformed PTB tree: node with label {label} has no children")
+            if not stack:
+                root = label
+            pos += 1
+        else:
+            if not stack:
+                raise TaskDataError(f"{where}: malformed PTB tree: expected '(' but got {tok!r}")
+            if stack[-1][1]:
+                raise TaskDataError(f"{where}: malformed PTB tree: a node mixes words and subtrees")
+            # a leaf: usually one word, occasionally several ("8 1\\/2" in SST train)
+            stack[-1][2] = 1
+            leaves.append(_unescape(tok) if unescape else tok)
+            pos += 1
+    if stack:
+        raise TaskDataError(f"{where}: malformed PTB tree: unbalanced parentheses (missing ')')")
+    return Example(text=" ".join(leaves), label=root)
+
+
+def read_ptb_file(path: Path, num_labels: int = 5) -> list[Example]:
+    """All trees of a PTB file (blank lines skipped); errors name ``file:line``."""
+    return [parse_ptb_tree(line, f"{path}:{lineno}", num_labels)
+            for lineno, line in iter_text_lines(path) if line.strip()]
+
+
+def _read_jsonl(
+    path: Path, fields: Sequence[str], num_labels: int, skip_negative: bool = False
+) -> list[dict]:
+    rows = []
+    for lineno, row in iter_jsonl(path, error=TaskDataError):
+        where = f"{path}:{lineno}"
+        for f in (*fields, "label"):
+            if f not in row:
+                raise TaskDataError(f"{where}: missing field {f!r}")
+        for f in fields:
+            if not isinstance(row[f], str):
+                raise TaskDataError(f"{where}: field {f!r} must be a string")
+        label = row["label"]
+        if isinstance(label, bool) or not isinstance(label, int):
+            raise TaskDataError(f"{where}: field 'label' must be an integer, got {label!r}")
+        if label < 0 and skip_negative:
+            continue
+        if not 0 <= label < num_labels:
+            raise TaskDataError(f"{where}: field 'label' = {label} outside 0..{num_labels - 1}")
+        rows.append(row)
+    return rows
+
+
+def _resolve_dir(data_dir: Path, task: str) -> Path:
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"{data_dir}: data directory not found for task {task!r}")
+    sub = data_dir / task
+    if sub.is_dir():
+        return sub
+    return data_dir
+
+
+def _load_sst5(data_dir: Path, splits: Sequence[str]) -> tuple[dict[str, list[Example]], str]:
+    d = _resolve_dir(data_dir, "sst5")
+    hf_names = {"train": "train", "dev": "validation", "test": "test"}
+    out: dict[str, list[Example]] = {}
+    sources = set()
+    for split in splits:
+        ptb = d / f"{split}.txt"
+        jl = [d / f"{hf_names[split]}.jsonl", d / f"{split}.jsonl"]
+        if ptb.exists():
+            out[split] = read_ptb_file(ptb, 5)
+            sources.add("ptb")
+        elif any(p.exists() for p in jl):
+            path = next(p for p in jl if p.exists())
+            out[split] = [Example(r["text"], r["label"]) for r in _read_jsonl(path, ["text"], 5)]
+            sources.add("setfit-jsonl")
+        else:
+            raise FileNotFoundError(f"{d}: no {split} split for sst5 (looked for {ptb.name} or {jl[0].name})")
+    return out, "+".join(sorted(sources))
+
+
+_MNLI_LABELS = ("entailment", "neutral", "contradiction")
+
+
+def read_glue_mnli_tsv(path: Path) -> list[Example]:
+    """A GLUE MNLI TSV (header with ``sentence1``, ``sentence2``, ``gold_label``); ``-`` gold labels skipped."""
+    out = []
+    lines = (line for _, line in iter_text_lines(path))  # not UTF-8: names the file, offset and line
+    reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise TaskDataError(f"{path}:1: empty file (expected a TSV header)") from None
+    missing = [c for c in ("sentence1", "sentence2", "gold_label") if c not in header]
+    if missing:
+        raise TaskDataError(f"{path}:1: header lacks column(s) {', '.join(missing)}")
+    i1, i2, il = header.index("sentence1"), header.index("sentence2"), header.index("gold_label")
+    for lineno, row in enumerate(reader, 2):
+        if not row or (len(row) == 1 and not row[0].strip()):
+            continue
+        if len(row) != len(header):
+            raise TaskDataError(
+                f"{path}:{lineno}: expected {len(header)} tab-separated columns, got {len(row)}"
+            )
+        gold = row[il].strip()
+        if gold == "-":
+            continue
+        if gold not in _MNLI_LABELS:
+            raise TaskDataError(
+                f"{path}:{lineno}: gold_label {gold!r} is not one of {', '.join(_MNLI_LABELS)}"
+            )
+        out.append(Example(row[i1], _MNLI_LABELS.index(gold), row[i2]))
+    return out
+
+
+def _load_mnli(data_dir: Path, splits: Sequence[str]) -> tuple[dict[str, list[Example]], str]:
+    d = _resolve_dir(data_dir, "mnli")
+    hf_names = {
+        "train": "train",
+        "dev_matched": "validation_matched",
+        "dev_mismatched": "validation_mismatched",
+    }
+    out: dict[str, list[Example]] = {}
+    sources = set()
+    for split in splits:
+        tsv = d / f"{split}.tsv"
+        jl = [d / f"{hf_names[split]}.jsonl", d / f"{split}.jsonl"]
+        if tsv.exists():
+            out[split] = read_glue_mnli_tsv(tsv)
+            sources.add("glue-tsv")
+        elif any(p.exists() for p in jl):
+            path = next(p for p in jl if p.exists())
+            rows = _read_jsonl(path, ["premise", "hypothesis"], 3, skip_negative=True)
+            out[split] = [Example(r["premise"], r["label"], r["hypothesis"]) for r in rows]
+            sources.add("hf-glue-jsonl")
+        else:
+            raise FileNotFoundError(f"{d}: no {split} split for mnli (looked for {tsv.name} or {jl[0].name})")
+    return out, "+".join(sorted(sources))
+
+
+TASKS: dict[str, TaskSpec] = {
+    "sst5": TaskSpec(
+        name="sst5",
+        num_labels=5,
+        label_names=("very negative", "negative", "neutral", "positive", "very positive"),
+        splits=("train", "dev", "test"),
+        eval_splits=("dev", "test"),
+        loader=_load_sst5,
+    ),
+    "mnli": TaskSpec(
+        name="mnli",
+        num_labels=3,
+        label_names=_MNLI_LABELS,
+        splits=("train", "dev_matched", "dev_mismatched"),
+        eval_splits=("dev_matched", "dev_mismatched"),
+        loader=_load_mnli,
+        sentence_pair=True,
+    ),
+}
+
+
+def get_task(name: str) -> TaskSpec:
+    """The registry entry for ``name`` (``ValueError`` listing the known tasks otherwise)."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+
+
+def load_task(name: str, data_dir: str | Path, splits: Sequence[str] | None = None) -> TaskData:
+    """Load ``splits`` (default: all of the task's splits) from ``data_dir`` (or ``data_dir/<name>``)."""
+    spec = get_task(name)
+    wanted = tuple(splits) if splits is not None else spec.splits
+    bad = [s for s in wanted if s not in spec.splits]
+    if bad:
+        raise ValueError(
+            f"task {name}: unknown split(s) {', '.join(bad)}; splits are {', '.join(spec.splits)}"
+        )
+    data, source = spec.loader(Path(data_dir), wanted)
+    for split, rows in data.items():
+        if not rows:
+            raise TaskDataError(f"task {name}: split {split!r} in {data_dir} has no examples")
+    return TaskData(
+        name=spec.name,
+        num_labels=spec.num_labels,
+        label_names=spec.label_names,
+        splits=data,
+        eval_splits=tuple(s for s in spec.eval_splits if s in data),
+        source=source,
+    )
+
+
+# --------------------------------------------------------------------------- batching
+class ClassificationCollator:
+    """Tokenizes a list of :class:`Example` with dynamic padding (to the longest in the batch).
+
+    Returns ``input_ids``, ``attention_mask`` (+ ``token_type_ids`` when the tokenizer makes them)
+    and ``labels``; sequences are truncated to ``max_length`` tokens.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int = 128) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+
+    def __call__(self, batch: Sequence[Example]) -> dict[str, torch.Tensor]:
+        texts = [ex.text for ex in batch]
+        pairs = [ex.text_pair for ex in batch]
+        kwargs: dict[str, Any] = dict(
+            padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        if any(p is not None for p in pairs):
+            enc = self.tokenizer(texts, [p or "" for p in pairs], **kwargs)
+        else:
+            enc = self.tokenizer(texts, **kwargs)
+        out = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        out["labels"] = torch.tensor([ex.label for ex in batch], dtype=torch.long)
+        return out
+
+
+def make_loader(
+    examples: Sequence[Example],
+    tokenizer: Any,
+    batch_size: int = 32,
+    shuffle: bool = False,
+    seed: int = 0,
+    max_length: int = 128,
+) -> torch.utils.data.DataLoader:
+    """A ``DataLoader`` over ``examples`` with :class:`ClassificationCollator` (seeded shuffling)."""
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return torch.utils.data.DataLoader(
+        list(examples),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=gen if shuffle else None,
+        collate_fn=ClassificationCollator(tokenizer, max_length),
+    )
+
+
+def subsample(examples: Sequence[Example], n: int | None, seed: int = 0) -> list[Example]:
+    """A seeded random subset of ``n`` examples (all of them when ``n`` is None or larger)."""
+    if n is None or n >= len(examples):
+        return list(examples)
+    rng = random.Random(seed)
+    idx = sorted(rng.sample(range(len(examples)), n))
+    return [examples[i] for i in idx]
+
+
+def iter_batches(examples: Sequence[Example], batch_size: int) -> Iterator[list[Example]]:
+    """Consecutive batches of examples (no shuffling)."""
+    for i in range(0, len(examples), batch_size):
+        yield list(examples[i : i + batch_size])
+
+
+__all__ = [
+    "TASKS",
+    "ClassificationCollator",
+    "Example",
+    "TaskData",
+    "TaskDataError",
+    "TaskSpec",
+    "get_task",
+    "iter_batches",
+    "load_task",
+    "make_loader",
+    "parse_ptb_tree",
+    "read_glue_mnli_tsv",
+    "read_ptb_file",
+    "subsample",
+]

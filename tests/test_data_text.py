@@ -1,0 +1,100 @@
+"""The one text reader and the one JSONL reader (headbudget.data.text) and the modules that use them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from headbudget.data.text import NotUTF8Error, iter_jsonl, iter_text_lines, read_text
+
+
+def test_read_text_returns_the_exact_text_and_names_file_byte_offset_line(tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_bytes("caf\u00e9\r\nna\u00efve\n".encode())
+    assert read_text(good) == "caf\u00e9\r\nna\u00efve\n"  # no newline translation
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"one\ntwo caf\xe9\n")
+    with pytest.raises(NotUTF8Error) as exc:
+        read_text(bad)
+    assert str(exc.value) == f"{bad}: not UTF-8 text (byte 0xe9 at offset 11, line 2)"
+    assert isinstance(exc.value, ValueError)
+
+
+def test_read_text_missing_path_names_the_flag_and_never_tries_a_dataset(tmp_path):
+    with pytest.raises(FileNotFoundError) as exc:
+        read_text(tmp_path / "missing.txt", flag="--eval-data")
+    assert str(exc.value) == f"--eval-data: no file {tmp_path / 'missing.txt'}"
+    with pytest.raises(FileNotFoundError, match=rf"^--data: no file {re.escape(str(tmp_path))}$"):
+        read_text(tmp_path)  # a folder
+
+
+def test_iter_text_lines_counts_offsets_across_lines(tmp_path):
+    f = tmp_path / "rows.txt"
+    f.write_bytes(b"ab\n\ncd\nx\xc3(\n")
+    lines = iter_text_lines(f)
+    assert [next(lines), next(lines), next(lines)] == [(1, "ab\n"), (2, "\n"), (3, "cd\n")]
+    with pytest.raises(NotUTF8Error, match=rf"^{re.escape(str(f))}: not UTF-8 text \(byte 0xc3 at offset 8, line 4\)$"):
+        next(lines)
+
+
+def test_iter_jsonl_values_blank_lines_and_errors(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"a": 1}\n\n  \n{"b": [2, "x"]}\n')
+    assert list(iter_jsonl(f)) == [(1, {"a": 1}), (4, {"b": [2, "x"]})]
+
+    class MyError(ValueError):
+        pass
+
+    f.write_text('{"a": 1}\n{"a": 2,}\n')
+    with pytest.raises(MyError) as exc:
+        list(iter_jsonl(f, error=MyError))
+    assert str(exc.value) == f"{f}:2: invalid JSON (Expecting property name enclosed in double quotes at column 9)"
+    f.write_text('{"a": 1}\n\n[1, 2]\n')
+    with pytest.raises(ValueError) as exc:
+        list(iter_jsonl(f))
+    assert str(exc.value) == f"{f}:3: expected a JSON object, got list"
+    f.write_bytes(b'{"a": 1}\n{"a": "\xff"}\n')
+    with pytest.raises(NotUTF8Error) as exc:
+        list(iter_jsonl(f, error=MyError))
+    assert str(exc.value) == f"{f}: not UTF-8 text (byte 0xff at offset 16, line 2)"
+
+
+def test_every_reader_of_the_package_goes_through_data_text(tmp_path):
+    """The old homes re-export the one reader, with each caller's error class."""
+    from headbudget.data.classification import TaskDataError, load_task
+    from headbudget.data.sources import SourceError, read_source
+    from headbudget.evaluation import perplexity, tasks
+
+    assert perplexity.read_text is read_text
+    rows = tmp_path / "piqa_validation.jsonl"
+    rows.write_text("7\n")
+    with pytest.raises(tasks.DataError, match=r"piqa_validation\.jsonl:1: expected a JSON object, got int$"):
+        tasks.load_examples("piqa", tmp_path)  # was a TypeError traceback ('in' on an int)
+    with pytest.raises(SourceError, match=r"piqa_validation\.jsonl:1: expected a JSON object, got int$"):
+        read_source(f"jsonl:{rows}:text")
+    sst = tmp_path / "sst5"
+    sst.mkdir()
+    (sst / "train.txt").write_bytes(b"(3 (2 good) (4 caf\xe9))\n")
+    with pytest.raises(NotUTF8Error, match=r"sst5/train\.txt: not UTF-8 text \(byte 0xe9 at offset 18, line 1\)$"):
+        load_task("sst5", tmp_path, splits=["train"])  # was Python's UnicodeDecodeError naming no file
+    (sst / "train.jsonl").write_text('{"text": "ok", "label": 1}\n["x"]\n')
+    (sst / "train.txt").unlink()
+    with pytest.raises(TaskDataError, match=r"train\.jsonl:2: expected a JSON object, got list$"):
+        load_task("sst5", tmp_path, splits=["train"])
+    mnli = tmp_path / "mnli"
+    mnli.mkdir()
+    (mnli / "train.tsv").write_bytes(b"sentence1\tsentence2\tgold_label\na\tb\tneutral\nc\td\xff\tneutral\n")
+    with pytest.raises(NotUTF8Error, match=r"mnli/train\.tsv: not UTF-8 text \(byte 0xff at offset 46, line 3\)$"):
+        load_task("mnli", tmp_path, splits=["train"])
+    (mnli / "train.tsv").write_text("sentence1\tsentence2\tgold_label\na\tb\tneutral\nc\td\t-\ne\tf\tentailment\n")
+    data = load_task("mnli", tmp_path, splits=["train"])
+    assert [(e.text, e.text_pair, e.label) for e in data.train] == [("a", "b", 1), ("e", "f", 0)]
+
+
+def test_classification_data_keeps_its_old_import_path():
+    import headbudget.data.classification as new
+    import headbudget.pruning.tasks as old
+
+    assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)
+    assert old.load_task is new.load_task and old.TaskDataError is new.TaskDataError
