@@ -22,7 +22,7 @@ classifier (an encoder without a head gets a fresh one, seeded).  A checkpoint o
 one-line ``ValueError``: a decoder never gets a classification head bolted on, and a classifier is never
 scored as a language model.  ``as_headbudget=True`` converts a causal decoder to
 :class:`~headbudget.models.HeadBudgetForCausalLM` (pruning and compression work on that one family).
-A folder with ``kept_heads.json`` (an encoder pruned by :func:`headbudget.pruning.adapters.save_pruned`)
+A folder with ``kept_heads.json`` (an encoder pruned by :func:`headbudget.models.surgery.save_pruned`)
 opens through the same call.
 
 **Which tokenizer** (:func:`load_tokenizer`), first match wins:
@@ -63,7 +63,7 @@ from headbudget.weight_shapes import WeightsMismatchError, check_weight_shapes  
 KINDS = ("causal", "classifier")
 # Files whose presence makes a folder a Hugging Face tokenizer folder.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
-KEPT_HEADS_FILE = "kept_heads.json"  # same name as pruning.adapters.KEPT_HEADS_FILE (no upward import)
+KEPT_HEADS_FILE = "kept_heads.json"  # = models.surgery.KEPT_HEADS_FILE (importing that imports transformers)
 
 
 # --------------------------------------------------------------------------- where the model is
@@ -310,7 +310,7 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
-        from headbudget.pruning.adapters import load_pruned  # lazy: pruning sits above this layer
+        from headbudget.models.surgery import load_pruned
 
         model = load_pruned(src.where)
         _check_role(model.config, "causal", src.where)
@@ -340,7 +340,7 @@ def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: 
     if src.gguf_file:
         raise ValueError(f"{src.where}/{src.gguf_file}: a GGUF file holds a language model, not a classifier")
     if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
-        from headbudget.pruning.adapters import load_pruned  # lazy: pruning sits above this layer
+        from headbudget.models.surgery import load_pruned
 
         model = load_pruned(src.where, dtype=dtype)
         _check_role(model.config, "classifier", src.where)

@@ -1,105 +1,12 @@
-"""Pruned checkpoints: ``save_pretrained`` plus ``kept_heads.json``, re-applied on load."""
+"""Moved to :mod:`headbudget.models.surgery.checkpoint`; this old path warns and re-exports it."""
 
-from __future__ import annotations
+import warnings
 
-import json
-import os
-from pathlib import Path
-from typing import Any
+from headbudget.models.surgery import checkpoint as _moved
 
-import torch
-from torch import nn
-
-from headbudget.io import atomic_write_text
-from headbudget.pruning.adapters.base import _STATE_ATTR, KEPT_HEADS_FILE
-from headbudget.pruning.adapters.families import LlamaAdapter, get_adapter
+warnings.warn("headbudget.pruning.adapters.checkpoint moved to headbudget.models.surgery.checkpoint",
+              DeprecationWarning, stacklevel=2)
 
 
-# ===================================================================== save / load
-def save_pruned(model: nn.Module, out_dir: str | os.PathLike[str], tokenizer: Any = None) -> Path:
-    """``save_pretrained`` plus ``kept_heads.json`` (original kept heads per layer, re-applied by :func:`load_pruned`).
-
-    >>> save_pruned(model, "runs/pruned")            # then: model = load_pruned("runs/pruned")
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    adapter = get_adapter(model)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    record: dict[str, Any] = {
-        "family": adapter.family,
-        "architecture": type(model).__name__,
-        "head_counts": adapter.head_counts(),
-        "kept": {str(li): hs for li, hs in adapter.pruned_heads_record().items()},
-    }
-    if isinstance(adapter, LlamaAdapter):
-        record["query_to_kv"] = {str(li): v for li, v in adapter.query_to_kv().items()}
-        record["kv_head_counts"] = adapter.kv_head_counts()
-    atomic_write_text(out / KEPT_HEADS_FILE, json.dumps(record, indent=1) + "\n")
-    return out
-
-
-def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    single = path / "model.safetensors"
-    if single.exists():
-        return load_file(str(single))
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        sd: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            sd.update(load_file(str(path / shard)))
-        return sd
-    raise FileNotFoundError(f"{path}: no model.safetensors (or sharded index) to load")
-
-
-def load_pruned(model_dir: str | os.PathLike[str], dtype: torch.dtype | None = None) -> nn.Module:
-    """Load a model written by :func:`save_pruned`: build it from its config, re-apply the kept heads,
-    then load the (already pruned) weights.  A directory without ``kept_heads.json`` loads unpruned."""
-    import transformers
-
-    path = Path(model_dir)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path}: no config.json (not a saved model directory)")
-    record_path = path / KEPT_HEADS_FILE
-    record = json.loads(record_path.read_text()) if record_path.exists() else None
-    config = transformers.AutoConfig.from_pretrained(path)
-    arch = (record or {}).get("architecture") or (config.architectures or [None])[0]
-    if getattr(config, "model_type", None) == "headbudget" or (record or {}).get("family") == "headbudget":
-        from headbudget.models import HeadBudgetForCausalLM
-
-        model = HeadBudgetForCausalLM.from_pretrained(path, dtype=dtype)
-        if record is not None:
-            model.__dict__[_STATE_ATTR] = {"kept": {int(li): list(v) for li, v in record["kept"].items()}}
-        return model
-    cls = getattr(transformers, arch or "", None)
-    if cls is None:
-        raise ValueError(f"{path}: unknown architecture {arch!r} in config/kept_heads.json")
-    if record is None:
-        return cls.from_pretrained(path, dtype=dtype)
-    model = cls._from_config(config)
-    adapter = get_adapter(model)
-    try:
-        adapter.prune_to({int(li): v for li, v in record["kept"].items()})
-    except ValueError as exc:
-        raise ValueError(f"{record_path}: {exc}") from None
-    sd = _load_state_dict(path)
-    result = model.load_state_dict(sd, strict=False)
-    tied = set()
-    tied_keys = getattr(model, "_tied_weights_keys", None) or {}
-    tied.update(tied_keys if isinstance(tied_keys, (dict, list, set, tuple)) else [])
-    missing = [k for k in result.missing_keys if k not in tied and not k.endswith("position_ids")]
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"{path}: weights do not match the pruned {arch}: missing {missing[:5]}, "
-            f"unexpected {list(result.unexpected_keys)[:5]}"
-        )
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    if dtype is not None:
-        model.to(dtype)
-    model.eval()
-    return model
+def __getattr__(name: str):
+    return getattr(_moved, name)

@@ -1,0 +1,264 @@
+"""The adapter interface: gating, head bookkeeping, removal (one family per subclass in
+:mod:`headbudget.models.surgery.families`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+KEPT_HEADS_FILE = "kept_heads.json"
+_STATE_ATTR = "_headbudget_prune_state"
+
+
+def _layer_key(layer: Any, num_layers: int) -> int:
+    try:
+        idx = int(layer)
+    except (TypeError, ValueError):
+        raise ValueError(f"layer {layer!r} is not an integer layer index") from None
+    if not 0 <= idx < num_layers:
+        raise ValueError(f"layer {idx} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
+    return idx
+
+
+def _slice_linear_out(lin: nn.Linear, rows: torch.Tensor) -> None:
+    """Keep output features ``rows`` of an ``nn.Linear`` (weight rows and bias)."""
+    lin.weight = nn.Parameter(lin.weight.data.index_select(0, rows).clone(), lin.weight.requires_grad)
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(lin.bias.data.index_select(0, rows).clone(), lin.bias.requires_grad)
+    lin.out_features = int(rows.numel())
+
+
+def _slice_linear_in(lin: nn.Linear, cols: torch.Tensor) -> None:
+    """Keep input features ``cols`` of an ``nn.Linear`` (weight columns)."""
+    lin.weight = nn.Parameter(lin.weight.data.index_select(1, cols).clone(), lin.weight.requires_grad)
+    lin.in_features = int(cols.numel())
+
+
+def _head_rows(heads: Sequence[int], dim: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    idx = [offset + h * dim + j for h in heads for j in range(dim)]
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
+class HeadAdapter:
+    """Common machinery; subclasses describe one model family.
+
+    ``layers`` is the model's stack of blocks.  Subclasses implement ``_attn_module(li)`` (the
+    module whose forward returns ``(output, attention_probs)``), ``_out_proj(li)`` (the module whose
+    input is the concatenated head outputs), ``_out_head_dim(li)`` (per-head width of that input),
+    ``head_counts``, ``kv_head_counts`` when key/value heads are grouped, and ``_remove(li, keep)``
+    (physical removal keeping current head indices ``keep``).
+    """
+
+    family: str = ""
+
+    def __init__(self, model: nn.Module, layers: nn.ModuleList) -> None:
+        self.model = model
+        self.layers = layers
+
+    # ----------------------------------------------------------------- bookkeeping
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def head_counts(self) -> list[int]:
+        """Current number of query heads in every layer."""
+        raise NotImplementedError
+
+    def kv_head_counts(self) -> list[int]:
+        """Current number of (physically stored) key/value heads in every layer; one per query head
+        unless the family groups them."""
+        return self.head_counts()
+
+    def _initial_heads(self, layer: int) -> int:
+        return self.head_counts()[layer]
+
+    def _state(self) -> dict[str, Any]:
+        state = self.model.__dict__.get(_STATE_ATTR)
+        if state is None:
+            state = {"kept": {li: list(range(self._initial_heads(li))) for li in range(self.num_layers)}}
+            self.model.__dict__[_STATE_ATTR] = state
+        return state
+
+    def original_heads(self) -> dict[int, list[int]]:
+        """Original (pre-pruning) indices of the heads still present, per layer."""
+        return {li: list(v) for li, v in self._state()["kept"].items()}
+
+    def pruned_heads_record(self) -> dict[int, list[int]]:
+        """JSON-able ``{layer: [original kept heads]}`` (``json.dumps`` writes the keys as strings)."""
+        return self.original_heads()
+
+    # ----------------------------------------------------------------- gating
+    def _out_proj(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def _out_head_dim(self, layer: int) -> int:
+        raise NotImplementedError
+
+    def _param_ref(self) -> torch.Tensor:
+        return next(self.model.parameters())
+
+    @contextlib.contextmanager
+    def _gate_hooks(self, gates: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        counts = self.head_counts()
+        if len(gates) != self.num_layers:
+            raise ValueError(f"expected gate values for {self.num_layers} layers, got {len(gates)}")
+        for li, g in enumerate(gates):
+            if g.shape != (counts[li],):
+                raise ValueError(f"layer {li}: gate shape {tuple(g.shape)} does not match {counts[li]} heads")
+        handles = []
+        for li, g in enumerate(gates):
+            dim = self._out_head_dim(li)
+
+            def pre_hook(module: nn.Module, args: tuple, _g: torch.Tensor = g, _d: int = dim) -> tuple:
+                x = args[0]
+                h = _g.shape[0]
+                gx = x.view(*x.shape[:-1], h, _d) * _g.to(dtype=x.dtype, device=x.device).view(h, 1)
+                return (gx.reshape(x.shape), *args[1:])
+
+            handles.append(self._out_proj(li).register_forward_pre_hook(pre_hook))
+        try:
+            yield gates
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def gates(self) -> Iterator[list[torch.Tensor]]:
+        """Per-layer head gates (init 1.0, ``requires_grad``) active inside the block.
+
+        >>> with adapter.gates() as gates:
+        ...     model(**batch).loss.backward()
+        ...     importance = [g.grad.abs() for g in gates]
+        """
+        ref = self._param_ref()
+        gates = [
+            torch.ones(n, dtype=torch.float32, device=ref.device, requires_grad=True)
+            for n in self.head_counts()
+        ]
+        with self._gate_hooks(gates) as g:
+            yield g
+
+    @contextlib.contextmanager
+    def set_gate_values(
+        self, values: Sequence[Sequence[float] | torch.Tensor] | Mapping[int, Sequence[float] | torch.Tensor]
+    ) -> Iterator[list[torch.Tensor]]:
+        """Fixed gate values (no grad) inside the block; a mapping leaves unnamed layers at 1.0."""
+        ref = self._param_ref()
+        counts = self.head_counts()
+        if isinstance(values, Mapping):
+            gates = [torch.ones(n, dtype=torch.float32, device=ref.device) for n in counts]
+            for layer, v in values.items():
+                gates[_layer_key(layer, self.num_layers)] = torch.as_tensor(
+                    v, dtype=torch.float32, device=ref.device
+                ).detach()
+        else:
+            gates = [torch.as_tensor(v, dtype=torch.float32, device=ref.device).detach() for v in values]
+        with self._gate_hooks(gates) as g:
+            yield g
+
+    # ----------------------------------------------------------------- attention probabilities
+    def _attn_module(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _eager(self) -> Iterator[None]:
+        configs: dict[int, Any] = {}
+        for li in range(self.num_layers):
+            cfg = getattr(self._attn_module(li), "config", None)
+            if cfg is not None:
+                configs[id(cfg)] = cfg
+        saved = {k: c._attn_implementation_internal for k, c in configs.items()}
+        try:
+            for c in configs.values():
+                c._attn_implementation_internal = "eager"
+            yield
+        finally:
+            for k, c in configs.items():
+                c._attn_implementation_internal = saved[k]
+
+    @torch.no_grad()
+    def attention_probs(self, **inputs: Any) -> list[torch.Tensor]:
+        """Attention probabilities per layer, each ``(B, H_l, T, T)``, from one eager forward in eval mode.
+
+        Padded *key* columns get probability 0 when ``attention_mask`` is passed; rows of padded
+        queries are still returned (callers cut them away).
+        """
+        captured: list[torch.Tensor | None] = [None] * self.num_layers
+        handles = []
+        for li in range(self.num_layers):
+
+            def hook(module: nn.Module, args: tuple, output: Any, _l: int = li) -> None:
+                captured[_l] = output[1]
+
+            handles.append(self._attn_module(li).register_forward_hook(hook))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._eager():
+                self.model(**inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.model.train(was_training)
+        missing = [li for li, p in enumerate(captured) if p is None]
+        if missing:
+            raise RuntimeError(
+                f"{self.family} adapter: no attention probabilities captured for layers {missing}"
+            )
+        return [p for p in captured if p is not None]
+
+    # ----------------------------------------------------------------- removal
+    def _remove(self, layer: int, keep: list[int], **opts: Any) -> None:
+        raise NotImplementedError
+
+    def _check_removal(self, layer: int, keep: list[int], **opts: Any) -> None:
+        """Hook for family-specific refusals (before anything is modified)."""
+
+    def prune_heads(self, heads: Mapping[int | str, Sequence[int]], **opts: Any) -> None:
+        """Physically remove heads, given as *current* indices per layer.
+
+        Everything is validated before any weight changes: a layer/head out of range or removing a
+        layer's last head raises ``ValueError`` naming the layer and the model is left untouched.
+        """
+        counts = self.head_counts()
+        removals: dict[int, set[int]] = {}
+        for layer, hs in heads.items():
+            li = _layer_key(layer, self.num_layers)
+            remove = removals.setdefault(li, set())
+            for h in hs:
+                hi = int(h)
+                if not 0 <= hi < counts[li]:
+                    raise ValueError(f"layer {li}: head {hi} out of range (the layer has {counts[li]} heads)")
+                remove.add(hi)
+        plan: dict[int, list[int]] = {}
+        for li, remove in sorted(removals.items()):
+            if not remove:
+                continue
+            if len(remove) >= counts[li]:
+                raise ValueError(
+                    f"layer {li}: cannot remove all {counts[li]} heads; every layer must keep at least one head"
+                )
+            keep = [h for h in range(counts[li]) if h not in remove]
+            self._check_removal(li, keep, **opts)
+            plan[li] = keep
+        state = self._state()
+        for li, keep in plan.items():
+            self._remove(li, keep, **opts)
+            state["kept"][li] = [state["kept"][li][h] for h in keep]
+
+    def prune_to(self, kept: Mapping[int | str, Sequence[int]], **opts: Any) -> None:
+        """Keep exactly the given *original* head indices per layer (layers not named are untouched)."""
+        orig = self.original_heads()
+        spec: dict[int, list[int]] = {}
+        for layer, ks in kept.items():
+            li = _layer_key(layer, self.num_layers)
+            want = {int(h) for h in ks}
+            unknown = want - set(orig[li])
+            if unknown:
+                raise ValueError(f"layer {li}: heads {sorted(unknown)} are not present (present: {orig[li]})")
+            spec[li] = [i for i, h in enumerate(orig[li]) if h not in want]
+        self.prune_heads(spec, **opts)

@@ -1,0 +1,261 @@
+"""One :class:`~headbudget.models.surgery.base.HeadAdapter` per model family, and
+:func:`get_adapter`, which picks it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from headbudget.models.surgery.base import (
+    HeadAdapter,
+    _head_rows,
+    _slice_linear_in,
+    _slice_linear_out,
+)
+
+
+# ===================================================================== BERT family
+class BertAdapter(HeadAdapter):
+    """BERT/RoBERTa/MiniLM encoders: ``layer[i].attention.self`` + ``attention.output.dense``."""
+
+    family = "bert"
+
+    def _attn_module(self, li: int) -> nn.Module:
+        return self.layers[li].attention.self
+
+    def head_counts(self) -> list[int]:
+        return [int(self._attn_module(li).num_attention_heads) for li in range(self.num_layers)]
+
+    def _out_proj(self, li: int) -> nn.Module:
+        return self.layers[li].attention.output.dense
+
+    def _out_head_dim(self, li: int) -> int:
+        return int(self._attn_module(li).attention_head_size)
+
+    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+        sa = self._attn_module(li)
+        d = int(sa.attention_head_size)
+        rows = _head_rows(keep, d, sa.query.weight.device)
+        for lin in (sa.query, sa.key, sa.value):
+            _slice_linear_out(lin, rows)
+        _slice_linear_in(self._out_proj(li), rows)
+        sa.num_attention_heads = len(keep)
+        sa.all_head_size = len(keep) * d
+
+
+# ===================================================================== GPT-2
+class GPT2Adapter(HeadAdapter):
+    """GPT-2: fused ``c_attn`` Conv1D (weight ``[in, 3E]``: q | k | v) and ``c_proj`` (weight ``[E, out]``)."""
+
+    family = "gpt2"
+
+    def _attn_module(self, li: int) -> nn.Module:
+        return self.layers[li].attn
+
+    def head_counts(self) -> list[int]:
+        return [int(self._attn_module(li).num_heads) for li in range(self.num_layers)]
+
+    def _out_proj(self, li: int) -> nn.Module:
+        return self._attn_module(li).c_proj
+
+    def _out_head_dim(self, li: int) -> int:
+        return int(self._attn_module(li).head_dim)
+
+    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+        attn = self._attn_module(li)
+        d = int(attn.head_dim)
+        split = int(attn.split_size)
+        dev = attn.c_attn.weight.device
+        cols = torch.cat([_head_rows(keep, d, dev, offset=k * split) for k in range(3)])
+        c_attn = attn.c_attn
+        c_attn.weight = nn.Parameter(c_attn.weight.data.index_select(1, cols).clone())
+        c_attn.bias = nn.Parameter(c_attn.bias.data.index_select(0, cols).clone())
+        c_attn.nf = int(cols.numel())
+        rows = _head_rows(keep, d, dev)
+        c_proj = attn.c_proj
+        c_proj.weight = nn.Parameter(c_proj.weight.data.index_select(0, rows).clone())
+        c_proj.nx = int(rows.numel())
+        attn.num_heads = len(keep)
+        attn.split_size = len(keep) * d
+
+
+# ===================================================================== Llama / Mistral (GQA)
+class LlamaAdapter(HeadAdapter):
+    """Llama/Mistral/Qwen-style decoders: ``layers[i].self_attn.{q,k,v,o}_proj`` with GQA.
+
+    See the module docstring for partial KV groups (kept and duplicated to a uniform group size,
+    or refused with ``partial_groups="refuse"``).
+    """
+
+    family = "llama"
+
+    def _attn_module(self, li: int) -> nn.Module:
+        return self.layers[li].self_attn
+
+    def head_counts(self) -> list[int]:
+        return [
+            self._attn_module(li).q_proj.out_features // int(self._attn_module(li).head_dim)
+            for li in range(self.num_layers)
+        ]
+
+    def kv_head_counts(self) -> list[int]:
+        return [
+            self._attn_module(li).k_proj.out_features // int(self._attn_module(li).head_dim)
+            for li in range(self.num_layers)
+        ]
+
+    def _state(self) -> dict[str, Any]:
+        state = super()._state()
+        if "kv" not in state:
+            # original KV head of every current query head
+            qs, kvs = self.head_counts(), self.kv_head_counts()
+            state["kv"] = {
+                li: [h // (qs[li] // kvs[li]) for h in range(qs[li])] for li in range(self.num_layers)
+            }
+        return state
+
+    def query_to_kv(self) -> dict[int, list[int]]:
+        """Original KV head used by every current query head, per layer."""
+        return {li: list(v) for li, v in self._state()["kv"].items()}
+
+    def _out_proj(self, li: int) -> nn.Module:
+        return self._attn_module(li).o_proj
+
+    def _out_head_dim(self, li: int) -> int:
+        return int(self._attn_module(li).head_dim)
+
+    def _check_removal(self, li: int, keep: list[int], partial_groups: str = "keep", **opts: Any) -> None:
+        if partial_groups not in ("keep", "refuse"):
+            raise ValueError(f"partial_groups must be 'keep' or 'refuse', got {partial_groups!r}")
+        if partial_groups == "refuse":
+            kv = self._state()["kv"][li]
+            kept_groups = {kv[h] for h in keep}
+            for g in kept_groups:
+                members = [h for h in range(len(kv)) if kv[h] == g]
+                if any(h not in keep for h in members):
+                    raise ValueError(
+                        f"layer {li}: removing part of KV group {g} (query heads {members}) is refused "
+                        "(partial_groups='refuse'); remove all of its query heads or none"
+                    )
+
+    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+        attn = self._attn_module(li)
+        d = int(attn.head_dim)
+        state = self._state()
+        kv_orig = state["kv"][li]
+        groups_now = len(kv_orig) // self.kv_head_counts()[li]
+        # physical KV index currently serving each query head
+        phys_now = [h // groups_now for h in range(len(kv_orig))]
+        new_kv_orig = [kv_orig[h] for h in keep]
+        # sizes of the remaining groups, in order (queries of one KV head are contiguous)
+        sizes: list[tuple[int, int]] = []  # (original kv, count)
+        first_query: dict[int, int] = {}
+        for pos, (h, g) in enumerate(zip(keep, new_kv_orig)):
+            if sizes and sizes[-1][0] == g:
+                sizes[-1] = (g, sizes[-1][1] + 1)
+            else:
+                sizes.append((g, 1))
+                first_query[g] = h
+            del pos
+        new_group = 0
+        for _, s in sizes:
+            new_group = math.gcd(new_group, s)
+        kv_phys_keep: list[int] = []
+        for g, s in sizes:
+            kv_phys_keep.extend([phys_now[first_query[g]]] * (s // new_group))
+        dev = attn.q_proj.weight.device
+        q_rows = _head_rows(keep, d, dev)
+        kv_rows = _head_rows(kv_phys_keep, d, dev)
+        _slice_linear_out(attn.q_proj, q_rows)
+        _slice_linear_out(attn.k_proj, kv_rows)
+        _slice_linear_out(attn.v_proj, kv_rows)
+        _slice_linear_in(attn.o_proj, q_rows)
+        attn.num_key_value_groups = new_group
+        for name, value in (("num_heads", len(keep)), ("num_key_value_heads", len(kv_phys_keep))):
+            if hasattr(attn, name):
+                setattr(attn, name, value)
+        state["kv"][li] = new_kv_orig
+
+
+# ===================================================================== headbudget
+class HeadBudgetAdapter(HeadAdapter):
+    """headbudget's own :class:`HeadBudgetForCausalLM`; removal delegates to ``model.prune_heads``."""
+
+    family = "headbudget"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, model.transformer.h)
+
+    def _attn_module(self, li: int) -> nn.Module:
+        return self.layers[li].attn
+
+    def head_counts(self) -> list[int]:
+        return [int(self._attn_module(li).n_heads) for li in range(self.num_layers)]
+
+    def kv_head_counts(self) -> list[int]:
+        return [int(self._attn_module(li).n_kv_heads) for li in range(self.num_layers)]
+
+    def _out_proj(self, li: int) -> nn.Module:
+        return self._attn_module(li).o_proj
+
+    def _out_head_dim(self, li: int) -> int:
+        return int(self._attn_module(li).v_head_dim)
+
+    @torch.no_grad()
+    def attention_probs(self, **inputs: Any) -> list[torch.Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model(**inputs, output_attentions=True)
+        finally:
+            self.model.train(was_training)
+        return list(out.attentions)
+
+    def _check_removal(self, li: int, keep: list[int], **opts: Any) -> None:
+        n = self.head_counts()[li]
+        self._attn_module(li).plan_pruning([h for h in range(n) if h not in keep])  # raises before any change
+
+    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+        n = self.head_counts()[li]
+        self.model.prune_heads({li: [h for h in range(n) if h not in keep]})
+
+
+# ===================================================================== dispatch
+def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    for _, mod in model.named_modules():
+        layers = getattr(mod, "layer", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            att = getattr(layers[0], "attention", None)
+            if att is not None and hasattr(getattr(att, "self", None), "query") and hasattr(att, "output"):
+                return "bert", layers
+        blocks = getattr(mod, "h", None)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            attn = getattr(blocks[0], "attn", None)
+            if attn is not None and hasattr(attn, "c_attn") and hasattr(attn, "c_proj"):
+                return "gpt2", blocks
+        layers = getattr(mod, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            attn = getattr(layers[0], "self_attn", None)
+            if attn is not None and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                if hasattr(attn, "head_dim") and hasattr(attn, "num_key_value_groups"):
+                    return "llama", layers
+    return None
+
+
+def get_adapter(model: nn.Module) -> HeadAdapter:
+    """The head adapter for ``model``; ``ValueError`` naming the class when the family is unsupported."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) == "headbudget" or type(model).__name__ == "HeadBudgetForCausalLM":
+        return HeadBudgetAdapter(model)
+    found = _find_layers(model)
+    if found is None:
+        raise ValueError(
+            f"unsupported model class {type(model).__name__}: head pruning supports BERT-family encoders, "
+            "GPT-2, Llama/Mistral-style decoders and HeadBudgetForCausalLM"
+        )
+    family, layers = found
+    cls = {"bert": BertAdapter, "gpt2": GPT2Adapter, "llama": LlamaAdapter}[family]
+    return cls(model, layers)
