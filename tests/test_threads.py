@@ -56,3 +56,9 @@ def test_every_command_has_the_same_threads_flag():
     for name in ("train", "compare", "quickstart", "eval", "perplexity", "attention", "compress",
                  "prune", "prune-compare", "finetune", "experiment"):
         assert name in seen
+
+
+def test_the_experiments_use_the_one_thread_helper():
+    from headbudget.experiments import _common
+
+    assert _common.torch_threads is torch_threads

@@ -222,12 +222,13 @@ def run_compress(
 ) -> dict[str, Any]:
     """Load ``model_path``, compress, evaluate and write ``out/model/``, ``out/report.json`` (and the sweep).
 
-    ``threads`` sets torch's intra-op threads for the duration (restored afterwards); 1 is much faster for
+    ``threads`` sets torch's intra-op threads for the duration (restored afterwards; None: the idle cores, as
+    :func:`headbudget.threads.torch_threads`); 1 is much faster for
     small models on a busy CPU.  The compression itself is computed in float32 on the CPU; ``dtype``
     (auto/None: float32) is the float type perplexity is measured in and the compressed model is saved
     in, ``device`` (default: cuda when available) where perplexity is measured."""
-    from headbudget.experiments._common import torch_threads
     from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.threads import torch_threads
 
     torch_dtype = resolve_dtype(dtype) or torch.float32
     dev = resolve_device(device)

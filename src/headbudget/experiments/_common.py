@@ -6,36 +6,17 @@ Atomic JSON/PNG writes come from :mod:`headbudget.io` (re-exported here for the 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from headbudget.io import atomic_write_json, atomic_write_text, new_figure, save_figure
+from headbudget.threads import torch_threads  # the one thread helper, re-exported for the experiments
 
 __all__ = [
     "atomic_write_json", "atomic_write_text", "new_figure", "parse_int_list", "save_figure", "torch_threads",
     "write_result",
 ]
-
-
-@contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Use ``n`` torch intra-op threads inside the block and restore the previous setting after.
-
-    Small experiment tensors run much faster on one thread on a shared CPU (2 threads fighting other
-    jobs can be 10x slower)."""
-    import torch
-
-    if not n:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(int(n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def parse_int_list(text: str | list[int] | tuple[int, ...], flag: str) -> list[int]:
