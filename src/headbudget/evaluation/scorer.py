@@ -3,7 +3,7 @@
 ``strategy="prefix"`` (the default): the choices of one document share a token prefix (the
 context; for winogrande the sentence up to the blank), and documents given the same few-shot
 context share a longer one.  Their sequences are merged into a token trie laid out depth-first in
-one row (:meth:`Scorer._layout`); token ``a`` attends to token ``b`` iff ``b`` is ``a`` or one of its
+one row (:func:`headbudget.evaluation.token_trie.trie_layout`); token ``a`` attends to token ``b`` iff ``b`` is ``a`` or one of its
 ancestors, passed as a 4-D attention mask with every token's own position, so each choice sees
 exactly the keys of its plain sequence and every shared token runs once.  Short tries share rows,
 neighbouring documents with a long common prefix share rows under one copy of it, and the output
@@ -37,6 +37,8 @@ from headbudget.evaluation.encoding import HarnessEncoder, model_max_length
 from headbudget.evaluation.scorer_check import _TreeMismatch, _unit_kind, verify_units
 from headbudget.evaluation.scorer_check import logprob_tolerance as logprob_tolerance  # public here too
 from headbudget.evaluation.tasks import MCExample
+from headbudget.evaluation.token_trie import common_prefix_len as _common_prefix_len
+from headbudget.evaluation.token_trie import trie_layout
 
 # Rows of (scored positions, vocab) logits computed at once (bounds memory: 512 x 50k floats = 100 MB).
 HEAD_ROWS = 512
@@ -62,16 +64,6 @@ class ScoreStats:
     fallbacks: list[str] = field(default_factory=list)
     #: the unit kinds checked against the plain computation, as "kind (dtype, device)"
     checked: list[str] = field(default_factory=list)
-
-
-def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        t = first[i]
-        if any(s[i] != t for s in seqs[1:]):
-            return i
-    return n
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -171,48 +163,8 @@ class Scorer:
         return out
 
     # -- one pass per batch of item trees ----------------------------------------------------------
-    @staticmethod
-    def _layout(seqs: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-        """Token sequences merged into a trie laid out depth-first: (ids, positions (= depths), ends,
-        flat index of every position of every sequence).  Token ``b``'s subtree is ``[b, ends[b])``,
-        so token ``a`` may attend to ``b`` iff ``b <= a < ends[b]`` (``b`` is ``a`` or an ancestor):
-        every sequence sees exactly its own tokens, at its own positions, however many share them.
-
-            >>> Scorer._layout([[5, 6, 7, 8], [5, 6, 7], [5, 6, 4]])
-            ([5, 6, 7, 8, 4], [0, 1, 2, 3, 2], [5, 5, 4, 4, 5], [[0, 1, 2, 3], [0, 1, 2], [0, 1, 4]])
-        """
-        tokens: list[int] = []
-        children: list[dict[int, int]] = []
-        roots: dict[int, int] = {}
-        paths = []
-        for seq in seqs:
-            level, path = roots, []
-            for t in seq:
-                node = level.get(t)
-                if node is None:
-                    node = level[t] = len(tokens)
-                    tokens.append(t)
-                    children.append({})
-                path.append(node)
-                level = children[node]
-            paths.append(path)
-        flat = [0] * len(tokens)  # node -> index in depth-first order
-        ids: list[int] = []
-        pos: list[int] = []
-        ends: list[int] = []
-        stack = [(n, 0) for n in reversed(roots.values())]
-        while stack:
-            node, depth = stack.pop()
-            if node < 0:  # the subtree of ~node is complete
-                ends[flat[~node]] = len(ids)
-                continue
-            flat[node] = len(ids)
-            ids.append(tokens[node])
-            pos.append(depth)
-            ends.append(0)
-            stack.append((~node, depth))
-            stack.extend((c, depth + 1) for c in reversed(children[node].values()))
-        return ids, pos, ends, [[flat[n] for n in path] for path in paths]
+    #: an item's sequences as one depth-first row (:func:`headbudget.evaluation.token_trie.trie_layout`)
+    _layout = staticmethod(trie_layout)
 
     def _units(self, item: list[tuple[list[int], int]]) -> list[list[int]]:
         """Choice indices per unit, so that no unit's tree is longer than the model's context (a
