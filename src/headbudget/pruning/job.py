@@ -8,13 +8,17 @@ the comparison and the CLI can all import it without importing :mod:`headbudget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from headbudget.typed_config import option
 
 
 @dataclass
 class PruneJob:
-    """Everything one pruning run needs (``headbudget prune``'s flags are these fields).
+    """Everything one pruning run needs.  Each field declares its flag once (:func:`headbudget.typed_config.option`):
+    ``headbudget prune``'s and ``prune-compare``'s flags, ``--config`` files and ``--print_config`` are generated
+    from these fields (:mod:`headbudget.cli.dataclass_flags`).
 
     ``model`` is anything :func:`headbudget.loading.load_model` opens; ``tokenizer`` (lm) overrides the
     model's own.  Exactly one of ``keep`` (heads) / ``keep_ratio`` forces the head count; CAHP
@@ -23,69 +27,103 @@ class PruneJob:
         run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
     """
 
-    model: str
-    task: str
-    data_dir: str | None
-    out: str
-    method: str = "cahp"
-    keep: int | None = None
-    keep_ratio: float | None = None
-    poly_degree: int = 6
-    pool_size: int = 32
-    perplexity: float = 10.0
-    mss: str = "mean"
-    curve: str = "mss"
-    curve_step: int = 1
-    salience_fraction: float = 0.25
-    salience_order: str = "file"  # "file": first int(fraction * n) training examples in file order (published code)
-    importance_batches: int | None = None
-    finetune_epochs: int = 3
-    lr: float = 2e-5
-    warmup_ratio: float = 0.1
-    weight_decay: float = 0.01
-    batch_size: int = 32
-    seed: int = 42
-    limit_train: int | None = None
-    limit_eval: int | None = None
-    max_length: int = 128
-    device: str | None = None
-    dtype: str = "auto"  # float type of the model's weights (headbudget.loading.DTYPES); auto: the checkpoint's
-    progress: bool = True
-    save_model: bool = True
+    model: str = option(
+        help="fine-tuned classifier folder (or wheel / pruned model); with task lm a causal LM folder, a "
+             "`headbudget train` run folder or a GGUF file", metavar="MODEL")
+    task: str = option(help="classification task, or lm: label-free pruning of a causal LM (metric: perplexity)",
+                       choices=("sst5", "mnli", "lm"))
+    data_dir: str | None = option(help="sst5/mnli: folder with the task's files")
+    out: str = option(help="output folder")
+    method: str = option("cahp", help="cahp or a baseline: michel, fisher, magnitude, random, pipelined-dsp, "
+                                      "joint-dsp, pass, attattr, or a method registered with "
+                                      "headbudget.pruning.methods")
+    keep: int | None = option(None, help="force the number of heads kept (skips the knee)")
+    keep_ratio: float | None = option(None, help="force the fraction of heads kept")
+    poly_degree: int = option(6, help="Kneedle polynomial degree (lower keeps more heads)")
+    pool_size: int = option(32, help="signature grid size B (B x B per head)")
+    perplexity: float = option(10.0, help="t-SNE perplexity (clipped below #heads)")
+    mss: str = option("mean", help="silhouette variant: published mean-of-other-medoids, or textbook nearest",
+                      choices=("mean", "nearest"))
+    curve: str = option("mss", help="knee of MSS vs k (default) or of measured dev accuracy vs heads kept",
+                        choices=("mss", "accuracy"))
+    curve_step: int = option(1, help="k step of the accuracy curve")
+    salience_fraction: float = option(
+        0.25, help="share of the training set for salience (first int(f*n) examples, file order)")
+    salience_order: str = option(
+        "file", help="salience data: the first examples in file order (published code) or the first batches of "
+                     "the seeded shuffle", choices=("file", "shuffled"))
+    importance_batches: int | None = option(
+        None, help="baselines: training batches their gradient importance uses (default all)")
+    finetune_epochs: int = option(
+        3, help="recovery fine-tuning epochs (default 3; on the command line 0 for --task lm, where an epoch is "
+                "one pass over the calibration windows)")
+    lr: float = option(2e-5, help="recovery fine-tuning learning rate")
+    warmup_ratio: float = option(0.1, help="recovery fine-tuning: share of the steps with linear warmup")
+    weight_decay: float = option(0.01, help="recovery fine-tuning: AdamW weight decay")
+    batch_size: int = option(32, help="batch size (signatures, salience, fine-tuning, evaluation)")
+    seed: int = option(42, help="seed of subsampling, shuffling, t-SNE and fine-tuning")
+    limit_train: int | None = option(None, help="seeded subsample of the training split")
+    limit_eval: int | None = option(None,
+                                    help="seeded subsample of each eval split (lm: at most N held-out windows)")
+    max_length: int = option(128, help="classification: longest tokenized example")
+    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    # float type of the model's weights (headbudget.loading.DTYPES); a plain string checked by resolve_dtype
+    dtype: str = option(
+        "auto", metavar="{auto,float32,bfloat16,float16}",
+        help="float type of the model's weights (default auto: the checkpoint's own); bfloat16/float16 halve "
+             "memory and, on hardware with fast half-precision, time")
+    progress: bool = option(True, help="no progress bars", flag="--no-progress")
+    save_model: bool = option(True, help="write OUT/model", cli=False)
     # task "lm"
-    data: str | None = None
-    tokenizer: str | None = None
-    context: int = 128
-    calib_windows: int = 32
-    heldout_fraction: float = 0.1
-    # None: the first calib_windows windows of the text; a seed: windows drawn with it (lm.calibration_offsets)
-    calib_seed: int | None = None
-    # more held-out texts scored by perplexity besides data's tail (named by file stem in tables)
-    eval_data: tuple[str, ...] = ()
-    ddof: int = 1  # class-conditional signature variance: 1 = sample (published code), 0 = population
-    var_floor: float | None = 1e-6  # max(var, 1e-6) before Jeffries-Matusita; None with var_eps=1e-10: var + 1e-10
-    var_eps: float = 0.0
-    tsne_dtype: str = "float32"
-    # label-free lm mode, knee-chosen count: warn when pruned perplexity > this x dense (0: never)
-    knee_warn_ratio: float = 2.0
+    data: str | None = option(None, help="lm: text file (calibration windows + held-out tail)")
+    tokenizer: str | None = option(
+        None, help="tokenizer instead of the model's own (a folder, byte, gpt2[:DIR], hf:NAME)")
+    context: int = option(128, help="lm: window length in tokens")
+    calib_windows: int = option(32, help="lm: calibration windows (signatures, salience)")
+    heldout_fraction: float = option(0.1, help="lm: share of the text's tokens (its end) held out for perplexity")
+    calib_seed: int | None = option(
+        None, help="lm: draw the calibration windows with this seed (default: the first calib_windows windows)")
+    eval_data: tuple[str, ...] = option(
+        (), help="lm: comma list of more held-out text files, each scored by perplexity (at most --limit-eval "
+                 "windows) and named by its file stem in the tables")
+    ddof: int = option(1, help="class-conditional signature variance: 1 = sample (published code), 0 = population")
+    var_floor: float | None = option(
+        1e-6, help="max(var, floor) before Jeffries-Matusita (published: 1e-6); none: var + var_eps")
+    var_eps: float = option(0.0, help="added to the signature variance (legacy: 1e-10 with var_floor none)")
+    tsne_dtype: str = option("float32", help="float type of t-SNE (published: float32)",
+                             choices=("float32", "float64"))
+    knee_warn_ratio: float = option(
+        2.0, help="task lm, knee-chosen count: warn when pruned perplexity exceeds this x dense (0: off)")
     # cahp selection (None: the mode's default -- classification the published salience / one head per
     # cluster; task lm cahp.LM_DEFAULTS: fisher, importance allocation over 30 clusters)
-    representative: str | None = None
-    allocation: str | None = None
-    n_clusters: int | None = None
+    representative: str | None = option(
+        None, help="cahp: the score that picks each cluster's head (default: salience for sst5/mnli, fisher "
+                   "for lm)", choices=("salience", "fisher"))
+    allocation: str | None = option(
+        None, help="cahp: one head per cluster (published; default for sst5/mnli) or the head count spread over "
+                   "--clusters clusters by summed importance (default for lm)", choices=("cluster", "importance"))
+    n_clusters: int | None = option(
+        None, help="cahp --allocation importance: number of clusters (default 30)", flag="--clusters")
     # gate-training baselines (pipelined-dsp, joint-dsp, pass; :mod:`headbudget.pruning.gated`): the published
-    # SST-5 settings -- logit learning rate 0.5, DSP cooldown 90 (pipelined) / 270 (joint) steps (None: those);
-    # joint-dsp trains the weights at ``lr``
-    gate_lr: float = 0.5
-    gate_epochs: int = 1
-    gate_cooldown: int | None = None
-    # attattr (:mod:`headbudget.pruning.attattr`): the first N examples of the primary evaluation split, m steps
-    attattr_examples: int = 200
-    attattr_steps: int = 20
-    # which heads may go together (:mod:`headbudget.pruning.granularity`): "head" (any), "group" (whole kv
-    # groups: the KV cache shrinks) or "balanced" (the same number of query heads per kv head in a layer)
-    granularity: str = "head"
-    extra: dict[str, Any] = field(default_factory=dict)
+    # SST-5 settings; joint-dsp trains the weights at ``lr``
+    gate_lr: float = option(
+        0.5, help="pipelined-dsp / joint-dsp / pass: learning rate of the head logits (published: 0.5)")
+    gate_epochs: int = option(
+        1, help="pipelined-dsp / joint-dsp / pass: passes over the training batches for gate training")
+    gate_cooldown: int | None = option(
+        None, help="pipelined-dsp / joint-dsp: steps to anneal the temperature 1000 -> 1e-8 (default: the "
+                   "published SST-5 setting, 90 pipelined / 270 joint)")
+    # attattr (:mod:`headbudget.pruning.attattr`)
+    attattr_examples: int = option(
+        200, help="attattr: first N examples of the primary evaluation split (published: 200)")
+    attattr_steps: int = option(20, help="attattr: integrated-gradients steps (published: 20)")
+    # which heads may go together (:mod:`headbudget.pruning.granularity`)
+    granularity: str = option(
+        "head", help="grouped-query models: any query heads (head), whole kv groups so the KV cache shrinks "
+                     "(group), or the same number of query heads per kv head in a layer (balanced)",
+        choices=("head", "group", "balanced"))
+    extra: dict[str, Any] = option(help="free-form settings recorded with the run", cli=False,
+                                   default_factory=dict)
 
 
 __all__ = ["PruneJob"]

@@ -1,0 +1,201 @@
+"""Command-line flags generated from a dataclass's fields (:func:`headbudget.typed_config.option` metadata:
+help, choices, flag spelling), and the dataclass built back from the parsed flags, a ``--config`` file and
+``--set key=value`` overrides -- so a setting is declared once, on its field.
+
+    >>> import argparse
+    >>> from headbudget.pruning.job import PruneJob
+    >>> p = argparse.ArgumentParser()
+    >>> _ = add_dataclass_flags(p, PruneJob, positional=("model",)); add_config_flags(p)
+    >>> args = p.parse_args(["runs/ft", "--task", "sst5", "--keep", "12", "--out", "runs/cahp"])
+    >>> job = dataclass_from_args(PruneJob, args, defaults={"data_dir": None})
+    >>> job.keep, job.pool_size
+    (12, 32)
+
+Precedence: the field's default < ``--config FILE`` < ``--set key=value`` < a flag given on the command line.
+The namespace holds every field (its default when not given, so ``args.keep`` always exists); the generated
+flags' actions record which were given, and only those override the config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from headbudget.typed_config import (
+    ConfigError,
+    apply_overrides,
+    coerce,
+    field_types,
+    from_dict,
+    load_yaml,
+    to_yaml,
+)
+
+#: namespace attribute: the dests of the generated flags given on the command line
+_GIVEN = "_dataclass_flags_given"
+
+
+def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
+    """``base`` that also notes its dest in ``namespace._dataclass_flags_given`` when the flag is given."""
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+            if not (option_string is None and self.nargs == "?" and values is self.default):  # absent positional
+                setattr(namespace, _GIVEN, getattr(namespace, _GIVEN, frozenset()) | {self.dest})
+            super().__call__(parser, namespace, values, option_string)
+
+    Recording.__name__ = f"Recording{base.__name__}"
+    return Recording
+
+
+_STORE, _STORE_TRUE, _STORE_FALSE = (_recording(a) for a in (argparse._StoreAction, argparse._StoreTrueAction,
+                                                             argparse._StoreFalseAction))
+
+
+def flag_name(f: dataclasses.Field, prefix: str = "") -> str:
+    """The flag of field ``f``: its ``flag`` metadata, else ``--name-with-dashes`` (with a section prefix,
+    ``--section.name`` as in ``--set section.name=...``)."""
+    if f.metadata.get("flag"):
+        return f.metadata["flag"]
+    return f"--{prefix}{f.name}" if prefix else "--" + f.name.replace("_", "-")
+
+
+def _converter(tp: Any, flag: str) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return coerce(text, tp, flag)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+    convert.__name__ = getattr(tp, "__name__", str(tp))  # argparse names the type in some messages
+    return convert
+
+
+def _help(f: dataclasses.Field) -> str:
+    text = (f.metadata.get("help") or "").replace("%", "%%")
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return f"{text} (required)"
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if default is not None and not isinstance(default, bool) and default != () and "default" not in text:
+        text = f"{text} (default: {default})" if text else f"default: {default}"
+    return text
+
+
+def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = "", skip: Iterable[str] = (),
+                        positional: Iterable[str] = (), choices: dict[str, tuple[Any, ...]] | None = None,
+                        group_title: str | None = None) -> list[str]:
+    """One flag per field of dataclass ``cls`` with ``cli`` metadata true (nested dataclass fields: their
+    fields as ``--section.key``); ``positional`` fields are optional positionals (a config file may give
+    them).  Returns the dests added."""
+    skip, positional = set(skip), tuple(positional)
+    target = p.add_argument_group(group_title) if group_title else p
+    dests: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.metadata.get("cli", True):
+            continue
+        tp, dest = field_types(cls)[f.name], prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            dests += add_dataclass_flags(p, tp, prefix=f"{dest}.", group_title=f"{dest} (--set {dest}.KEY=VALUE)")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else \
+            None if f.default is dataclasses.MISSING else f.default
+        kw: dict[str, Any] = {"default": default, "help": _help(f), "action": _STORE}
+        if f.name in positional:
+            target.add_argument(dest, nargs="?", metavar=f.metadata.get("metavar") or f.name.upper(), **kw)
+            dests.append(dest)
+            continue
+        flag = flag_name(f, prefix)
+        if tp is bool and flag.startswith("--no-") and f.default is True:
+            kw["action"] = _STORE_FALSE
+        elif tp is bool and f.default is False and not prefix:
+            kw["action"] = _STORE_TRUE
+        else:
+            kw["type"] = _converter(tp, flag)
+            kw["choices"] = (choices or {}).get(f.name) or f.metadata.get("choices")
+            kw["metavar"] = f.metadata.get("metavar") or ("{" + ",".join(map(str, kw["choices"])) + "}"
+                                                          if kw["choices"] else None)
+            if kw["choices"]:  # checked on the converted value; the metavar lists them
+                kw["choices"] = tuple(kw["choices"])
+        target.add_argument(flag, dest=dest, **kw)
+        dests.append(dest)
+    return dests
+
+
+def add_config_flags(p: argparse.ArgumentParser, what: str = "the settings") -> None:
+    """``--config FILE``, ``--set KEY=VALUE`` (repeatable) and ``--print_config``."""
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help=f"YAML file of {what} (as --print_config writes it); flags given override it")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting by its config key, e.g. --set keep=12 (repeatable)")
+    p.add_argument("--print_config", "--print-config", action="store_true",
+                   help=f"print all of {what} as YAML (feed it back with --config) and exit")
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The generated flags given on the command line, as a nested mapping (``a.b`` -> ``{"a": {"b": ...}}``)."""
+    out: dict[str, Any] = {}
+    for dest in sorted(getattr(args, _GIVEN, ())):
+        if dest in vars(args):
+            *sections, key = dest.split(".")
+            node = out
+            for s in sections:
+                node = node.setdefault(s, {})
+            node[key] = vars(args)[dest]
+    return out
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def settings_mapping(cls: type, args: argparse.Namespace, defaults: dict[str, Any] | None = None,
+                     base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``defaults`` < ``base`` < ``--config`` file < ``--set`` < given flags, as one mapping for ``cls``
+    (a key of the file or of --set that is not a field is refused, naming it and the nearest field)."""
+    d = _merge(defaults or {}, base or {})
+    path = getattr(args, "config", None)
+    if path:  # an unknown key of the file is refused by from_dict, naming the file
+        d = _merge(d, load_yaml(path))
+    d = apply_overrides(cls, d, getattr(args, "overrides", None))
+    return _merge(d, flag_values(args))
+
+
+def missing_flags(cls: type, d: dict[str, Any], positional: Iterable[str] = ()) -> list[str]:
+    """The flags (``MODEL`` for a positional) of required fields of ``cls`` that ``d`` lacks."""
+    return [f.name.upper() if f.name in positional else flag_name(f) for f in dataclasses.fields(cls)
+            if f.name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+def build(cls: type, d: dict[str, Any], args: argparse.Namespace, positional: Iterable[str] = ()) -> Any:
+    """``cls`` from the merged mapping ``d``; a required field it lacks is one error naming its flag."""
+    missing = missing_flags(cls, d, positional)
+    if missing:
+        raise ConfigError(f"missing {', '.join(missing)} (give {'it' if len(missing) == 1 else 'them'} on the "
+                          "command line or in --config)")
+    return from_dict(cls, d, str(getattr(args, "config", None) or "flags"))
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace, defaults: dict[str, Any] | None = None,
+                        positional: Iterable[str] = ()) -> Any:
+    """The ``cls`` the flags, ``--config`` and ``--set`` describe (see :func:`settings_mapping`)."""
+    return build(cls, settings_mapping(cls, args, defaults), args, positional)
+
+
+def print_config(obj: Any) -> int:
+    """``--print_config``: the full settings as YAML on stdout."""
+    sys.stdout.write(to_yaml(obj))
+    return 0
+
+
+def field_help(cls: type, name: str) -> str:
+    """The help text declared on field ``name`` of ``cls`` (for a flag that sets the field another way)."""
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
+
+
+__all__ = ["add_config_flags", "add_dataclass_flags", "build", "dataclass_from_args", "field_help", "flag_name",
+           "flag_values", "missing_flags", "print_config", "settings_mapping"]

@@ -1,0 +1,88 @@
+"""Typed configs as the single source of flags (issue 21): prune / prune-compare flags generated from PruneJob's
+fields, ``--config`` / ``--set`` / ``--print_config`` from the same declarations, unknown keys refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from headbudget.cli.main import build_parser, main
+from headbudget.pruning.job import PruneJob
+
+
+def _print_config(argv: list[str], capsys) -> str:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def test_every_prune_job_field_is_a_prune_flag_and_reaches_the_job():
+    from headbudget.cli.prune_cmd import _job
+
+    sub = build_parser("prune")._subparsers._group_actions[0].choices["prune"]
+    dests = {a.dest for a in sub._actions}
+    cli_fields = {f.name for f in dataclasses.fields(PruneJob) if f.metadata.get("cli", True)}
+    assert cli_fields <= dests and {"save_model", "extra"}.isdisjoint(dests)
+    args = sub.parse_args(["m", "--task", "lm", "--data", "t.txt", "--out", "o", "--clusters", "5", "--no-progress",
+                           "--keep-ratio", "0.5", "--eval-data", "a.txt,b.txt", "--var-floor", "none",
+                           "--method", "fisher", "--gate-cooldown", "7"])
+    assert _job(args) == PruneJob("m", "lm", None, "o", data="t.txt", n_clusters=5, progress=False, keep_ratio=0.5,
+                                  eval_data=("a.txt", "b.txt"), var_floor=None, method="fisher", gate_cooldown=7,
+                                  finetune_epochs=0)  # task lm: no recovery fine-tuning unless asked for
+    legacy = _job(sub.parse_args(["m", "--task", "sst5", "--data-dir", "d", "--out", "o", "--legacy-signatures"]))
+    assert (legacy.ddof, legacy.var_floor, legacy.var_eps, legacy.tsne_dtype, legacy.finetune_epochs) == \
+        (0, None, 1e-10, "float64", 3)
+
+
+def test_print_config_round_trips_and_flags_beat_the_file(tmp_path, capsys):
+    first = _print_config(["prune", "runs/ft", "--task", "sst5", "--data-dir", "d", "--out", "o", "--keep", "12",
+                           "--legacy-signatures", "--eval-data", "a.txt", "--print_config"], capsys)
+    d = yaml.safe_load(first)
+    assert len(d) == len(dataclasses.fields(PruneJob)) and d["keep"] == 12 and d["eval_data"] == ["a.txt"]
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(first)
+    assert _print_config(["prune", "--config", str(cfg), "--print_config"], capsys) == first
+    again = yaml.safe_load(_print_config(["prune", "--config", str(cfg), "--keep", "3", "--set", "pool_size=8",
+                                          "--no-progress", "--print_config"], capsys))
+    assert again == {**d, "keep": 3, "pool_size": 8, "progress": False}
+    # prune-compare reads the same file (its --methods replace method)
+    cmp = yaml.safe_load(_print_config(["prune-compare", "--config", str(cfg), "--print_config"], capsys))
+    assert cmp == d
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--set", "kep=3"], "--set 'kep=3': unknown key 'kep' (did you mean 'keep'?)"),
+        (["--set", "keep"], "--set 'keep': expected KEY=VALUE, e.g. --set poly_degree=6"),
+        (["--set", "keep=many"], "flags: keep: expected an integer, got 'many'"),
+        (["--set", "mss=median"], "flags: mss: 'median' is not one of mean, nearest"),
+    ],
+)
+def test_bad_overrides_are_one_line_errors(extra, line, capsys):
+    rc = main(["prune", "m", "--task", "sst5", "--data-dir", "d", "--out", "o", *extra, "--print_config"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.splitlines() == [f"headbudget prune: error: {line}"]
+
+
+def test_unknown_keys_and_missing_settings_in_a_config_file(tmp_path, capsys):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model: m\ntask: lm\nout: o\nkeep_ration: 0.5\n")
+    assert main(["prune", "--config", str(cfg), "--print_config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"headbudget prune: error: {cfg}: unknown key 'keep_ration' (did you mean 'keep_ratio'?)"]
+    cfg.write_text("model: m\n")
+    assert main(["prune-compare", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "headbudget prune-compare: error: missing --task, --out (give them on the command line or in --config)"]
+
+
+def test_bad_flag_values_are_refused_by_argparse_with_the_field_type(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["prune", "m", "--task", "lm", "--out", "o", "--keep", "x"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "headbudget prune: error: argument --keep: expected an integer, got 'x'"
