@@ -196,7 +196,7 @@ def test_prune_compare_same_head_count(tiny_bert, tmp_path):
     from headbudget.pruning.compare import parse_methods, run_compare
 
     assert parse_methods("cahp@2, michel") == [("cahp-d2", "cahp", 2), ("michel", "michel", None)]
-    with pytest.raises(ValueError, match="unknown method 'foo'"):
+    with pytest.raises(ValueError, match="unknown pruning method 'foo'; choose from cahp, michel, "):
         parse_methods("cahp,foo")
     summary = run_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False), "cahp@2,magnitude,random")
     counts = {r["label"]: r["heads_kept"] for r in summary["rows"]}

@@ -16,20 +16,24 @@ from pathlib import Path
 from typing import Any
 
 from headbudget.pruning import pipeline
-from headbudget.pruning.pipeline import METHODS, PruneJob, _job_fingerprint, check_job
+from headbudget.pruning.methods import get_importance
+from headbudget.pruning.pipeline import PruneJob, _job_fingerprint, check_job
 from headbudget.pruning.workloads import LMWorkload, Workload, load_workload
 
 
 def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
-    """``"cahp@2,cahp@6,michel"`` -> ``[(label, method, poly_degree), ...]``."""
+    """``"cahp@2,cahp@6,michel"`` -> ``[(label, method, poly_degree), ...]``; every method must be registered
+    (:func:`headbudget.pruning.methods.available_importances`)."""
     out = []
     for raw in spec.split(","):
         item = raw.strip()
         if not item:
             continue
         method, _, deg = item.partition("@")
-        if method not in METHODS:
-            raise ValueError(f"methods {spec!r}: unknown method {method!r}; choose from {', '.join(METHODS)}")
+        try:
+            get_importance(method)
+        except ValueError as e:
+            raise type(e)(f"methods {spec!r}: {e}") from None
         if deg and method != "cahp":
             raise ValueError(f"methods {spec!r}: only cahp takes a polynomial degree (@d), got {item!r}")
         try:
@@ -82,9 +86,9 @@ def run_compare(job: PruneJob, methods: str, resume: bool = False,
     """
     entries = parse_methods(methods)
     forced = job.keep is not None or job.keep_ratio is not None
-    if not forced and entries[0][1] != "cahp":
-        raise ValueError("without a forced head count (keep / keep_ratio) the first method must be cahp "
-                         "(it sets the head count)")
+    if not forced and not get_importance(entries[0][1]).finds_count:
+        raise ValueError(f"without a forced head count (keep / keep_ratio) the first method must find its own "
+                         f"head count, as cahp does ({entries[0][1]} needs one)")
     check_job(replace(job, method="cahp"))
     if calibration_seeds is not None:
         return _run_compare_seeds(job, entries, list(calibration_seeds), resume, on_row, ranking_rule)
@@ -179,7 +183,7 @@ def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loa
     for label, method, degree in entries:
         if forced:
             keep, ratio, count_from = job.keep, job.keep_ratio, forced_from
-        elif method == "cahp":
+        elif get_importance(method).finds_count:  # cahp: its own knee
             keep, ratio, count_from = None, None, f"{label} knee"
         else:
             assert last_cahp is not None  # the first entry is cahp
@@ -192,7 +196,7 @@ def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loa
         elif loaded.dense_acc is None:
             loaded.dense_acc = {s: v["dense"] for s, v in res["details"][loaded.metric_name].items()}
         rep = res["report"]
-        if method == "cahp" and not forced:
+        if not forced and get_importance(method).finds_count:
             last_cahp = (rep["heads_kept"], label)
         depth = rpt.depth_profile(rep["kept"], len(rep["kept"]))
         row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "count_from": count_from,

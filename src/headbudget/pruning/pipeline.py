@@ -27,22 +27,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from headbudget.pruning import report as rpt
 from headbudget.pruning.job import PruneJob
+from headbudget.pruning.methods import (
+    MethodRun,
+    Selection,
+    available_importances,
+    get_importance,
+    method_job_fields,
+)
 from headbudget.pruning.workloads import (
-    ClassificationWorkload,
     LMWorkload,
     Workload,
     load_workload,
     model_adapter,
 )
-
-METHODS = ("cahp", "michel", "fisher", "magnitude", "random", "pipelined-dsp", "joint-dsp", "pass", "attattr")
-# Settings only these methods read; a job's fingerprint carries them only for these methods, so earlier runs of
-# the other methods stay resumable.
-_METHOD_FIELDS = {"pipelined-dsp": ("gate_lr", "gate_epochs", "gate_cooldown"),
-                  "joint-dsp": ("gate_lr", "gate_epochs", "gate_cooldown"),
-                  "pass": ("gate_lr", "gate_epochs"),
-                  "attattr": ("attattr_examples", "attattr_steps")}
 
 
 def check_job(job: PruneJob) -> None:
@@ -72,22 +71,20 @@ def check_job(job: PruneJob) -> None:
         raise ValueError(f"task {job.task} needs its data folder (data_dir)")
     if job.salience_order not in ("file", "shuffled"):
         raise ValueError(f"salience_order must be 'file' or 'shuffled', got {job.salience_order!r}")
-    if job.method not in METHODS:
-        raise ValueError(f"unknown pruning method {job.method!r}; choose from {', '.join(METHODS)}")
+    method = get_importance(job.method)  # a one-line error naming the registered methods
     if job.keep is not None and job.keep_ratio is not None:
         raise ValueError("give a head count (keep) or a ratio (keep_ratio), not both")
     if job.keep_ratio is not None and not 0 < job.keep_ratio < 1:
         raise ValueError(f"keep_ratio must be in (0, 1), got {job.keep_ratio}")
     if job.keep is not None and job.keep < 1:
         raise ValueError(f"keep must be >= 1 head, got {job.keep}")
-    if job.method != "cahp" and job.keep is None and job.keep_ratio is None:
+    if not method.finds_count and job.keep is None and job.keep_ratio is None:
         raise ValueError(
             f"method {job.method} needs a head count (keep or keep_ratio): baselines are forced to a head "
             "count; prune-compare takes it from CAHP"
         )
-    if job.method == "attattr" and job.task == "lm":
-        raise ValueError("method attattr attributes a class probability: it needs a classification task "
-                         "(sst5, mnli), not lm")
+    if method.check is not None:
+        method.check(job)
     if job.gate_lr <= 0:
         raise ValueError(f"gate_lr must be > 0, got {job.gate_lr}")
     if job.gate_epochs < 1:
@@ -127,22 +124,9 @@ def _target_heads(job: PruneJob, heads_total: int) -> int | None:
 
 
 def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
-    """Select, remove, fine-tune and report one method; returns ``{"report", "details"}``."""
-    from headbudget.evaluation.cost import model_cost, model_kv_cache_bytes
-
-    def cost_of(model) -> dict[str, Any]:
-        return dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))
-    from headbudget.pruning import report as rpt
-    from headbudget.pruning.cahp import cahp_select, kept_by_layer
-    from headbudget.pruning.finetune import evaluate_accuracy
-    from headbudget.pruning.importance import (
-        ImportanceContext,
-        flatten,
-        gate_mask,
-        prune_spec,
-        select_by_method,
-        select_top,
-    )
+    """Select (the job's registered method, :mod:`headbudget.pruning.methods`), remove, fine-tune and report
+    one method; returns ``{"report", "details"}``."""
+    from headbudget.pruning.cahp import kept_by_layer
 
     check_job(job)
     t_start = time.perf_counter()
@@ -153,7 +137,7 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     model = loaded.fresh_model(job)
-    cost_before = cost_of(model)
+    cost_before = _cost(model)
     adapter = model_adapter(model)
     counts = adapter.head_counts()
     heads = [(layer, h) for layer, n in enumerate(counts) for h in range(n)]
@@ -171,102 +155,87 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
             f"cannot keep {target} heads: this model has {n_total} heads in {len(counts)} layers "
             f"(keep between {len(counts)} and {n_total - 1})"
         )
-    sig_batches = loaded.batches(job, False)
-    imp_batches = loaded.batches(job, True)
+    run = MethodRun(job, loaded, adapter, model, target, out, signature_batches=loaded.batches(job, False),
+                    importance_batches=loaded.batches(job, True))
     details: dict[str, Any] = loaded.describe(job)
-    mname = loaded.metric_name
-    knee_k, mss = None, []
-    plots: list[str] = []
-    t = time.perf_counter()
-    if job.method == "cahp":
-        accuracy_fn = accuracy_ks = None
-        if job.curve == "accuracy" and target is None and isinstance(loaded, ClassificationWorkload):
-            curve_examples = loaded.evals[loaded.primary]
-
-            def accuracy_fn(kept: list[int]) -> float:
-                with adapter.set_gate_values(gate_mask(kept, counts)):
-                    return evaluate_accuracy(model, loaded.tokenizer, curve_examples, 64, job.max_length, False)
-
-            accuracy_ks = list(range(2, n_total, max(1, job.curve_step)))
-        if job.salience_order == "file":
-            sal_batches, sal_fraction = loaded.salience_batches(job), 1.0
-        else:
-            sal_batches, sal_fraction = imp_batches, job.salience_fraction
-        sel, secs = cahp_select(
-            adapter, sig_batches, sal_batches, n_classes=loaded.n_classes, grid=job.pool_size,
-            keep=target, poly_degree=job.poly_degree, perplexity=job.perplexity, mss_variant=job.mss,
-            seed=job.seed, salience_fraction=sal_fraction, accuracy_fn=accuracy_fn,
-            accuracy_ks=accuracy_ks, progress=job.progress, ddof=job.ddof, var_floor=job.var_floor,
-            var_eps=job.var_eps, tsne_dtype=job.tsne_dtype, representative=job.representative,
-            allocation=job.allocation, n_clusters=job.n_clusters,
-        )
-        seconds.update(secs)
-        seconds["select"] = sum(secs.values())
-        kept = sel.kept
-        knee_k, mss = sel.knee_k, sel.mss
-        details.update(knee_source=sel.knee_source, rescued=[list(heads[i]) for i in sel.rescued],
-                       salience=sel.salience, clusters=sel.labels, medoids=sel.medoids,
-                       embedding=sel.embedding, accuracy_curve=sel.accuracy_curve, poly_degree=job.poly_degree,
-                       mss_variant=job.mss, pool_size=job.pool_size, perplexity=job.perplexity)
-        plots.append(str(rpt.plot_mss(mss, knee_k, out / "mss.png", f"MSS ({job.mss}), knee k = {knee_k}")))
-        plots.append(str(rpt.plot_embedding(sel.embedding, sel.labels, heads, kept, out / "embedding.png")))
-    elif job.method in ("pipelined-dsp", "joint-dsp", "pass"):
-        from headbudget.pruning.gated import GateSettings, train_gates
-
-        assert target is not None
-        settings = GateSettings(lr=job.gate_lr, epochs=job.gate_epochs, cooldown=job.gate_cooldown,
-                                weight_lr=job.lr, seed=job.seed)
-        gated = train_gates(job.method, adapter, model, imp_batches[: job.importance_batches], target, settings,
-                            progress=job.progress)
-        seconds["select"] = time.perf_counter() - t
-        kept = gated.kept
-        details.update(scores=gated.logits, gate_training=gated.info, gate_history=gated.history)
-    elif job.method == "attattr":
-        from headbudget.pruning.attattr import attattr_scores
-
-        assert target is not None and isinstance(loaded, ClassificationWorkload)
-        examples = loaded.evals[loaded.primary][: job.attattr_examples]
-        attr = attattr_scores(adapter, model, loaded.tokenizer, examples, steps=job.attattr_steps,
-                              max_length=job.max_length, progress=job.progress)
-        seconds["select"] = time.perf_counter() - t
-        kept = select_top(attr, target)
-        details.update(scores=flatten(attr), attattr={"split": loaded.primary, "examples": len(examples),
-                                                      "steps": job.attattr_steps})
-    else:
-        assert target is not None
-        ctx = ImportanceContext(adapter, model, imp_batches[: job.importance_batches], seed=job.seed,
-                                progress=job.progress)
-        kept, scores = select_by_method(job.method, ctx, target)
-        seconds["select"] = time.perf_counter() - t
-        if scores is not None:
-            details["scores"] = scores
-    if job.granularity != "head":
-        import numpy as np
-
-        from headbudget.pruning.granularity import apply_granularity, kv_groups_of
-        from headbudget.pruning.importance import unflatten
-
-        # per-head scores of the method; methods without one final score (cahp, michel) rank their own
-        # selection first: 1 for a kept head, 0 for the rest
-        flat = None if details.get("scores") is None else flatten(details["scores"])
-        if flat is None or len(flat) != n_total:
-            kept_set = set(kept)
-            flat = [1.0 if i in kept_set else 0.0 for i in range(n_total)]
-        kept = apply_granularity(job.granularity, unflatten(np.asarray(flat, dtype=np.float64), counts),
-                                 kv_groups_of(adapter), target or len(kept))
-        details["granularity"] = job.granularity
+    sel = _select(run, seconds)
+    details.update(sel.details)
+    kept = sel.kept if job.granularity == "head" else _with_granularity(run, sel.kept, details)
     kept_layers = kept_by_layer(kept, heads, len(counts))
 
+    _remove_heads(adapter, kept, kept_layers, seconds)
+    cost = {"before": cost_before, "after": _cost(model)}
+    t = time.perf_counter()
+    pruned = _evaluate(model, loaded, job, "pruned")
+    seconds["pruned_eval"] = time.perf_counter() - t
+    finetuned = _recover_and_save(model, loaded, job, details, seconds)
+    seconds["total"] = time.perf_counter() - t_start + seconds.get("load", 0.0)
+
+    stages = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
+    details["metric_name"] = loaded.metric_name
+    details[loaded.metric_name] = stages
+    if isinstance(loaded, LMWorkload):
+        details["perplexity_runs"] = {k: v for k, v in loaded.last_eval.items()}
+    details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
+    details["job"] = _job_fingerprint(job)
+    report = _method_report(run, sel, kept_layers, dict(stages[loaded.primary]), seconds, cost, details)
+    plots = sel.plots + _plot_result(run, report, kept_layers, stages[loaded.primary], details)
+    rpt.write_json(out / "report.json", report)
+    rpt.write_json(out / "details.json", details)
+    rpt.atomic_write_text(out / "report.md", rpt.report_markdown(report, details, plots))
+    return {"report": report, "details": details}
+
+
+def _cost(model: Any) -> dict[str, Any]:
+    """Parameters, forward FLOPs per token and KV-cache bytes per token of ``model``."""
+    from headbudget.evaluation.cost import model_cost, model_kv_cache_bytes
+
+    return dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))
+
+
+def _select(run: MethodRun, seconds: dict[str, float]) -> Selection:
+    """The job's method chooses the heads; ``seconds["select"]``: its stage timings summed, else its wall time."""
+    t = time.perf_counter()
+    sel = get_importance(run.job.method).select(run)
+    seconds.update(sel.seconds)
+    seconds["select"] = sum(sel.seconds.values()) if sel.seconds else time.perf_counter() - t
+    return sel
+
+
+def _with_granularity(run: MethodRun, kept: list[int], details: dict[str, Any]) -> list[int]:
+    """``kept`` turned into whole kv groups / balanced layers (:mod:`headbudget.pruning.granularity`)."""
+    import numpy as np
+
+    from headbudget.pruning.granularity import apply_granularity, kv_groups_of
+    from headbudget.pruning.importance import flatten, unflatten
+
+    counts, n_total = run.head_counts, len(run.heads)
+    # per-head scores of the method; methods without one final score (cahp, michel) rank their own
+    # selection first: 1 for a kept head, 0 for the rest
+    flat = None if details.get("scores") is None else flatten(details["scores"])
+    if flat is None or len(flat) != n_total:
+        kept_set = set(kept)
+        flat = [1.0 if i in kept_set else 0.0 for i in range(n_total)]
+    details["granularity"] = run.job.granularity
+    return apply_granularity(run.job.granularity, unflatten(np.asarray(flat, dtype=np.float64), counts),
+                             kv_groups_of(run.adapter), run.target or len(kept))
+
+
+def _remove_heads(adapter: Any, kept: list[int], kept_layers: dict[int, list[int]], seconds: dict[str, float]) -> None:
+    """Remove every head not in ``kept`` from the model and check what is left."""
+    from headbudget.pruning.importance import prune_spec
+
+    counts = adapter.head_counts()
     t = time.perf_counter()
     adapter.prune_heads(prune_spec(kept, counts))
     seconds["prune"] = time.perf_counter() - t
     if adapter.head_counts() != [len(kept_layers[layer]) for layer in range(len(counts))]:
         raise RuntimeError("pruning left unexpected head counts")
-    cost = {"before": cost_before, "after": cost_of(model)}
-    t = time.perf_counter()
-    pruned = _evaluate(model, loaded, job, "pruned")
-    seconds["pruned_eval"] = time.perf_counter() - t
 
+
+def _recover_and_save(model: Any, loaded: Workload, job: PruneJob, details: dict[str, Any],
+                      seconds: dict[str, float]) -> dict[str, float | None]:
+    """Recovery fine-tuning (``finetune_epochs`` > 0) and ``OUT/model``; the fine-tuned metric per split."""
     finetuned: dict[str, float | None] = {s: None for s in loaded.evals}
     if job.finetune_epochs > 0:
         t = time.perf_counter()
@@ -276,26 +245,25 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
         details["finetune_history"] = history
     if job.save_model:
         t = time.perf_counter()
-        loaded.save(model, out / "model")
+        loaded.save(model, Path(job.out) / "model")
         seconds["save"] = time.perf_counter() - t
-    seconds["total"] = time.perf_counter() - t_start + seconds.get("load", 0.0)
+    return finetuned
 
-    accuracy = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
-    details["metric_name"] = mname
-    details[mname] = accuracy
-    if isinstance(loaded, LMWorkload):
-        details["perplexity_runs"] = {k: v for k, v in loaded.last_eval.items()}
-    details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
-    details["job"] = _job_fingerprint(job)
-    p = loaded.primary
-    report = rpt.build_report(job.method, n_total, kept_layers, knee_k, mss,
-                              {"dense": dense[p], "pruned": pruned[p], "finetuned": finetuned.get(p)}, seconds,
-                              cost, n_layers=len(counts))
-    if (isinstance(loaded, LMWorkload) and job.method == "cahp" and target is None and job.knee_warn_ratio > 0
-            and float(pruned[p]) > job.knee_warn_ratio * float(dense[p])):
+
+def _method_report(run: MethodRun, sel: Selection, kept_layers: dict[int, list[int]], primary: dict[str, Any],
+                   seconds: dict[str, float], cost: dict[str, Any], details: dict[str, Any]) -> dict[str, Any]:
+    """``report.json`` (:func:`headbudget.pruning.report.build_report`) with a warning when the result is suspect:
+    an LM knee that blows up perplexity, or DSP gates that never cooled down."""
+    job, loaded = run.job, run.workload
+    n_total = len(run.heads)
+    report = rpt.build_report(job.method, n_total, kept_layers, sel.knee_k, sel.mss, primary, seconds, cost,
+                              n_layers=len(kept_layers))
+    dense, pruned = primary["dense"], primary["pruned"]
+    if (isinstance(loaded, LMWorkload) and job.method == "cahp" and run.target is None and job.knee_warn_ratio > 0
+            and float(pruned) > job.knee_warn_ratio * float(dense)):
         report["warning"] = (
             f"the knee keeps {report['heads_kept']}/{n_total} heads and held-out perplexity goes from "
-            f"{dense[p]:.4g} to {pruned[p]:.4g} ({pruned[p] / dense[p]:.1f}x dense, more than "
+            f"{dense:.4g} to {pruned:.4g} ({pruned / dense:.1f}x dense, more than "
             f"{job.knee_warn_ratio:g}x): force a head count with keep / keep_ratio")
     gate_info = details.get("gate_training") or {}
     if gate_info.get("cooled_down") is False:  # DSP on a short run: the relaxation never sharpened
@@ -303,18 +271,23 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
             f"{job.method}: the temperature never reached {gate_info['t_end']:g}: {gate_info['steps']} gate-training "
             f"steps < cooldown {gate_info['cooldown']} (last temperature {gate_info['final_temperature']:.3g}); "
             "raise gate_epochs (--gate-epochs) or lower gate_cooldown (--gate-cooldown)")
-    plots.append(str(rpt.plot_heads_per_layer({job.method: kept_layers}, len(counts), out / "heads_per_layer.png")))
-    points = {f"{job.method} pruned": [(report["heads_kept"], pruned[p])]}
-    if finetuned.get(p) is not None:
-        points[f"{job.method} fine-tuned"] = [(report["heads_kept"], float(finetuned[p]))]  # type: ignore[arg-type]
+    return report
+
+
+def _plot_result(run: MethodRun, report: dict[str, Any], kept_layers: dict[int, list[int]],
+                 primary: dict[str, Any], details: dict[str, Any]) -> list[str]:
+    """Heads kept per layer, and the metric vs heads kept (with CAHP's accuracy curve when it measured one)."""
+    job, loaded, out = run.job, run.workload, run.out
+    method, mname, p = job.method, loaded.metric_name, loaded.primary
+    plots = [str(rpt.plot_heads_per_layer({method: kept_layers}, len(kept_layers), out / "heads_per_layer.png"))]
+    points = {f"{method} pruned": [(report["heads_kept"], primary["pruned"])]}
+    if primary["finetuned"] is not None:
+        points[f"{method} fine-tuned"] = [(report["heads_kept"], float(primary["finetuned"]))]
     curve = [(c[1], c[2]) for c in details.get("accuracy_curve") or []]
-    plots.append(str(rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png", dense=(n_total, dense[p]),
-                                                curve=curve or None, ylabel=f"{p} {mname}",
-                                                title=f"{mname.capitalize()} vs heads kept")))
-    rpt.write_json(out / "report.json", report)
-    rpt.write_json(out / "details.json", details)
-    rpt.atomic_write_text(out / "report.md", rpt.report_markdown(report, details, plots))
-    return {"report": report, "details": details}
+    plots.append(str(rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png",
+                                                dense=(len(run.heads), primary["dense"]), curve=curve or None,
+                                                ylabel=f"{p} {mname}", title=f"{mname.capitalize()} vs heads kept")))
+    return plots
 
 
 def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
@@ -328,8 +301,9 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     for k in ("calib_seed", "eval_data"):  # added later: unset keeps older runs resumable
         if d.get(k) in (None, ()):
             d.pop(k, None)
-    mine = _METHOD_FIELDS.get(job.method, ())
-    for fields in _METHOD_FIELDS.values():
+    by_method = method_job_fields()
+    mine = by_method.get(job.method, ())
+    for fields in by_method.values():
         for k in fields:
             if k not in mine:
                 d.pop(k, None)
@@ -339,6 +313,12 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
 def __getattr__(name: str) -> Any:
     # run_compare / parse_methods moved to headbudget.pruning.compare (which imports this module): the old
     # import path keeps working, with a warning, until callers have moved
+    if name == "METHODS":  # was a fixed tuple; the methods are now a registry users can add to
+        import warnings
+
+        warnings.warn("headbudget.pruning.pipeline.METHODS is deprecated: use "
+                      "headbudget.pruning.methods.available_importances()", DeprecationWarning, stacklevel=2)
+        return available_importances()
     if name in ("parse_methods", "run_compare"):
         import warnings
 
@@ -350,4 +330,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["METHODS", "PruneJob", "check_job", "run_prune"]
+__all__ = ["PruneJob", "check_job", "run_prune"]

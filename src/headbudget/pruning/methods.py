@@ -1,0 +1,316 @@
+"""The pruning methods ``prune`` / ``prune-compare`` know: a registry any user can add a method to.
+
+Like Torch-Pruning's ``Importance``, a method is a plug-in registered under a name, in one of two forms:
+
+* an **importance** -- ``fn(ctx: ImportanceContext) -> list[np.ndarray]``: one array of scores per layer
+  (``ctx.head_counts[layer]`` long, higher = more important) from the model (``ctx.adapter``, ``ctx.model``),
+  the importance batches (``ctx.batches``), the loss (``ctx.loss_fn``) and ``ctx.seed``.  The pipeline keeps
+  the ``keep`` best heads (:func:`headbudget.pruning.importance.select_top`: each layer's best head first,
+  then the best of the rest) and writes the scores to ``details.json``;
+* a **selector** -- ``fn(run: MethodRun) -> Selection``: it chooses the kept heads itself (iterative,
+  trained or clustering methods).  ``finds_count=True`` when it can also choose how many (``run.target``
+  is then ``None`` unless the job forces a count; without it a method needs ``keep`` / ``keep_ratio``).
+
+Every built-in method registers here: ``cahp``, ``michel``, ``fisher``, ``magnitude``, ``random``,
+``pipelined-dsp``, ``joint-dsp``, ``pass``, ``attattr``.  A new one is usable by
+:func:`headbudget.pruning.pipeline.run_prune`, :func:`headbudget.pruning.compare.run_compare` and the CLI
+as soon as it is registered:
+
+    >>> import numpy as np
+    >>> from headbudget.pruning.methods import available_importances, register_importance, unregister
+    >>> @register_importance("last-heads")
+    ... def last_heads(ctx):
+    ...     return [np.arange(n, dtype=float) for n in ctx.head_counts]   # the last head of a layer scores highest
+    >>> available_importances()[-1]
+    'last-heads'
+    >>> run_prune(PruneJob("runs/ft", "sst5", "data/sst5", "runs/last", method="last-heads", keep=12))
+    ...                                                                              # doctest: +SKIP
+    >>> unregister("last-heads")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from headbudget.pruning import attattr, cahp, gated
+from headbudget.pruning.importance import (
+    IMPORTANCES,
+    Batch,
+    ImportanceContext,
+    flatten,
+    gate_mask,
+    michel_iterative,
+    select_top,
+)
+
+__all__ = [
+    "MethodRun",
+    "PruningMethod",
+    "Selection",
+    "UnknownMethodError",
+    "available_importances",
+    "get_importance",
+    "register_importance",
+    "register_selector",
+    "unregister",
+]
+
+
+class UnknownMethodError(ValueError):
+    """A method name nobody registered (a one-line error listing the registered names)."""
+
+
+@dataclass
+class MethodRun:
+    """What a selector sees of one :func:`~headbudget.pruning.pipeline.run_prune` call."""
+
+    job: Any                       # the PruneJob
+    workload: Any                  # its loaded Workload (model, tokenizer, data, evaluation)
+    adapter: Any                   # the model's head adapter (gates, attention maps, head removal)
+    model: torch.nn.Module
+    target: int | None             # heads to keep; None only for a finds_count method without a forced count
+    out: Path                      # the run's output folder (plots go there)
+    signature_batches: Sequence[Batch]
+    importance_batches: Sequence[Batch]
+    head_counts: list[int] = field(init=False)  # heads per layer before any is removed
+
+    def __post_init__(self) -> None:
+        self.head_counts = list(self.adapter.head_counts())
+
+    @property
+    def heads(self) -> list[tuple[int, int]]:
+        """``[(layer, head), ...]`` before any head is removed: the flat order of kept indices and scores."""
+        return [(layer, h) for layer, n in enumerate(self.head_counts) for h in range(n)]
+
+    def importance_context(self) -> ImportanceContext:
+        """The context an importance gets: the first ``job.importance_batches`` shuffled training batches."""
+        return ImportanceContext(self.adapter, self.model, self.importance_batches[: self.job.importance_batches],
+                                 seed=self.job.seed, progress=self.job.progress)
+
+
+@dataclass
+class Selection:
+    """A method's decision: ``kept`` flat head indices (sorted), what goes into ``details.json``
+    (``scores``: one final score per head, used to rank heads for ``granularity``), stage timings
+    (``run_prune``'s ``select`` time is their sum when given, else the wall time), CAHP's knee and
+    curve for the report, and the plots written."""
+
+    kept: list[int]
+    details: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    knee_k: int | None = None
+    mss: list[tuple[int, float]] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+
+
+Importance = Callable[[ImportanceContext], Sequence[np.ndarray]]
+Selector = Callable[[MethodRun], Selection]
+
+
+@dataclass(frozen=True)
+class PruningMethod:
+    """One registered method: an ``importance`` or a ``selector`` (exactly one).
+
+    ``job_fields``: :class:`~headbudget.pruning.job.PruneJob` fields only this method reads (a resumed
+    comparison reruns it when they change); ``check(job)``: raises a one-line ``ValueError`` for a job
+    this method cannot run."""
+
+    name: str
+    importance: Importance | None = None
+    selector: Selector | None = None
+    finds_count: bool = False
+    job_fields: tuple[str, ...] = ()
+    check: Callable[[Any], None] | None = None
+
+    def select(self, run: MethodRun) -> Selection:
+        if self.selector is not None:
+            return self.selector(run)
+        assert self.importance is not None and run.target is not None
+        counts = run.head_counts
+        scores = [np.asarray(s, dtype=np.float64).reshape(-1) for s in self.importance(run.importance_context())]
+        if [len(s) for s in scores] != counts:
+            raise ValueError(f"importance {self.name!r} returned {[len(s) for s in scores]} scores per layer; "
+                             f"the model has {counts} heads per layer")
+        return Selection(kept=select_top(scores, run.target), details={"scores": flatten(scores)})
+
+
+_REGISTRY: dict[str, PruningMethod] = {}
+
+
+def _register(method: PruningMethod, replace: bool) -> None:
+    name = method.name
+    if not isinstance(name, str) or not name or any(c in name for c in ",@ ") or name != name.strip():
+        raise ValueError(f"method name {name!r}: give a non-empty name without ',', '@' or spaces "
+                         "(prune-compare's --methods list uses them)")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"pruning method {name!r} is already registered (replace=True overrides it)")
+    _REGISTRY[name] = method
+
+
+def _instance(fn: Any) -> Any:
+    """A class registers one instance of itself (made without arguments); anything else as it is."""
+    return fn() if isinstance(fn, type) else fn
+
+
+def register_importance(name: str, fn: Importance | None = None, *, replace: bool = False,
+                        job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None) -> Any:
+    """Register ``fn(ctx) -> [scores of layer 0, scores of layer 1, ...]`` as method ``name``; as a
+    decorator without ``fn``.  ``fn`` may also be a class whose instances are such callables (one
+    instance is made).  Returns ``fn``.
+
+        register_importance("taylor", lambda ctx: [np.abs(g) for g in gate_gradients(ctx.adapter, ctx.model,
+                                                                                      ctx.batches)])
+    """
+    def add(f: Any) -> Any:
+        if not callable(f):
+            raise TypeError(f"register_importance({name!r}): {f!r} is not callable")
+        _register(PruningMethod(name, importance=_instance(f), job_fields=tuple(job_fields), check=check), replace)
+        return f
+
+    return add if fn is None else add(fn)
+
+
+def register_selector(name: str, fn: Selector | None = None, *, finds_count: bool = False, replace: bool = False,
+                      job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None) -> Any:
+    """Register ``fn(run: MethodRun) -> Selection`` as method ``name`` (as a decorator without ``fn``):
+    a method that picks the kept heads itself, e.g. ``lambda run: Selection(kept=my_heads(run.model,
+    run.target))``.  ``finds_count``: it may be called with ``run.target=None`` and choose the count."""
+    def add(f: Any) -> Any:
+        if not callable(f):
+            raise TypeError(f"register_selector({name!r}): {f!r} is not callable")
+        _register(PruningMethod(name, selector=_instance(f), finds_count=finds_count, job_fields=tuple(job_fields),
+                                check=check), replace)
+        return f
+
+    return add if fn is None else add(fn)
+
+
+def unregister(name: str) -> None:
+    """Remove method ``name`` (e.g. a test's own); unknown names are an :class:`UnknownMethodError`."""
+    get_importance(name)
+    del _REGISTRY[name]
+
+
+def available_importances() -> tuple[str, ...]:
+    """Every registered method name, built-ins first, then in the order they were registered."""
+    return tuple(_REGISTRY)
+
+
+def get_importance(name: str) -> PruningMethod:
+    """The method registered as ``name``, or a one-line :class:`UnknownMethodError` naming the registered ones."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise UnknownMethodError(f"unknown pruning method {name!r}; choose from "
+                                 f"{', '.join(_REGISTRY)}") from None
+
+
+def method_job_fields() -> dict[str, tuple[str, ...]]:
+    """``{method: job fields only it reads}`` for the methods that have any."""
+    return {name: m.job_fields for name, m in _REGISTRY.items() if m.job_fields}
+
+
+# --------------------------------------------------------------------------- built-in selectors
+def _cahp_accuracy_curve(run: MethodRun) -> tuple[Callable[[list[int]], float] | None, list[int] | None]:
+    """``--curve accuracy``: the knee from measured accuracy of the primary split at every ``curve_step``-th
+    head count (classification, no forced count); else no curve."""
+    from headbudget.pruning.finetune import evaluate_accuracy
+    from headbudget.pruning.workloads import ClassificationWorkload
+
+    job, loaded, counts = run.job, run.workload, run.head_counts
+    if not (job.curve == "accuracy" and run.target is None and isinstance(loaded, ClassificationWorkload)):
+        return None, None
+    curve_examples = loaded.evals[loaded.primary]
+
+    def accuracy_fn(kept: list[int]) -> float:
+        with run.adapter.set_gate_values(gate_mask(kept, counts)):
+            return evaluate_accuracy(run.model, loaded.tokenizer, curve_examples, 64, job.max_length, False)
+
+    return accuracy_fn, list(range(2, sum(counts), max(1, job.curve_step)))
+
+
+def _cahp(run: MethodRun) -> Selection:
+    """CAHP (:func:`headbudget.pruning.cahp.cahp_select`) with the job's settings, plus its two plots."""
+    from headbudget.pruning import report as rpt
+
+    job, loaded = run.job, run.workload
+    accuracy_fn, accuracy_ks = _cahp_accuracy_curve(run)
+    if job.salience_order == "file":
+        sal_batches, sal_fraction = loaded.salience_batches(job), 1.0
+    else:
+        sal_batches, sal_fraction = run.importance_batches, job.salience_fraction
+    sel, secs = cahp.cahp_select(
+        run.adapter, run.signature_batches, sal_batches, n_classes=loaded.n_classes, grid=job.pool_size,
+        keep=run.target, poly_degree=job.poly_degree, perplexity=job.perplexity, mss_variant=job.mss,
+        seed=job.seed, salience_fraction=sal_fraction, accuracy_fn=accuracy_fn,
+        accuracy_ks=accuracy_ks, progress=job.progress, ddof=job.ddof, var_floor=job.var_floor,
+        var_eps=job.var_eps, tsne_dtype=job.tsne_dtype, representative=job.representative,
+        allocation=job.allocation, n_clusters=job.n_clusters,
+    )
+    heads = run.heads
+    details = dict(knee_source=sel.knee_source, rescued=[list(heads[i]) for i in sel.rescued],
+                   salience=sel.salience, clusters=sel.labels, medoids=sel.medoids,
+                   embedding=sel.embedding, accuracy_curve=sel.accuracy_curve, poly_degree=job.poly_degree,
+                   mss_variant=job.mss, pool_size=job.pool_size, perplexity=job.perplexity)
+    plots = [str(rpt.plot_mss(sel.mss, sel.knee_k, run.out / "mss.png", f"MSS ({job.mss}), knee k = {sel.knee_k}")),
+             str(rpt.plot_embedding(sel.embedding, sel.labels, heads, sel.kept, run.out / "embedding.png"))]
+    return Selection(kept=sel.kept, details=details, seconds=secs, knee_k=sel.knee_k, mss=sel.mss, plots=plots)
+
+
+def _michel(run: MethodRun) -> Selection:
+    """Michel et al.'s iterative pruning (importance recomputed after every 10 % removed)."""
+    assert run.target is not None
+    return Selection(kept=michel_iterative(run.importance_context(), run.target))
+
+
+def _gated(run: MethodRun) -> Selection:
+    """DSP / PASS gate training (:func:`headbudget.pruning.gated.train_gates`) with the job's settings."""
+    job = run.job
+    assert run.target is not None
+    settings = gated.GateSettings(lr=job.gate_lr, epochs=job.gate_epochs, cooldown=job.gate_cooldown,
+                                  weight_lr=job.lr, seed=job.seed)
+    res = gated.train_gates(job.method, run.adapter, run.model, run.importance_batches[: job.importance_batches],
+                            run.target, settings, progress=job.progress)
+    return Selection(kept=res.kept, details=dict(scores=res.logits, gate_training=res.info, gate_history=res.history))
+
+
+def _attattr(run: MethodRun) -> Selection:
+    """AttAttr scores on the first ``attattr_examples`` examples of the primary evaluation split."""
+    from headbudget.pruning.workloads import ClassificationWorkload
+
+    job, loaded = run.job, run.workload
+    assert run.target is not None and isinstance(loaded, ClassificationWorkload)
+    examples = loaded.evals[loaded.primary][: job.attattr_examples]
+    scores = attattr.attattr_scores(run.adapter, run.model, loaded.tokenizer, examples, steps=job.attattr_steps,
+                                    max_length=job.max_length, progress=job.progress)
+    return Selection(kept=select_top(scores, run.target),
+                     details=dict(scores=flatten(scores), attattr={"split": loaded.primary, "examples": len(examples),
+                                                                   "steps": job.attattr_steps}))
+
+
+def _classification_only(job: Any) -> None:
+    if job.task == "lm":
+        raise ValueError("method attattr attributes a class probability: it needs a classification task "
+                         "(sst5, mnli), not lm")
+
+
+def _register_builtins() -> None:
+    # the order of METHODS before the registry: the CLI's choices and error messages list them so
+    register_selector("cahp", _cahp, finds_count=True)
+    register_selector("michel", _michel)
+    for name in ("fisher", "magnitude", "random"):
+        register_importance(name, IMPORTANCES[name])
+    register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
+    register_selector("joint-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
+    register_selector("pass", _gated, job_fields=("gate_lr", "gate_epochs"))
+    register_selector("attattr", _attattr, job_fields=("attattr_examples", "attattr_steps"),
+                      check=_classification_only)
+
+
+_register_builtins()

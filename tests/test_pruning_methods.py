@@ -1,0 +1,157 @@
+"""The pruning-method registry (:mod:`headbudget.pruning.methods`): a scorer a user registers is a method of
+``run_prune`` / ``run_compare`` / the CLI, keeps exactly the heads its scores say, and unknown names are a
+one-line error listing the registered ones."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from headbudget.pruning import methods
+from headbudget.pruning.job import PruneJob
+from test_cahp_pipeline import DATA, _save_tiny  # tests/ is on sys.path under pytest
+
+BUILTINS = ("cahp", "michel", "fisher", "magnitude", "random", "pipelined-dsp", "joint-dsp", "pass", "attattr")
+# tiny BERT: 2 layers x 4 heads; flat index = layer * 4 + head
+SCORES = [np.array([0.1, 0.9, 0.2, 0.3]), np.array([0.8, 0.05, 0.7, 0.6])]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _save_tiny(tmp_path_factory.mktemp("models"), "bert")
+
+
+@pytest.fixture
+def registered():
+    """Names a test registers; removed afterwards so the registry stays the built-ins for other tests."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        if name in methods.available_importances():
+            methods.unregister(name)
+
+
+def _job(model, out, **kw):
+    base = dict(model=str(model), task="sst5", data_dir=str(DATA), out=str(out), pool_size=8, batch_size=16,
+                finetune_epochs=0, progress=False, limit_train=32, limit_eval=16, save_model=False)
+    base.update(kw)
+    return PruneJob(**base)
+
+
+def test_builtins_are_registered_in_the_old_order():
+    assert methods.available_importances()[: len(BUILTINS)] == BUILTINS
+    assert methods.get_importance("cahp").finds_count and not methods.get_importance("fisher").finds_count
+    assert methods.get_importance("pass").job_fields == ("gate_lr", "gate_epochs")
+
+
+def test_user_scorer_decides_the_kept_heads(tiny, tmp_path, registered):
+    from headbudget.pruning.pipeline import run_prune
+
+    seen = {}
+
+    @methods.register_importance("fixed-scores")
+    def fixed(ctx):
+        seen["counts"], seen["batches"] = ctx.head_counts, len(ctx.batches)
+        return SCORES
+
+    registered.append("fixed-scores")
+    res = run_prune(_job(tiny, tmp_path / "fixed", method="fixed-scores", keep=4, importance_batches=1))
+    # each layer's best (0,1) 0.9 and (1,0) 0.8, then the best of the rest: (1,2) 0.7, (1,3) 0.6
+    assert res["report"]["kept"] == {"0": [1], "1": [0, 2, 3]}
+    assert res["report"]["method"] == "fixed-scores" and res["report"]["heads_kept"] == 4
+    assert res["details"]["scores"].tolist() == np.concatenate(SCORES).tolist()
+    assert seen == {"counts": [4, 4], "batches": 1}
+    # the opposite scores keep the opposite heads
+    methods.register_importance("negated", lambda ctx: [-s for s in SCORES])
+    registered.append("negated")
+    res = run_prune(_job(tiny, tmp_path / "negated", method="negated", keep=4))
+    # layer bests (0,0) -0.1 and (1,1) -0.05, then (0,2) -0.2, (0,3) -0.3
+    assert res["report"]["kept"] == {"0": [0, 2, 3], "1": [1]}
+    assert json.loads((tmp_path / "negated" / "report.json").read_text())["kept"] == {"0": [0, 2, 3], "1": [1]}
+
+
+def test_user_scorer_in_a_comparison_and_a_class_registers_an_instance(tiny, tmp_path, registered):
+    from headbudget.pruning.compare import run_compare
+
+    @methods.register_importance("by-class")
+    class ByClass:  # Torch-Pruning style: an object with __call__(ctx)
+        def __call__(self, ctx):
+            return SCORES
+
+    registered.append("by-class")
+    assert isinstance(ByClass, type)  # the decorator gives the class back
+    summary = run_compare(_job(tiny, tmp_path / "cmp", keep=4), "by-class,random")
+    rows = {r["label"]: r for r in summary["rows"]}
+    assert rows["by-class"]["kept"] == {"0": [1], "1": [0, 2, 3]}
+    assert rows["random"]["heads_kept"] == 4 and rows["by-class"]["count_from"] == "keep=4"
+
+
+def test_user_selector_that_finds_its_own_count_leads_a_comparison(tiny, tmp_path, registered):
+    from headbudget.pruning.compare import run_compare
+
+    targets = []
+
+    def first_of_each_layer(run):
+        targets.append(run.target)
+        return methods.Selection(kept=[0, 4, 5] if run.target is None else select(run.target))
+
+    def select(n):
+        return sorted([0, 4, 1, 5, 2, 6][:n])
+
+    methods.register_selector("firsts", first_of_each_layer, finds_count=True)
+    registered.append("firsts")
+    summary = run_compare(_job(tiny, tmp_path / "cmp"), "firsts,magnitude")
+    rows = {r["label"]: r for r in summary["rows"]}
+    assert targets == [None] and rows["firsts"]["kept"] == {"0": [0], "1": [0, 1]}
+    assert rows["magnitude"]["heads_kept"] == 3 and rows["magnitude"]["count_from"] == "firsts knee"
+
+
+def test_unknown_method_is_one_line_listing_the_registered_names(tiny, tmp_path, registered, capsys):
+    from headbudget.cli.main import main
+    from headbudget.pruning.compare import parse_methods
+    from headbudget.pruning.pipeline import check_job
+
+    methods.register_importance("mine", lambda ctx: SCORES)
+    registered.append("mine")
+    listed = ", ".join(BUILTINS) + ", mine"
+    with pytest.raises(methods.UnknownMethodError) as e:
+        check_job(_job(tiny, tmp_path / "x", method="nope", keep=4))
+    assert str(e.value) == f"unknown pruning method 'nope'; choose from {listed}"
+    with pytest.raises(ValueError) as e:
+        parse_methods("cahp,nope")
+    assert str(e.value) == f"methods 'cahp,nope': unknown pruning method 'nope'; choose from {listed}"
+    code = main(["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA),
+                 "--out", str(tmp_path / "cli"), "--method", "nope", "--keep", "4", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and f"unknown pruning method 'nope'; choose from {listed}" in err
+    assert not (tmp_path / "cli" / "report.json").exists()
+
+
+def test_registration_errors_and_a_scorer_of_the_wrong_shape(tiny, tmp_path, registered):
+    from headbudget.pruning.pipeline import check_job, run_prune
+
+    with pytest.raises(ValueError, match="'fisher' is already registered"):
+        methods.register_importance("fisher", lambda ctx: SCORES)
+    with pytest.raises(ValueError, match="without ',', '@' or spaces"):
+        methods.register_importance("a,b", lambda ctx: SCORES)
+    with pytest.raises(TypeError, match="is not callable"):
+        methods.register_importance("broken", 3)
+    assert "a,b" not in methods.available_importances() and "broken" not in methods.available_importances()
+    methods.register_importance("short", lambda ctx: [np.ones(4)])
+    registered.append("short")
+    with pytest.raises(ValueError, match="needs a head count"):
+        check_job(_job(tiny, tmp_path / "s", method="short"))
+    with pytest.raises(ValueError, match=r"importance 'short' returned \[4\] scores per layer; the model has \[4, 4\]"):
+        run_prune(_job(tiny, tmp_path / "s", method="short", keep=4))
+
+
+def test_old_methods_tuple_warns_and_reads_the_registry(registered):
+    from headbudget.pruning import pipeline
+
+    methods.register_importance("late", lambda ctx: SCORES)
+    registered.append("late")
+    with pytest.warns(DeprecationWarning, match="available_importances"):
+        names = pipeline.METHODS
+    assert names == (*BUILTINS, "late")
