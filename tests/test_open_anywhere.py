@@ -88,7 +88,7 @@ def _run_without_headbudget(args, tmp_path):
 def test_saved_code_is_the_package_model_file(checkpoints):
     here = Path(headbudget.models.__file__).parent
     for d in checkpoints.values():
-        for name in ("configuration_headbudget.py", "modeling_headbudget.py"):
+        for name in ("configuration_headbudget.py", "modeling_headbudget.py", "rotary_headbudget.py"):
             assert (Path(d) / name).read_bytes() == (here / name).read_bytes()
         assert json.loads((Path(d) / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
             "modeling_headbudget.HeadBudgetForCausalLM"

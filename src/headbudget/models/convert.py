@@ -22,7 +22,7 @@ from torch import nn
 
 from headbudget.models.config import HeadBudgetConfig
 from headbudget.models.modeling import HeadBudgetForCausalLM
-from headbudget.models.modeling_headbudget import rope_problem
+from headbudget.models.rotary_headbudget import rope_problem
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 FAMILIES = ("gpt2", *LLAMA_FAMILY)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from headbudget.models.convert import to_headbudget
-from headbudget.models.modeling_headbudget import default_inv_freq, rotary_inv_freq
+from headbudget.models.rotary_headbudget import default_inv_freq, rotary_inv_freq
 
 OUTTYPES = ("f32", "f16")
 

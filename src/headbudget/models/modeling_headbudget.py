@@ -6,8 +6,9 @@ GPT-2 (LayerNorm, GELU MLP, learned positions; the default) or Llama/Mistral/Qwe
 MLP, rotary positions).  The fast path is ``scaled_dot_product_attention``; ``output_attentions=True``
 switches to an explicit softmax that returns the probabilities (same logits).
 
-This file and ``configuration_headbudget.py`` are copied next to every saved checkpoint, so it opens
-with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` where headbudget is absent.
+This file, ``configuration_headbudget.py`` and ``rotary_headbudget.py`` (the rotary frequencies, computed
+as transformers does) are copied next to every saved checkpoint, so it opens with
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` where headbudget is absent.
 
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "prism", vocab_size=300))
@@ -30,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_headbudget import HeadBudgetConfig
+from .rotary_headbudget import ROPE_TYPES, default_inv_freq, rope_problem, rotary_inv_freq  # noqa: F401 (re-exported)
 
 try:  # transformers >= 5 tracks which tensors were initialised (so loading does not re-init them)
     from transformers import initialization as init
@@ -40,6 +42,9 @@ except ImportError:  # pragma: no cover
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 HeadMask = torch.Tensor | Sequence[torch.Tensor | None] | None
+
+#: the files ``save_pretrained`` copies into every saved folder (this one imports the other two)
+CODE_FILES = ("configuration_headbudget.py", "modeling_headbudget.py", "rotary_headbudget.py")
 
 
 # ----------------------------------------------------------------------------- norms and positions
@@ -61,49 +66,6 @@ def make_norm(config: HeadBudgetConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return HeadBudgetRMSNorm(config.n_embd, config.layer_norm_epsilon)
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
-
-
-# Rope types whose frequencies are fixed (computed once, as transformers does); "dynamic" and "longrope"
-# change with the sequence length, and the rest are not tested against transformers.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def rope_problem(params: dict | None) -> str | None:
-    """Why the rotary ``rope_parameters`` cannot work here (one line), or None when they can.
-
-    >>> rope_problem({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
-    "rope_type='dynamic' is not supported (supported: default, linear, llama3, yarn)"
-    """
-    params = dict(params or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        return f"rope_type={rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
-    factor = params.get("partial_rotary_factor", 1.0)
-    if factor != 1.0:  # every head dimension is rotated here
-        return f"partial_rotary_factor={factor!r} is not supported (rotary over the whole head only)"
-    return None
-
-
-def default_inv_freq(base: float, head_dim: int) -> torch.Tensor:
-    """Transformers' "default" rotary inverse frequencies: ``default_inv_freq(1e4, 4)`` is ``[1.0, 0.01]``."""
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-
-
-def rotary_inv_freq(config: HeadBudgetConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for one head width, computed as transformers does."""
-    params = dict(config.rope_parameters)
-    problem = rope_problem(params)
-    if problem:
-        raise ValueError(problem)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return default_inv_freq(float(params["rope_theta"]), head_dim), 1.0
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    shim = LlamaConfig(hidden_size=config.n_embd, num_attention_heads=1, head_dim=head_dim,
-                       max_position_embeddings=config.n_positions, rope_parameters=params)
-    return ROPE_INIT_FUNCTIONS[rope_type](shim, None)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -330,10 +292,10 @@ class HeadBudgetPreTrainedModel(PreTrainedModel):
             init.normal_(module.out_proj.weight, mean=0.0, std=std)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save as usual, plus this file and the config's, so the folder opens without headbudget."""
+        """Save as usual, plus the model's code files, so the folder opens without headbudget."""
         super().save_pretrained(save_directory, *args, **kwargs)
         here = os.path.dirname(os.path.abspath(__file__))
-        for name in ("configuration_headbudget.py", "modeling_headbudget.py"):
+        for name in CODE_FILES:
             shutil.copyfile(os.path.join(here, name), os.path.join(save_directory, name))
 
 
