@@ -1,4 +1,5 @@
-"""CAHP: complementary attention-head pruning (embedding, clustering, knee, representatives).
+"""CAHP: complementary attention-head pruning (embedding, clustering, knee, representatives; the embedding,
+clustering and knee are :mod:`headbudget.pruning.clustering`).
 
 Given one signature per head (JM feature vectors, or a JS-divergence matrix in label-free mode)
 and one salience score per head, :func:`select_heads` picks a complementary subset:
@@ -23,16 +24,26 @@ and one salience score per head, :func:`select_heads` picks a complementary subs
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from headbudget.pruning.clustering import (  # re-exported: CAHP's public names since before the split
+    MSS_VARIANTS,
+    Clustering,
+    cluster_sweep,
+    embed_heads,
+    find_knee,
+    mean_simplified_silhouette,
+)
+
 __all__ = [
     "ALLOCATIONS",
+    "MSS_VARIANTS",
     "CAHPSelection",
+    "Clustering",
     "LM_DEFAULTS",
     "REPRESENTATIVES",
     "allocate_by_importance",
@@ -46,160 +57,12 @@ __all__ = [
     "select_heads",
 ]
 
-MSS_VARIANTS = ("mean", "nearest")
 ALLOCATIONS = ("cluster", "importance")
 REPRESENTATIVES = ("salience", "fisher")
 # Label-free (task lm) defaults, measured on SmolLM2-135M (docs/pruning.md): one representative per
 # cluster (the published selection) keeps 1.5-5x worse perplexity than Fisher; clustering into 30
 # groups and allocating the head count by summed Fisher importance beats or matches it.
 LM_DEFAULTS = {"representative": "fisher", "allocation": "importance", "n_clusters": 30}
-
-
-def embed_heads(
-    features: np.ndarray | None = None,
-    *,
-    distances: np.ndarray | None = None,
-    perplexity: float = 10.0,
-    seed: int = 42,
-    dtype: str = "float32",
-) -> np.ndarray:
-    """t-SNE embedding ``(N, 2)`` of head features (Euclidean) or of a precomputed distance matrix.
-
-    The perplexity is clipped to ``N - 1`` (scikit-learn requires it below the sample count).
-    ``dtype``: the input's precision, ``"float32"`` as the published code (``"float64"``: headbudget's
-    earlier choice).
-    """
-    if dtype not in ("float32", "float64"):
-        raise ValueError(f"embed_heads: dtype must be float32 or float64, got {dtype!r}")
-    from sklearn.manifold import TSNE
-    from threadpoolctl import threadpool_limits
-
-    if (features is None) == (distances is None):
-        raise ValueError("embed_heads: give exactly one of features or distances")
-    n = int((features if features is not None else distances).shape[0])  # type: ignore[union-attr]
-    if n < 3:
-        raise ValueError(f"embed_heads: need at least 3 heads to embed, got {n}")
-    perp = float(min(perplexity, n - 1))
-    if perp <= 0:
-        raise ValueError(f"perplexity must be > 0, got {perplexity}")
-    if distances is not None:
-        d = np.asarray(distances, dtype=dtype)
-        if d.shape != (n, n):
-            raise ValueError(f"distance matrix must be square, got {d.shape}")
-        tsne = TSNE(2, perplexity=perp, metric="precomputed", init="random", random_state=seed)
-        with threadpool_limits(1):  # OpenMP threads only oversubscribe at this size (and cost determinism)
-            return tsne.fit_transform(np.clip(d, 0.0, None))
-    x = np.asarray(features, dtype=dtype)
-    if not np.isfinite(x).all():
-        raise ValueError("embed_heads: head features contain NaN or inf")
-    tsne = TSNE(2, perplexity=perp, init="pca", random_state=seed)
-    with threadpool_limits(1):
-        return tsne.fit_transform(x)
-
-
-def _pairwise(points: np.ndarray) -> np.ndarray:
-    diff = points[:, None, :] - points[None, :, :]
-    return np.sqrt((diff**2).sum(-1))
-
-
-def mean_simplified_silhouette(
-    points: np.ndarray | None,
-    labels: Sequence[int],
-    medoids: Sequence[int],
-    variant: str = "mean",
-    distances: np.ndarray | None = None,
-) -> float:
-    """Mean Simplified Silhouette of a medoid clustering, over the non-medoid points.
-
-    For each point, ``a`` is the distance to its own medoid and ``b`` the **mean** distance to the
-    other medoids (``variant="mean"``, the published CAHP code) or the distance to the **nearest**
-    other medoid (``variant="nearest"``, the textbook definition); ``s = (b - a) / max(a, b)``
-    (0 when both are 0).  ``labels[i]`` indexes ``medoids``.
-
-    >>> pts = np.array([[0.0], [1.0], [10.0], [12.0], [20.0]])
-    >>> round(mean_simplified_silhouette(pts, [0, 0, 1, 1, 2], [0, 2, 4]), 4)
-    0.8643
-    """
-    if variant not in MSS_VARIANTS:
-        raise ValueError(f"unknown MSS variant {variant!r}; choose from {', '.join(MSS_VARIANTS)}")
-    d = _pairwise(np.asarray(points, dtype=np.float64)) if distances is None else np.asarray(distances)
-    labels = np.asarray(labels)
-    medoids = np.asarray(medoids)
-    k = len(medoids)
-    if k < 2:
-        raise ValueError("the silhouette needs at least two clusters")
-    medoid_set = set(medoids.tolist())
-    scores = []
-    for i in range(len(labels)):
-        if i in medoid_set:
-            continue
-        to_med = d[i, medoids]
-        own = int(labels[i])
-        a = to_med[own]
-        others = np.delete(to_med, own)
-        b = others.mean() if variant == "mean" else others.min()
-        m = max(a, b)
-        scores.append(0.0 if m == 0 else (b - a) / m)
-    return float(np.mean(scores)) if scores else 0.0
-
-
-@dataclass
-class Clustering:
-    k: int
-    mss: float
-    labels: np.ndarray
-    medoids: np.ndarray
-
-
-def cluster_sweep(
-    points: np.ndarray,
-    ks: Sequence[int] | None = None,
-    seed: int = 42,
-    variant: str = "mean",
-    progress: bool = False,
-) -> list[Clustering]:
-    """FasterPAM k-medoids for every ``k`` in ``ks`` (default 2..N-1) on Euclidean distances of
-    ``points``, each scored with :func:`mean_simplified_silhouette`."""
-    import kmedoids
-    from tqdm.auto import tqdm
-
-    pts = np.asarray(points, dtype=np.float64)
-    n = pts.shape[0]
-    ks = list(range(2, n)) if ks is None else list(ks)
-    if not ks:
-        raise ValueError(f"no k to try with {n} heads (need at least 3 heads)")
-    bad = [k for k in ks if not 2 <= k < n]
-    if bad:
-        raise ValueError(f"k must be in 2..{n - 1} for {n} heads, got {bad}")
-    diss = _pairwise(pts)
-    out = []
-    for k in tqdm(ks, desc="k-medoids", disable=not progress, leave=False):
-        res = kmedoids.fasterpam(diss, k, random_state=seed, n_cpu=1)
-        labels, medoids = np.asarray(res.labels), np.asarray(res.medoids)
-        out.append(Clustering(k, mean_simplified_silhouette(None, labels, medoids, variant, diss), labels, medoids))
-    return out
-
-
-def find_knee(x: Sequence[float], y: Sequence[float], poly_degree: int = 6) -> float | None:
-    """Kneedle knee of an increasing, concave curve (``kneed.KneeLocator``, polynomial fit).
-
-    Returns the x of the knee, or ``None`` when Kneedle finds none.
-    """
-    from kneed import KneeLocator
-
-    if len(x) != len(y):
-        raise ValueError(f"find_knee: {len(x)} x values but {len(y)} y values")
-    if len(x) < 3:
-        return None
-    if poly_degree < 1:
-        raise ValueError(f"--poly-degree must be >= 1, got {poly_degree}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        kl = KneeLocator(
-            list(x), list(y), curve="concave", direction="increasing",
-            interp_method="polynomial", polynomial_degree=int(poly_degree),
-        )
-    return None if kl.knee is None else float(kl.knee)
 
 
 def representatives(labels: Sequence[int], salience: Sequence[float]) -> list[int]:
@@ -341,24 +204,15 @@ def select_heads(
     (:func:`allocate_by_importance`) instead of one head per cluster; the count is ``keep``, or,
     without it, the head count of the knee's one-per-cluster selection.
     """
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
-    heads = [tuple(map(int, h)) for h in heads]
+    heads, sal, rep = _selection_inputs(heads, salience, scores, allocation)
     n = len(heads)
-    sal = np.asarray(salience, dtype=np.float64)
-    if sal.shape != (n,):
-        raise ValueError(f"salience has {sal.size} values for {n} heads")
-    if n < 4:
-        raise ValueError(f"CAHP needs at least 4 heads to cluster, the model has {n}")
-    rep = sal if scores is None else np.asarray(scores, dtype=np.float64)
-    if rep.shape != (n,):
-        raise ValueError(f"scores has {rep.size} values for {n} heads")
     emb = embed_heads(features, distances=distances, perplexity=perplexity, seed=seed, dtype=tsne_dtype)
-    if allocation == "importance" and keep is not None:
+    if keep is not None:
         n_layers = len({layer for layer, _ in heads})
-        if not max(2, n_layers) <= keep < n:
-            raise ValueError(f"--keep must be between {max(2, n_layers)} and {n - 1} for a model with {n} heads "
-                             f"in {n_layers} layers, got {keep}")
+        lo = max(2, n_layers)
+        if not lo <= keep < n:
+            raise ValueError(f"--keep must be between {lo} and {n - 1} for a model with {n} heads in {n_layers} layers, got {keep}")
+    if allocation == "importance" and keep is not None:  # no sweep: one clustering at the allocation's k
         k = max(2, min(n_clusters or LM_DEFAULTS["n_clusters"], keep, n - 1))
         (chosen,) = cluster_sweep(emb, ks=[k], seed=seed, variant=mss_variant)
         kept, rescued = ensure_one_per_layer(allocate_by_importance(chosen.labels, rep, keep), heads, rep)
@@ -369,36 +223,7 @@ def select_heads(
     sweep = cluster_sweep(emb, seed=seed, variant=mss_variant, progress=progress)
     by_k = {c.k: c for c in sweep}
     mss = [(c.k, c.mss) for c in sweep]
-    curve: list[tuple[int, int, float]] = []
-    if keep is not None:
-        n_layers = len({layer for layer, _ in heads})
-        lo = max(2, n_layers)
-        if not lo <= keep < n:
-            raise ValueError(f"--keep must be between {lo} and {n - 1} for a model with {n} heads in {n_layers} layers, got {keep}")
-        # the largest k whose representatives plus rescued heads fit in exactly `keep` heads
-        knee_k = 2
-        for k in range(min(keep, n - 1), 1, -1):
-            if len(ensure_one_per_layer(representatives(by_k[k].labels, rep), heads, rep)[0]) <= keep:
-                knee_k = k
-                break
-        source = "keep"
-    elif accuracy_fn is not None:
-        ks = sorted(by_k) if accuracy_ks is None else sorted(set(accuracy_ks))
-        for k in ks:
-            kept, _ = ensure_one_per_layer(representatives(by_k[k].labels, rep), heads, rep)
-            curve.append((k, len(kept), float(accuracy_fn(kept))))
-        knee = find_knee([c[1] for c in curve], [c[2] for c in curve], poly_degree)
-        if knee is None:
-            knee_k, source = max(curve, key=lambda c: (c[2], -c[0]))[0], "fallback-max-accuracy"
-        else:
-            knee_k = min(curve, key=lambda c: (abs(c[1] - knee), c[0]))[0]
-            source = "accuracy"
-    else:
-        knee = find_knee([k for k, _ in mss], [v for _, v in mss], poly_degree)
-        if knee is None:
-            knee_k, source = max(mss, key=lambda kv: (kv[1], -kv[0]))[0], "fallback-max-mss"
-        else:
-            knee_k, source = int(round(knee)), "mss"
+    knee_k, source, curve = _choose_k(by_k, mss, heads, rep, keep, accuracy_fn, accuracy_ks, poly_degree)
     chosen = by_k[knee_k]
     kept, rescued = ensure_one_per_layer(representatives(chosen.labels, rep), heads, rep)
     if allocation == "importance":  # the knee sets the count, the importance allocation the heads
@@ -411,6 +236,52 @@ def select_heads(
         kept=kept, heads=list(heads), knee_k=knee_k, mss=mss, embedding=emb, labels=chosen.labels,
         medoids=chosen.medoids, rescued=rescued, salience=sal, knee_source=source, accuracy_curve=curve,
     )
+
+
+def _selection_inputs(heads: Sequence[tuple[int, int]], salience: Sequence[float], scores: Sequence[float] | None,
+                      allocation: str) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray]:
+    """``(heads, salience, representative scores)`` as checked arrays (a one-line ``ValueError`` otherwise)."""
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+    heads = [tuple(map(int, h)) for h in heads]  # type: ignore[misc]
+    n = len(heads)
+    sal = np.asarray(salience, dtype=np.float64)
+    if sal.shape != (n,):
+        raise ValueError(f"salience has {sal.size} values for {n} heads")
+    if n < 4:
+        raise ValueError(f"CAHP needs at least 4 heads to cluster, the model has {n}")
+    rep = sal if scores is None else np.asarray(scores, dtype=np.float64)
+    if rep.shape != (n,):
+        raise ValueError(f"scores has {rep.size} values for {n} heads")
+    return list(heads), sal, rep
+
+
+def _choose_k(by_k: Mapping[int, Clustering], mss: list[tuple[int, float]], heads: Sequence[tuple[int, int]],
+              rep: np.ndarray, keep: int | None, accuracy_fn: Callable[[list[int]], float] | None,
+              accuracy_ks: Sequence[int] | None, poly_degree: int) -> tuple[int, str, list[tuple[int, int, float]]]:
+    """The number of clusters ``(k, where it came from, accuracy curve)``: the largest k whose selection fits a
+    forced ``keep``, the knee of measured accuracy vs heads kept, or the knee of MSS vs k."""
+    curve: list[tuple[int, int, float]] = []
+    n = len(heads)
+    if keep is not None:
+        # the largest k whose representatives plus rescued heads fit in exactly `keep` heads
+        for k in range(min(keep, n - 1), 1, -1):
+            if len(ensure_one_per_layer(representatives(by_k[k].labels, rep), heads, rep)[0]) <= keep:
+                return k, "keep", curve
+        return 2, "keep", curve
+    if accuracy_fn is not None:
+        ks = sorted(by_k) if accuracy_ks is None else sorted(set(accuracy_ks))
+        for k in ks:
+            kept, _ = ensure_one_per_layer(representatives(by_k[k].labels, rep), heads, rep)
+            curve.append((k, len(kept), float(accuracy_fn(kept))))
+        knee = find_knee([c[1] for c in curve], [c[2] for c in curve], poly_degree)
+        if knee is None:
+            return max(curve, key=lambda c: (c[2], -c[0]))[0], "fallback-max-accuracy", curve
+        return min(curve, key=lambda c: (abs(c[1] - knee), c[0]))[0], "accuracy", curve
+    knee = find_knee([k for k, _ in mss], [v for _, v in mss], poly_degree)
+    if knee is None:
+        return max(mss, key=lambda kv: (kv[1], -kv[0]))[0], "fallback-max-mss", curve
+    return int(round(knee)), "mss", curve
 
 
 def as_layer_dict(kept: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
@@ -496,17 +367,7 @@ def cahp_select(
 
     from .importance import default_loss, flatten, gate_gradients, salience
 
-    label_free = n_classes is None
-    if representative is None:
-        representative = LM_DEFAULTS["representative"] if label_free else "salience"
-    if allocation is None:
-        allocation = LM_DEFAULTS["allocation"] if label_free else "cluster"
-    if representative not in REPRESENTATIVES:
-        raise ValueError(f"unknown representative {representative!r}; choose from {', '.join(REPRESENTATIVES)}")
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
-    if n_clusters is not None and n_clusters < 2:
-        raise ValueError(f"n_clusters must be >= 2, got {n_clusters}")
+    representative, allocation = _selection_defaults(n_classes is None, representative, allocation, n_clusters)
     t0 = time.perf_counter()
     sig = model_signatures(adapter, signature_batches, n_classes, grid, progress, ddof=ddof)
     t1 = time.perf_counter()
@@ -529,3 +390,20 @@ def cahp_select(
         sel = select_heads(sig.features(var_eps, var_floor), sig.heads, sal, **opts)  # type: ignore[arg-type]
     secs["cluster"] = time.perf_counter() - t2
     return sel, secs
+
+
+def _selection_defaults(label_free: bool, representative: str | None, allocation: str | None,
+                        n_clusters: int | None) -> tuple[str, str]:
+    """``(representative, allocation)``: the given ones, checked, or the mode's defaults -- the published
+    selection (salience, one head per cluster) with classes, :data:`LM_DEFAULTS` label-free."""
+    if representative is None:
+        representative = LM_DEFAULTS["representative"] if label_free else "salience"
+    if allocation is None:
+        allocation = LM_DEFAULTS["allocation"] if label_free else "cluster"
+    if representative not in REPRESENTATIVES:
+        raise ValueError(f"unknown representative {representative!r}; choose from {', '.join(REPRESENTATIVES)}")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+    if n_clusters is not None and n_clusters < 2:
+        raise ValueError(f"n_clusters must be >= 2, got {n_clusters}")
+    return representative, allocation
