@@ -98,3 +98,14 @@ def test_classification_data_keeps_its_old_import_path():
 
     assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)
     assert old.load_task is new.load_task and old.TaskDataError is new.TaskDataError
+
+
+def test_gpt2_tokenizer_files_that_are_not_utf8_name_the_file(tmp_path):
+    pytest.importorskip("transformers")
+    from headbudget.data.tokenizers import gpt2_hf_tokenizer
+
+    (tmp_path / "encoder.json").write_bytes(b'{"a": 0, "\xe9": 1}')
+    (tmp_path / "vocab.bpe").write_text("#version: 0.2\n")
+    with pytest.raises(NotUTF8Error) as exc:
+        gpt2_hf_tokenizer(tmp_path)  # was Python's UnicodeDecodeError naming no file
+    assert str(exc.value) == f"{tmp_path / 'encoder.json'}: not UTF-8 text (byte 0xe9 at offset 10, line 1)"

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from headbudget.data.text import read_text
 from headbudget.io import atomic_write_text
 
 #: Default folder of the offline GPT-2 BPE files (relative to the project root / current directory).
@@ -245,8 +246,8 @@ def gpt2_hf_tokenizer(directory: str | os.PathLike) -> Any:
         if not f.is_file():
             raise TokenizerError(f"gpt2 tokenizer: {f} not found (a GPT-2 tokenizer folder holds encoder.json "
                                  "and vocab.bpe)")
-    vocab = json.loads((d / "encoder.json").read_text(encoding="utf-8"))
-    lines = (d / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    vocab = json.loads(read_text(d / "encoder.json"))  # not UTF-8: names the file, offset and line
+    lines = read_text(d / "vocab.bpe").splitlines()
     merges = [tuple(line.split()) for line in lines if line.strip() and not line.startswith("#version")]
     tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
     tok.pad_token = tok.eos_token
