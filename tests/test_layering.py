@@ -5,7 +5,8 @@ module-level imports *and* imports inside functions: a lazy import is still a de
 moves the failure from import time to call time, and one under ``if TYPE_CHECKING:`` is a dependency
 of the design (the pipeline <-> workloads circle of issue 21 was one).  Only the imports inside a
 module-level ``__getattr__`` that warns a DeprecationWarning are left out (:func:`is_deprecation_shim`):
-such a shim serves old import paths only.
+such a shim serves old import paths only.  Modules imported by name (``importlib.import_module`` in the
+command table of cli/main.py and the lazy table of evaluation/__init__.py) are not seen.
 
     >>> graph = import_graph(SRC)
     >>> sorted(graph["headbudget.accounting"])
