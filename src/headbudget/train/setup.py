@@ -1,5 +1,5 @@
 """What a run is built from: the model (fresh from the config's schedule, or ``model.init`` converted),
-its vocabulary, the tokenizer spec, AdamW's parameter groups and the learning-rate schedule.
+its vocabulary, the tokenizer spec and the learning-rate schedule of the config (the optimizer: train.loop).
 
     >>> from headbudget.train import RunConfig
     >>> from headbudget.train.setup import build_model, lr_at
@@ -11,13 +11,11 @@ its vocabulary, the tokenizer spec, AdamW's parameter groups and the learning-ra
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import torch
 
 from headbudget.schedule_spec import schedule_from_spec
 from headbudget.schedules import HeadSchedule, ModelPreset, get_preset
 from headbudget.train.config import RunConfig
+from headbudget.train.loop import warmup_cosine
 
 
 def model_preset(cfg: RunConfig) -> ModelPreset:
@@ -87,34 +85,8 @@ def build_model(cfg: RunConfig, vocab_size: int):
     return HeadBudgetForCausalLM(mcfg)
 
 
-def _clean_name(name: str) -> str:
-    """Parameter name without DDP/FSDP/compile wrapper prefixes."""
-    for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float,
-                 decay_names: set[str] | None = None) -> list[dict[str, Any]]:
-    """Weight decay on matrices (linear and embedding weights), none on biases and LayerNorms.
-
-    ``decay_names`` (computed on the unwrapped model) is needed under FSDP, whose flattened shards
-    no longer have the parameters' shapes."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():  # shared (tied) tensors are listed once
-        if not p.requires_grad:
-            continue
-        wd = _clean_name(name) in decay_names if decay_names is not None else p.dim() >= 2
-        (decay if wd else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``steps``
+    (:func:`headbudget.train.loop.warmup_cosine` of the config)."""
     t = cfg.train
-    if t.warmup_steps > 0 and step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    floor = t.lr * t.min_lr_ratio
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)(step)
