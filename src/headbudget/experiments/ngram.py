@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
+from headbudget.train.loop import TrainLoop
 
 
 @dataclass
@@ -113,14 +114,14 @@ def _train_eval(cfg: NgramConfig, n_heads: int, seed: int) -> dict[str, float]:
                                                 pct_start=0.1)
     start = max(cfg.offsets)
     gd = torch.Generator().manual_seed(seed * 7 + 1)
-    for _ in range(cfg.steps):
-        tokens, targets = _batch(cfg, cfg.batch, gd)
+
+    def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
         logits = model(tokens)[:, start:]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+
+    batches = (_batch(cfg, cfg.batch, gd) for _ in range(cfg.steps))
+    TrainLoop(model, opt, loss_fn, lr_schedule=sched, nonfinite="ignore").run(batches, steps=cfg.steps)
     ge = torch.Generator().manual_seed(10_000 + seed)
     tokens, targets = _batch(cfg, cfg.eval_batch, ge)
     with torch.no_grad():

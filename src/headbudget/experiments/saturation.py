@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
+from headbudget.train.loop import TrainLoop
 
 
 @dataclass
@@ -87,17 +88,16 @@ def _train_student(cfg: SaturationConfig, teacher: SingleHead, L: int, d: int, v
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.steps))
     batch = max(2, cfg.tokens_per_step // L)
     gd = torch.Generator().manual_seed(cfg.seed + 31 * L + d)
-    for _ in range(cfg.steps):
-        x = torch.randn(batch, L, cfg.d_model, generator=gd)
+    inputs = (torch.randn(batch, L, cfg.d_model, generator=gd) for _ in range(cfg.steps))
+
+    def loss_fn(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             y = teacher(x)
-        pred = student(x)
         centred = y - y.mean(dim=1, keepdim=True)
-        loss = ((pred - y) ** 2).sum() / (centred**2).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        return ((student(x) - y) ** 2).sum() / (centred**2).sum()
+
+    # a diverged learning rate is one of the candidates (its error is NaN and never the best): run on
+    TrainLoop(student, opt, loss_fn, lr_schedule=sched, nonfinite="ignore").run(inputs, steps=cfg.steps)
     return student
 
 

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from headbudget.data.classification import Example, TaskData, get_task, load_task, make_loader, subsample
 from headbudget.io import atomic_write_json, follow_umask, save_figure
 from headbudget.pruning.adapters import get_adapter, save_pruned
+from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -80,18 +81,6 @@ def evaluate_accuracy(
 
 
 # --------------------------------------------------------------------------- fine-tuning
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim < 2 or "LayerNorm" in name or "layer_norm" in name or name.endswith(".bias"):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _splits_of(
     task_data: TaskData | Mapping[str, Sequence[Example]],
 ) -> tuple[dict[str, list[Example]], tuple]:
@@ -99,6 +88,40 @@ def _splits_of(
         return task_data.splits, task_data.eval_splits
     splits = {k: list(v) for k, v in task_data.items()}
     return splits, tuple(k for k in splits if k != "train")
+
+
+def _finetune_examples(task_data: TaskData | Mapping[str, Sequence[Example]], eval_splits: Sequence[str] | None,
+                       train_limit: int | None, eval_limit: int | None, seed: int
+                       ) -> tuple[list[Example], dict[str, list[Example]]]:
+    """The (subsampled) training examples and those of every evaluated split."""
+    splits, default_eval = _splits_of(task_data)
+    if "train" not in splits:
+        raise ValueError("finetune: task data has no 'train' split")
+    eval_names = tuple(eval_splits) if eval_splits is not None else default_eval
+    missing = [s for s in eval_names if s not in splits]
+    if missing:
+        raise ValueError(
+            f"finetune: eval split(s) {', '.join(missing)} not loaded (have {', '.join(splits)})"
+        )
+    train = subsample(splits["train"], train_limit, seed)
+    return train, {s: subsample(splits[s], eval_limit, seed) for s in eval_names}
+
+
+def _train_epoch(loop: TrainLoop, loader: Any, step: int, steps: int, desc: str, progress: bool) -> list[float]:
+    """``steps`` optimizer steps on ``loader`` after ``step`` done; the loss of each."""
+    bar = tqdm(total=steps, desc=desc, disable=not progress, leave=False)
+
+    def show(rec: LogRecord) -> None:  # the loss is read every 10 steps, not every step
+        bar.set_postfix(loss=f"{rec.loss:.4f}", lr=f"{rec.lr:.2e}")
+
+    # the loader was opened twice before (tqdm.auto's constructor calls iter() on what it wraps), which draws
+    # one more number from the shuffle generator; opening it once more keeps the shuffles of earlier releases
+    iter(loader)
+    try:
+        return loop.run(iter(loader), steps=step + steps, start_step=step, log_every=10, on_log=show,
+                        on_step=lambda done, _: bar.update(1)).losses
+    finally:
+        bar.close()
 
 
 def finetune(
@@ -133,39 +156,21 @@ def finetune(
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if not 0.0 <= warmup_ratio < 1.0:
         raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
-    from transformers import get_linear_schedule_with_warmup
-
-    splits, default_eval = _splits_of(task_data)
-    if "train" not in splits:
-        raise ValueError("finetune: task data has no 'train' split")
-    eval_names = tuple(eval_splits) if eval_splits is not None else default_eval
-    missing = [s for s in eval_names if s not in splits]
-    if missing:
-        raise ValueError(
-            f"finetune: eval split(s) {', '.join(missing)} not loaded (have {', '.join(splits)})"
-        )
-    train = subsample(splits["train"], train_limit, seed)
-    evals = {s: subsample(splits[s], eval_limit, seed) for s in eval_names}
+    train, evals = _finetune_examples(task_data, eval_splits, train_limit, eval_limit, seed)
     device = _device_of(model)
     steps_per_epoch = math.ceil(len(train) / batch_size)
     total = steps_per_epoch * epochs
     if max_steps is not None:
         total = min(total, max_steps)
-    optimizer = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(round(warmup_ratio * total)), max(total, 1))
+    loop = TrainLoop(model, build_adamw(model, lr=lr, weight_decay=weight_decay),
+                     lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).loss,
+                     grad_clip=max_grad_norm,
+                     lr_schedule=warmup_linear(lr, int(round(warmup_ratio * total)), max(total, 1)))
     history: dict[str, Any] = {
         "epochs": [],
-        "config": dict(
-            epochs=epochs,
-            lr=lr,
-            warmup_ratio=warmup_ratio,
-            weight_decay=weight_decay,
-            batch_size=batch_size,
-            seed=seed,
-            max_length=max_length,
-            train_examples=len(train),
-            total_steps=total,
-        ),
+        "config": dict(epochs=epochs, lr=lr, warmup_ratio=warmup_ratio, weight_decay=weight_decay,
+                       batch_size=batch_size, seed=seed, max_length=max_length, train_examples=len(train),
+                       total_steps=total),
     }
     start = time.perf_counter()
     step = 0
@@ -176,43 +181,16 @@ def finetune(
             if step >= total:
                 break
             t0 = time.perf_counter()
-            model.train()
             loader = make_loader(
                 train, tokenizer, batch_size, shuffle=True, seed=seed + epoch, max_length=max_length
             )
-            bar = tqdm(loader, desc=f"finetune epoch {epoch}/{epochs}", disable=not progress, leave=False)
-            loss_sum, n_batches = 0.0, 0
-            for batch in bar:
-                out = model(**{k: v.to(device) for k, v in batch.items()})
-                loss = out.loss
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"finetune: non-finite loss {loss.item()} at step {step + 1}")
-                loss.backward()
-                if max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                loss_sum += loss.item()
-                n_batches += 1
-                bar.set_postfix(loss=f"{loss_sum / n_batches:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-                if step >= total:
-                    break
-            bar.close()
-            acc = {
-                s: evaluate_accuracy(
-                    model, tokenizer, ex, eval_batch_size, max_length, progress, desc=f"eval {s}"
-                )
-                for s, ex in evals.items()
-            }
-            record = {
-                "epoch": epoch,
-                "steps": step,
-                "train_loss": loss_sum / max(n_batches, 1),
-                "accuracy": acc,
-                "seconds": time.perf_counter() - t0,
-            }
+            losses = _train_epoch(loop, loader, step, min(steps_per_epoch, total - step),
+                                  f"finetune epoch {epoch}/{epochs}", progress)
+            step += len(losses)
+            acc = {s: evaluate_accuracy(model, tokenizer, ex, eval_batch_size, max_length, progress, desc=f"eval {s}")
+                   for s, ex in evals.items()}
+            record = {"epoch": epoch, "steps": step, "train_loss": sum(losses) / max(len(losses), 1),
+                      "accuracy": acc, "seconds": time.perf_counter() - t0}
             history["epochs"].append(record)
             if progress:
                 accs = ", ".join(f"{s} {a:.4f}" for s, a in acc.items())

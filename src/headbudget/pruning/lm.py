@@ -127,34 +127,26 @@ def lm_perplexity(model: torch.nn.Module, data: LMData, *, max_windows: int | No
 def finetune_lm(model: torch.nn.Module, data: LMData, *, epochs: int, lr: float = 2e-5, warmup_ratio: float = 0.1,
                 weight_decay: float = 0.01, batch_size: int = 32, seed: int = 0, progress: bool = True) -> list[dict[str, float]]:
     """Recovery fine-tuning on the calibration windows: AdamW, linear warmup then decay, ``epochs``
-    passes in a seeded order.  Returns the mean training loss of every epoch."""
+    passes in a seeded order (:class:`headbudget.train.loop.TrainLoop`, gradients clipped to norm 1).
+    Returns the mean training loss of every epoch."""
     from tqdm.auto import tqdm
-    from transformers import get_linear_schedule_with_warmup
 
-    from .finetune import _param_groups
+    from headbudget.train.loop import TrainLoop, build_adamw, warmup_linear
 
     device = next(model.parameters()).device
     steps_per_epoch = math.ceil(len(data.calib) / batch_size)
     total = max(1, epochs * steps_per_epoch)
-    opt = torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr)
-    sched = get_linear_schedule_with_warmup(opt, int(warmup_ratio * total), total)
+    loop = TrainLoop(model, build_adamw(model, lr=lr, weight_decay=weight_decay),
+                     lambda batch: model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss,
+                     grad_clip=1.0, lr_schedule=warmup_linear(lr, int(warmup_ratio * total), total))
     history = []
-    model.train()
     try:
         bar = tqdm(total=total, desc="lm fine-tune", disable=not progress, leave=False)
         for ep in range(epochs):
-            losses = []
-            for batch in lm_batches(data, batch_size, shuffle=True, seed=seed + ep):
-                batch = {k: v.to(device) for k, v in batch.items()}
-                loss = model(**batch, use_cache=False).loss
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                sched.step()
-                losses.append(float(loss.detach()))
-                bar.update(1)
-            history.append({"epoch": ep + 1, "train_loss": sum(losses) / len(losses)})
+            batches = lm_batches(data, batch_size, shuffle=True, seed=seed + ep)
+            ran = loop.run(iter(batches), steps=(ep + 1) * steps_per_epoch, start_step=ep * steps_per_epoch,
+                           on_step=lambda done, _: bar.update(1))
+            history.append({"epoch": ep + 1, "train_loss": sum(ran.losses) / len(ran.losses)})
         bar.close()
     finally:
         model.eval()
