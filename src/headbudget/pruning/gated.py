@@ -208,55 +208,26 @@ def train_gates(
 
     Pipelined DSP and PASS leave every model weight untouched (their ``requires_grad`` is switched off
     during training and restored afterwards); joint DSP updates the weights in place."""
-    import contextlib
-
     from tqdm.auto import tqdm
 
-    if method not in GATED_METHODS:
-        raise ValueError(f"unknown gate-training method {method!r}; choose from {', '.join(GATED_METHODS)}")
     s = settings or GateSettings()
     counts = list(adapter.head_counts())
-    n_total = sum(counts)
-    if not len(counts) <= n_keep < n_total:
-        raise ValueError(f"cannot keep {n_keep} heads: need between {len(counts)} (one per layer) and {n_total - 1}")
-    if not batches:
-        raise ValueError("no training batches for gate training (empty training data?)")
-    if s.lr <= 0 or s.epochs < 1:
-        raise ValueError(f"gate training needs lr > 0 and epochs >= 1, got lr {s.lr}, epochs {s.epochs}")
+    cooldown = _check_gate_training(method, counts, n_keep, batches, s)
     joint = method == "joint-dsp"
-    cooldown = s.cooldown if s.cooldown is not None else DSP_COOLDOWN.get(method, 0)
-    if method != "pass" and cooldown < 1:
-        raise ValueError(f"{method}: cooldown must be >= 1 step, got {cooldown}")
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(int(s.seed))
-    py_rng = random.Random(int(s.seed))
     logits = torch.nn.Parameter(_xavier_logits(counts, method, gen).to(device))
     if method == "pass":  # PASS trains float32 logits; DSP's authors keep them in float64
         logits = torch.nn.Parameter(logits.data.float())
-    offsets = [0, *np.cumsum(counts).tolist()]
     total_steps = s.epochs * len(batches)
-    target_sparsity = 1.0 - n_keep / n_total
-
     flags = [(p, p.requires_grad) for p in model.parameters()]
     weights = [p for p, f in flags if f] if joint else []
-    groups: list[dict[str, Any]] = [{"params": [logits], "lr": s.lr}]
-    if joint:
-        groups.insert(0, {"params": weights, "lr": s.weight_lr})
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (total_steps - step) / total_steps))
-    clipped = [logits, *weights]
-
-    confidence = torch.zeros(n_total, dtype=torch.float64)
-    coeff, climb_counter = PASS_COEFF_INIT, 0
-    warmup, climb = int(total_steps * PASS_WARMUP), max(1, int(total_steps * PASS_CLIMB))
-    reopen_every = int(total_steps * PASS_REOPEN)
-    closed_target = int(target_sparsity * n_total)
-    reopened_total = 0
-    patch = _confidence_patch(adapter, confidence, offsets) if method == "pass" and s.reopen else None
-
+    opt, sched = _gate_optimizer(logits, weights, s, total_steps)
+    pas = _PassState.start(adapter, counts, n_keep, total_steps, s) if method == "pass" else None
+    step_of = _GateStep(method, adapter, model, logits, counts, n_keep, cooldown, s, gen, loss_fn, device, pas,
+                        total_steps)
     history: list[dict[str, float]] = []
     was_training = model.training
-    step = 0
     try:
         if not joint:
             for p, _ in flags:
@@ -265,32 +236,11 @@ def train_gates(
         bar = tqdm(total=total_steps, desc=f"{method} gates", disable=not progress, leave=False)
         for _epoch in range(s.epochs):
             for batch in batches:
-                rec: dict[str, float] = {"step": float(step)}
-                if method == "pass":
-                    mask = hard_concrete_gates(logits, True, gen)
-                else:
-                    t = dsp_temperature(step, cooldown, s.t_start, s.t_end)
-                    mask = gumbel_soft_top_k(logits, n_keep, t, gen).float()
-                    rec["temperature"] = t
-                with adapter._gate_hooks(list(torch.split(mask, counts))), (patch() if patch else contextlib.nullcontext()):
-                    task_loss = loss_fn(model, _to_device(batch, device))
-                loss = task_loss
-                if method == "pass":
-                    loss = loss + coeff * pass_sparsity_penalty(logits, target_sparsity)
-                    rec["reg_coeff"] = coeff
-                loss.backward()
-                rec["loss"] = float(task_loss.detach())
-                if method == "pass":
-                    coeff, climb_counter, reopened = _pass_schedule(
-                        logits, step, coeff, climb_counter, warmup, climb, reopen_every, total_steps, closed_target,
-                        confidence, py_rng, patch is not None)
-                    reopened_total += reopened
-                torch.nn.utils.clip_grad_norm_(clipped, s.max_grad_norm)
+                history.append(step_of(len(history), batch))
+                torch.nn.utils.clip_grad_norm_([logits, *weights], s.max_grad_norm)
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-                history.append(rec)
-                step += 1
                 bar.update(1)
         bar.close()
     finally:
@@ -299,18 +249,134 @@ def train_gates(
         model.train(was_training)
     final = logits.detach().double().cpu().numpy()
     kept = select_top(unflatten(final, counts), n_keep)
-    info: dict[str, Any] = {"method": method, "lr": s.lr, "epochs": s.epochs, "steps": step,
-                            "target_heads": n_keep}
-    if method == "pass":
-        info.update(target_sparsity=target_sparsity, final_reg_coeff=coeff, reopen=patch is not None,
-                    reopened=reopened_total)
+    return GateResult(kept=kept, logits=final, steps=len(history), history=history,
+                      info=_gate_info(method, s, len(history), n_keep, cooldown, pas))
+
+
+def _check_gate_training(method: str, counts: list[int], n_keep: int, batches: Sequence[Batch],
+                         s: GateSettings) -> int:
+    """A one-line ``ValueError`` for settings gate training cannot run with; else the DSP cooldown in steps."""
+    if method not in GATED_METHODS:
+        raise ValueError(f"unknown gate-training method {method!r}; choose from {', '.join(GATED_METHODS)}")
+    n_total = sum(counts)
+    if not len(counts) <= n_keep < n_total:
+        raise ValueError(f"cannot keep {n_keep} heads: need between {len(counts)} (one per layer) and {n_total - 1}")
+    if not batches:
+        raise ValueError("no training batches for gate training (empty training data?)")
+    if s.lr <= 0 or s.epochs < 1:
+        raise ValueError(f"gate training needs lr > 0 and epochs >= 1, got lr {s.lr}, epochs {s.epochs}")
+    cooldown = s.cooldown if s.cooldown is not None else DSP_COOLDOWN.get(method, 0)
+    if method != "pass" and cooldown < 1:
+        raise ValueError(f"{method}: cooldown must be >= 1 step, got {cooldown}")
+    return cooldown
+
+
+def _gate_optimizer(logits: torch.nn.Parameter, weights: list[torch.nn.Parameter], s: GateSettings,
+                    total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """The authors' AdamW (0.9, 0.999, eps 1e-8, no weight decay) over the logits (and, joint DSP, the weights
+    at ``weight_lr``) with the learning rate decayed linearly to 0."""
+    groups: list[dict[str, Any]] = [{"params": [logits], "lr": s.lr}]
+    if weights:
+        groups.insert(0, {"params": weights, "lr": s.weight_lr})
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (total_steps - step) / total_steps))
+    return opt, sched
+
+
+@dataclass
+class _PassState:
+    """PASS's schedule state: the penalty coefficient and its climb, the reopen period and the attention
+    confidence the reopen probabilities come from."""
+
+    target_sparsity: float
+    closed_target: int
+    warmup: int
+    climb: int
+    reopen_every: int
+    confidence: torch.Tensor
+    rng: random.Random
+    patch: Any  # a factory of attention-patch contexts filling ``confidence``; None: no reopening
+    coeff: float = PASS_COEFF_INIT
+    climb_counter: int = 0
+    reopened: int = 0
+
+    @classmethod
+    def start(cls, adapter: Any, counts: list[int], n_keep: int, total_steps: int, s: GateSettings) -> _PassState:
+        n_total = sum(counts)
+        target_sparsity = 1.0 - n_keep / n_total
+        confidence = torch.zeros(n_total, dtype=torch.float64)
+        offsets = [0, *np.cumsum(counts).tolist()]
+        return cls(target_sparsity=target_sparsity, closed_target=int(target_sparsity * n_total),
+                   warmup=int(total_steps * PASS_WARMUP), climb=max(1, int(total_steps * PASS_CLIMB)),
+                   reopen_every=int(total_steps * PASS_REOPEN), confidence=confidence,
+                   rng=random.Random(int(s.seed)),
+                   patch=_confidence_patch(adapter, confidence, offsets) if s.reopen else None)
+
+    def after_backward(self, logits: torch.nn.Parameter, step: int, total_steps: int) -> None:
+        self.coeff, self.climb_counter, reopened = _pass_schedule(
+            logits, step, self.coeff, self.climb_counter, self.warmup, self.climb, self.reopen_every, total_steps,
+            self.closed_target, self.confidence, self.rng, self.patch is not None)
+        self.reopened += reopened
+
+
+@dataclass
+class _GateStep:
+    """One gate-training step up to the gradients: sample the relaxed mask, forward with it, backward the task
+    loss (PASS: plus its sparsity penalty and schedule); returns the step's log record."""
+
+    method: str
+    adapter: Any
+    model: torch.nn.Module
+    logits: torch.nn.Parameter
+    counts: list[int]
+    n_keep: int
+    cooldown: int
+    s: GateSettings
+    gen: torch.Generator
+    loss_fn: LossFn
+    device: torch.device
+    pas: _PassState | None
+    total_steps: int
+
+    def __call__(self, step: int, batch: Batch) -> dict[str, float]:
+        import contextlib
+
+        rec: dict[str, float] = {"step": float(step)}
+        pas = self.pas
+        if pas is not None:
+            mask = hard_concrete_gates(self.logits, True, self.gen)
+        else:
+            t = dsp_temperature(step, self.cooldown, self.s.t_start, self.s.t_end)
+            mask = gumbel_soft_top_k(self.logits, self.n_keep, t, self.gen).float()
+            rec["temperature"] = t
+        confidence = pas.patch() if pas is not None and pas.patch else contextlib.nullcontext()
+        with self.adapter._gate_hooks(list(torch.split(mask, self.counts))), confidence:
+            task_loss = self.loss_fn(self.model, _to_device(batch, self.device))
+        loss = task_loss
+        if pas is not None:
+            loss = loss + pas.coeff * pass_sparsity_penalty(self.logits, pas.target_sparsity)
+            rec["reg_coeff"] = pas.coeff
+        loss.backward()
+        rec["loss"] = float(task_loss.detach())
+        if pas is not None:
+            pas.after_backward(self.logits, step, self.total_steps)
+        return rec
+
+
+def _gate_info(method: str, s: GateSettings, steps: int, n_keep: int, cooldown: int,
+               pas: _PassState | None) -> dict[str, Any]:
+    """The settings a gate training ran with and where it ended (``details.json``'s ``gate_training``)."""
+    info: dict[str, Any] = {"method": method, "lr": s.lr, "epochs": s.epochs, "steps": steps, "target_heads": n_keep}
+    if pas is not None:
+        info.update(target_sparsity=pas.target_sparsity, final_reg_coeff=pas.coeff, reopen=pas.patch is not None,
+                    reopened=pas.reopened)
     else:
         info.update(cooldown=cooldown, t_start=s.t_start, t_end=s.t_end,
-                    final_temperature=dsp_temperature(max(step - 1, 0), cooldown, s.t_start, s.t_end),
-                    cooled_down=step > cooldown)
-        if joint:
+                    final_temperature=dsp_temperature(max(steps - 1, 0), cooldown, s.t_start, s.t_end),
+                    cooled_down=steps > cooldown)
+        if method == "joint-dsp":
             info["weight_lr"] = s.weight_lr
-    return GateResult(kept=kept, logits=final, steps=step, history=history, info=info)
+    return info
 
 
 def _pass_schedule(logits: torch.nn.Parameter, step: int, coeff: float, counter: int, warmup: int, climb: int,
