@@ -37,7 +37,9 @@ def test_eval_json_schema(model_dir, tmp_path, capsys):
                "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "|piqa       |    2|acc     |" in printed and "forward passes" in printed
+    # lm-eval's table (the built-in tasks run as its YAML tasks when it is installed)
+    rows = [line for line in printed.splitlines() if line.startswith("|piqa")]
+    assert len(rows) == 1 and "|acc     |" in rows[0] and "forward passes" in printed
     r = json.loads(out.read_text())
     # lm-eval's results dict (what its make_table reads); headbudget's own fields under one key
     assert {"results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples",

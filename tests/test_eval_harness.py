@@ -269,12 +269,16 @@ rc = main(["eval", {str(model_dir)!r}, "--tasks", "piqa", "--data-dir", {str(FIX
            "--json", {str(tmp_path / 'r.json')!r}])
 assert rc == 0, rc
 assert main(["eval", {str(model_dir)!r}, "--tasks", "hb_mc"]) == 2
+# lm-eval's per-document records need lm-eval: refused before the model loads (no such model here)
+assert main(["eval", "/no/such/model", "--tasks", "piqa", "--log-samples", "--output-path", {str(tmp_path / 'o')!r}]) == 2
 """
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert 'pip install "headbudget[lmeval]"' in proc.stderr
+    assert "--log-samples (lm-eval's per-document records) need the optional extra" in proc.stderr
+    assert not (tmp_path / "o").exists()
     assert json.loads((tmp_path / "r.json").read_text())["results"]["piqa"]["sample_len"] == 3
 
 

@@ -36,13 +36,47 @@ from typing import Any
 
 import numpy as np
 import torch
-from lm_eval.api.model import LM
 
 from headbudget.evaluation.scorer import Scorer
-from headbudget.evaluation.suite import parse_seed
+
+try:
+    from lm_eval.api.model import LM
+except ImportError:  # the optional extra: parse_seed and the checks work without it, HeadBudgetLM does not
+    LM = object
 
 SUPPORTED_OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 DEFAULT_BATCH_SIZE = 16
+DEFAULT_SEEDS = (0, 1234, 1234, 1234)  # lm-eval's --seed default: python, numpy, torch, few-shot
+
+
+def parse_seed(value: str | int | Sequence[int | None] | None) -> tuple[int | None, ...]:
+    """lm-eval's ``--seed``: one integer for all four seeds (python, numpy, torch, few-shot), or
+    four comma-separated values where ``None`` leaves one unset.
+
+        >>> parse_seed("42"), parse_seed("0,None,8,52"), parse_seed(None)
+        ((42, 42, 42, 42), (0, None, 8, 52), (0, 1234, 1234, 1234))
+    """
+    if value is None:
+        return DEFAULT_SEEDS
+    if isinstance(value, int):
+        return (value,) * 4
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: list[int | None] = []
+    for item in items:
+        text = str(item).strip()
+        if text.lower() == "none":
+            out.append(None)
+            continue
+        try:
+            out.append(int(text))
+        except ValueError:
+            raise ValueError(f"--seed: {text!r} is not an integer or None (e.g. --seed 42 or "
+                             "--seed 0,1234,1234,1234)") from None
+    if len(out) == 1:
+        return (out[0],) * 4
+    if len(out) != 4:
+        raise ValueError(f"--seed: expected 1 or 4 comma-separated values, got {len(out)}")
+    return tuple(out)
 
 
 def _batch_size(value: Any) -> int:
@@ -122,10 +156,12 @@ class HeadBudgetLM(LM):
             key = (getattr(req, "task_name", None), getattr(req, "doc_id", None))
             groups.setdefault(key if key != (None, None) else ("", -1 - i), []).append(i)
         keys = list(groups)
+        items = [[tuple(requests[i].args) for i in groups[k]] for k in keys]
         progress, self.scorer.progress = self.scorer.progress, self.scorer.progress and not disable_tqdm
         try:
-            scored = self.scorer.score_pairs([[tuple(requests[i].args) for i in groups[k]] for k in keys],
-                                             desc="loglikelihood")
+            scored = self.scorer.score_pairs(items, desc="loglikelihood")
+        except ValueError as exc:  # a request the model cannot score: name its task and document
+            raise ValueError(f"{_failing_item(self.scorer, keys, items)}: {exc}") from None
         finally:
             self.scorer.progress = progress
         out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
@@ -181,6 +217,17 @@ class HeadBudgetLM(LM):
                 "batch_size": self.scorer.batch_size, "max_length": self.scorer.max_length}
 
 
+def _failing_item(scorer: Scorer, keys: list[tuple[Any, Any]], items: list[list[tuple[str, str]]]) -> str:
+    """``task piqa, document 3``: the first item whose requests cannot be scored (tokenization only,
+    no model work: the scorer refuses such items before it runs the model)."""
+    for (task, doc), pairs in zip(keys, items, strict=True):
+        try:
+            scorer._sequences(pairs)
+        except ValueError:
+            return f"task {task}, document {doc}" if task else f"request {-doc - 1}"
+    return "loglikelihood"
+
+
 def _bool_or_none(value: Any) -> bool | None:
     """model_args arrive as strings from lm-eval's ``key=value`` parser."""
     if value is None or isinstance(value, bool):
@@ -199,21 +246,53 @@ def _bool_or_none(value: Any) -> bool | None:
 # Evaluation (what lm_eval.simple_evaluate does, minus model loading and environment probing)
 
 
+#: headbudget's built-in tasks (piqa, hellaswag, ...) as lm-eval YAML files, shipped with the package
+BUILTIN_TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")
+
+
 def task_manager(tasks: Sequence[str], include_path: str | Sequence[str] | None = None) -> Any:
-    """An lm-eval ``TaskManager`` that knows ``tasks``.  When every name is defined under
-    ``include_path`` only that folder is indexed: indexing lm-eval's own library of thousands of
-    YAML files takes ~10 s, more than scoring a few hundred documents."""
+    """An lm-eval ``TaskManager`` that knows ``tasks``: headbudget's built-in task files, then
+    ``include_path`` (a name defined there wins), then lm-eval's library -- indexed only when a name
+    is not found before it: indexing its thousands of YAML files takes ~10 s, more than scoring a
+    few hundred documents."""
     from lm_eval.tasks import TaskManager
 
     paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
     for p in paths:
         if not Path(p).is_dir():
             raise FileNotFoundError(f"--include-path: no directory {p}")
-    if paths:
-        local = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
-        if all(t in local.all_tasks or Path(t).is_file() for t in tasks):
-            return local
-    return TaskManager(include_path=[str(p) for p in paths] or None)
+    paths = [str(BUILTIN_TASKS_DIR), *map(str, paths)]
+    local = TaskManager(include_path=paths, include_defaults=False)
+    if all(t in local.all_tasks or Path(t).is_file() for t in tasks):
+        return local
+    return TaskManager(include_path=paths)
+
+
+def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None) -> str | dict[str, Any]:
+    """What ``tm.load`` takes for task ``name``: the name itself, or -- for a built-in task file read
+    from ``data_dir`` -- its config with the data at ``data_dir/<metadata.local_file>`` (JSON lines,
+    the hub's schema); its rows are checked first (:func:`~headbudget.evaluation.tasks.load_examples`:
+    a bad row is a DataError naming file, line and field, before any model work).
+
+        >>> builtin_task_spec(task_manager(["piqa"]), "piqa", "tests/fixtures/zeroshot")["dataset_kwargs"]
+        {'data_files': {'validation': 'tests/fixtures/zeroshot/piqa_validation.jsonl'}}
+    """
+    entry = tm.task_index.get(name)
+    yaml_path = getattr(entry, "yaml_path", None)
+    if data_dir is None or yaml_path is None or Path(yaml_path).resolve().parent != BUILTIN_TASKS_DIR:
+        return name
+    from lm_eval.tasks._yaml_loader import load_yaml  # the !function tags resolved as lm-eval does
+
+    from headbudget.evaluation.tasks import load_examples
+
+    load_examples(name, data_dir)
+    cfg = load_yaml(yaml_path, resolve_func=True)
+    split = cfg.get("test_split") or cfg["validation_split"]
+    data = str(Path(data_dir) / cfg["metadata"]["local_file"])
+    # one local file: no training split, so few-shot examples come from the same file (never the document)
+    return {**cfg, "dataset_path": "json", "dataset_name": None, "training_split": None,
+            "dataset_kwargs": {"data_files": {split: data}},
+            "metadata": {**cfg["metadata"], "task_file": str(yaml_path)}}  # lm-eval's source reads "inline"
 
 
 def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
@@ -263,15 +342,18 @@ def _unknown_task(name: str, tm: Any, include_path: Any) -> ValueError:
                       f"{where}{hint}")
 
 
-def load_harness_tasks(tasks: Sequence[str], include_path: Any = None) -> tuple[Any, dict[str, Any]]:
-    """``(TaskManager, loaded)`` for lm-eval task names, groups, tags or YAML paths; unknown names
-    and generation tasks are ValueErrors naming them (before any model work)."""
+def load_harness_tasks(tasks: Sequence[str], include_path: Any = None,
+                       data_dir: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
+    """``(TaskManager, loaded)`` for lm-eval task names, groups, tags or YAML paths, the built-in
+    tasks' data read from ``data_dir`` when given; unknown names and generation tasks are ValueErrors
+    naming them (before any model work)."""
     tm = task_manager(tasks, include_path)
     for name in tasks:
         if name not in tm.all_tasks and not Path(name).is_file():
             raise _unknown_task(name, tm, include_path)
+    specs = [builtin_task_spec(tm, name, data_dir) for name in tasks]
     try:
-        loaded = tm.load(list(tasks))
+        loaded = tm.load(specs)
     except (KeyError, FileNotFoundError) as exc:
         msg = exc.args[0] if exc.args else exc
         raise ValueError(f"cannot build lm-eval task(s) {', '.join(tasks)}: {msg}") from None
@@ -289,8 +371,8 @@ def load_harness_tasks(tasks: Sequence[str], include_path: Any = None) -> tuple[
 
 
 def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
-                     include_path: str | Sequence[str] | None = None, num_fewshot: int | None = None,
-                     seed: str | int | Sequence[int | None] | None = None,
+                     include_path: str | Sequence[str] | None = None, data_dir: str | None = None,
+                     num_fewshot: int | None = None, seed: str | int | Sequence[int | None] | None = None,
                      limit: int | float | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                      strategy: str = "prefix", device: str | None = None, log_samples: bool = False,
                      bootstrap_iters: int = 100000, progress: bool = True,
@@ -302,7 +384,8 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     ``higher_is_better``, ``n-samples``, ``samples`` when ``log_samples``, ``config``) plus
     ``predictions`` (per multiple-choice task, the argmax choice of each document, by doc id),
     ``seconds`` and ``model_seconds``.  ``loaded``: the tasks as :func:`load_harness_tasks` returned
-    them (to fail on a task before loading a model), else they are loaded here.
+    them (to fail on a task before loading a model), else they are loaded here; ``data_dir``: where
+    the built-in tasks' files are (:func:`builtin_task_spec`), the hub otherwise.
     """
     from lm_eval import evaluator
     from lm_eval.utils import set_torch_seed
@@ -312,7 +395,7 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     t0 = time.perf_counter()
     seeds = parse_seed(seed)
     if loaded is None:
-        _, loaded = load_harness_tasks(tasks, include_path)
+        _, loaded = load_harness_tasks(tasks, include_path, data_dir)
     if lm is None:
         lm = HeadBudgetLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                           strategy=strategy, device=device, progress=progress)

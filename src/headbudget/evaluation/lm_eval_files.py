@@ -12,7 +12,8 @@ report: what ``lm_eval --output_path DIR --log_samples`` writes, byte for byte i
   as strings, ``target`` as a string, ``doc_hash``/``prompt_hash``/``target_hash``).
 
 An output path ending in ``.json`` follows lm-eval's other rule: ``<stem>_<datetime>.json`` and the
-samples files in its folder.  No lm-eval import: the built-in tasks write the same files without it.
+samples files in its folder.  No lm-eval import: without lm-eval the built-in tasks' results file is
+written the same way (samples files hold lm-eval's own per-document records, so they need it).
 
     >>> from headbudget.evaluation.lm_eval_files import write_lm_eval_files
     >>> rep = evaluate_suite(model, tok, ["piqa"], data_dir="../shared/data/zeroshot",
@@ -63,11 +64,6 @@ def handle_non_serializable(o: Any) -> Any:
 def sanitize_model_name(name: str) -> str:
     """lm_eval.utils.sanitize_model_name: the folder lm-eval writes a model's files in."""
     return re.sub(r"[\"<>:/|\\?*\[\]]+", "__", name)
-
-
-def doc_hash(doc: Any) -> str:
-    """The ``doc_hash`` lm-eval's evaluator logs for a document."""
-    return hash_string(json.dumps(doc, indent=2, default=handle_non_serializable, ensure_ascii=False))
 
 
 def _strings(sub: Any) -> Any:
