@@ -288,3 +288,15 @@ def test_compress_cli_on_hf_gpt2_directory(tmp_path):
     a, b = ref.transformer.h[0].attn, back.transformer.h[0].attn
     assert torch.allclose(b.projections()["k"][0][:16], (a.projections()["k"][0][:16] + a.projections()["k"][0][32:48]) / 2, atol=1e-6)
     assert torch.isfinite(back(x).logits).all()
+
+
+def test_run_compress_sweep_without_text_is_refused_before_anything_is_written(tmp_path):
+    """A sweep plots perplexity: without text it is a one-line error, and no compressed model is left behind
+    (the check used to come after OUT/model was written)."""
+    from headbudget.compression.pipeline import run_compress
+
+    _model().save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"^a sweep needs text data \(it plots perplexity\)$"):
+        run_compress(str(tmp_path / "model"), "svd", 0.5, "uniform", str(tmp_path / "out"), sweep=[0.5],
+                     progress=False, threads=1)
+    assert not (tmp_path / "out").exists()

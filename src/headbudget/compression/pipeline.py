@@ -245,36 +245,18 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
                   max_windows: int | None, max_tokens: int | None, strength: float, progress: bool,
                   dtype: torch.dtype = torch.float32, device: torch.device | None = None
                   ) -> dict[str, Any]:
-    from headbudget.evaluation.cost import model_cost
-    from headbudget.loading import check_vocab, load_model, load_tokenizer, resolve_model
+    from headbudget.loading import resolve_model
 
+    if sweep and not data:  # refused before anything is written
+        raise ValueError("a sweep needs text data (it plots perplexity)")
     src = resolve_model(model_path)
-    model = load_model(model_path, as_headbudget=True).float()
-    kind = _source_family(src)
+    model, tok = _load_model_and_tokenizer(model_path, tokenizer, need_tokenizer=bool(data or tokenizer))
     out_dir = Path(out)
-    try:  # the compressed model carries the source's tokenizer; perplexity needs one
-        tok = load_tokenizer(tokenizer, model_dir=None if tokenizer else model_path)
-        check_vocab(model, tok, model_path)
-    except ValueError:
-        if data or tokenizer:
-            raise
-        tok = None
-    ids = None
-    if data:
-        ids = torch.tensor(tok(read_eval_text(data), add_special_tokens=False)["input_ids"], dtype=torch.long)
-        if max_tokens:
-            ids = ids[:max_tokens]
-        if len(ids) < 2:
-            raise ValueError(f"{data}: fewer than 2 tokens")
+    ids = _token_ids(tok, data, max_tokens) if data else None
     stride = stride or max(1, context // 2)
     if ids is not None and progress:  # say up front how much scoring is ahead (a sweep repeats it)
-        from headbudget.evaluation.perplexity import window_plan
-
-        n_win = len(window_plan(len(ids), min(context, model.config.n_positions), stride))
-        n_win = min(n_win, max_windows) if max_windows else n_win
-        passes = 2 + (len(sweep) * len(ALLOCATIONS) if sweep else 0)
-        print(f"scoring {len(ids):,} tokens ({n_win} windows of {context}) x {passes} models; "
-              "--max-tokens/--max-windows make it shorter", file=sys.stderr, flush=True)
+        _announce_scoring(len(ids), model.config.n_positions, context, stride, max_windows,
+                          2 + (len(sweep) * len(ALLOCATIONS) if sweep else 0))
 
     def ppl(m: nn.Module) -> dict[str, Any] | None:
         if ids is None:
@@ -286,11 +268,64 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
     before = ppl(model)
     compressed, info = compress_model(model, method, keep, allocation, groups=groups, strength=strength,
                                       progress=progress)
-    after = ppl(compressed)
+    report = _compress_report(str(model_path), _source_family(src), data, model, compressed, info, before,
+                              ppl(compressed))
+    save_model_atomic(compressed.to(dtype), out_dir / "model", tok)
+    if sweep:
+        report["sweep"] = _sweep(model, method, sweep, groups, strength, ppl, before, progress)
+        atomic_write_json(out_dir / "sweep.json", report["sweep"])
+        plot_sweep(report["sweep"], out_dir / "sweep.png")
+    atomic_write_json(out_dir / "report.json", report)
+    return report
+
+
+def _load_model_and_tokenizer(model_path: str, tokenizer: str | None, need_tokenizer: bool) -> tuple[nn.Module, Any]:
+    """The model as a float32 headbudget model and its tokenizer (``None`` when it has none and none is
+    needed: the compressed model carries the source's tokenizer, perplexity needs one)."""
+    from headbudget.loading import check_vocab, load_model, load_tokenizer
+
+    model = load_model(model_path, as_headbudget=True).float()
+    try:
+        tok = load_tokenizer(tokenizer, model_dir=None if tokenizer else model_path)
+        check_vocab(model, tok, model_path)
+    except ValueError:
+        if need_tokenizer:
+            raise
+        tok = None
+    return model, tok
+
+
+def _token_ids(tok: Any, data: str, max_tokens: int | None) -> torch.Tensor:
+    """The token ids of ``data`` (:func:`read_eval_text`), the first ``max_tokens`` of them."""
+    ids = torch.tensor(tok(read_eval_text(data), add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if max_tokens:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"{data}: fewer than 2 tokens")
+    return ids
+
+
+def _announce_scoring(n_tokens: int, n_positions: int, context: int, stride: int, max_windows: int | None,
+                      passes: int) -> None:
+    from headbudget.evaluation.perplexity import window_plan
+
+    n_win = len(window_plan(n_tokens, min(context, n_positions), stride))
+    n_win = min(n_win, max_windows) if max_windows else n_win
+    print(f"scoring {n_tokens:,} tokens ({n_win} windows of {context}) x {passes} models; "
+          "--max-tokens/--max-windows make it shorter", file=sys.stderr, flush=True)
+
+
+def _compress_report(name: str, kind: str, data: str | None, model: nn.Module, compressed: nn.Module,
+                     info: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any] | None
+                     ) -> dict[str, Any]:
+    """``report.json``: the source model, what was kept, attention parameters, total parameters and FLOPs per
+    token before and after, and perplexity before and after."""
+    from headbudget.evaluation.cost import model_cost
+
     p_before, p_after = attention_parameters(model), attention_parameters(compressed)
     cost_before, cost_after = model_cost(model), model_cost(compressed)
-    report: dict[str, Any] = {
-        "model": str(model_path), "model_kind": kind, **info,
+    return {
+        "model": name, "model_kind": kind, **info,
         "attention_params_before": sum(p_before), "attention_params_after": sum(p_after),
         "attention_params_ratio": sum(p_after) / sum(p_before),
         "layers_before": layer_table(model), "layers_after": layer_table(compressed),
@@ -300,29 +335,26 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
         "perplexity_before": before, "perplexity_after": after, "data": data,
         "schedule_after": compressed.config.schedule,
     }
-    save_model_atomic(compressed.to(dtype), out_dir / "model", tok)
-    if sweep:
-        if ids is None:
-            raise ValueError("a sweep needs text data (it plots perplexity)")
-        runs = []
-        from tqdm.auto import tqdm
 
-        jobs = [(k, a) for k in sweep for a in ALLOCATIONS]
-        for k, a in tqdm(jobs, desc="sweep", disable=not progress):
-            m, inf = compress_model(model, method, k, a, groups=groups, strength=strength)
-            r = ppl(m)
-            runs.append({"keep": k, "allocation": a, "ppl": r["ppl"], "loss": r["loss"],
-                         "kept_fraction": inf["kept_fraction"],
-                         "attention_params": sum(attention_parameters(m)),
-                         "per_layer": inf.get("qk_ranks", inf.get("n_kv_heads"))})
-        sw = {"method": method, "baseline_ppl": before["ppl"], "runs": runs,
-              "best_by_keep": {str(k): min((r for r in runs if r["keep"] == k), key=lambda r: r["ppl"])["allocation"]
-                               for k in sweep}}
-        atomic_write_json(out_dir / "sweep.json", sw)
-        plot_sweep(sw, out_dir / "sweep.png")
-        report["sweep"] = sw
-    atomic_write_json(out_dir / "report.json", report)
-    return report
+
+def _sweep(model: nn.Module, method: str, sweep: Sequence[float], groups: Any, strength: float,
+           ppl: Any, before: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """Perplexity of ``model`` compressed at every kept fraction of ``sweep`` by every allocation, and the best
+    allocation per fraction (``sweep.json``)."""
+    from tqdm.auto import tqdm
+
+    runs = []
+    jobs = [(k, a) for k in sweep for a in ALLOCATIONS]
+    for k, a in tqdm(jobs, desc="sweep", disable=not progress):
+        m, inf = compress_model(model, method, k, a, groups=groups, strength=strength)
+        r = ppl(m)
+        runs.append({"keep": k, "allocation": a, "ppl": r["ppl"], "loss": r["loss"],
+                     "kept_fraction": inf["kept_fraction"],
+                     "attention_params": sum(attention_parameters(m)),
+                     "per_layer": inf.get("qk_ranks", inf.get("n_kv_heads"))})
+    return {"method": method, "baseline_ppl": before["ppl"], "runs": runs,
+            "best_by_keep": {str(k): min((r for r in runs if r["keep"] == k), key=lambda r: r["ppl"])["allocation"]
+                             for k in sweep}}
 
 
 def format_report(report: dict[str, Any]) -> str:
