@@ -6,7 +6,9 @@ turns scores into a kept set of an exact size under the at-least-one-head-per-la
 adapter then removes the rest.  Michel et al.'s method is iterative, so it is a *selector*
 (:func:`michel_iterative`) built from its importance.
 
-Registered importances (``IMPORTANCES``):
+The methods ``run_prune`` and the CLI know -- these scorers among them -- are plug-ins in the registry of
+:mod:`headbudget.pruning.methods` (``register_importance`` adds one); ``IMPORTANCES`` is the table of the
+built-in scorers it registers, and :func:`select_by_method` runs one of them (or ``michel``) on a context:
 
 * ``michel``    -- mean ``|dL/dgate|`` with per-layer L2 normalisation (Michel et al., 2019);
 * ``fisher``    -- mean over examples of squared per-example gate gradients (empirical Fisher);
