@@ -10,6 +10,14 @@ machine state. Prints a table and writes JSON.
 
 ``nanogpt`` is Karpathy's nanoGPT ``model.py`` at the same shape (bias, tied head, vocab of the preset);
 give the path to a checkout's file (it is not shipped with headbudget).
+
+``--loop`` times whole training steps as the trainers run them, in blocks of ``--log-every`` steps that end
+with the one read of the loss (so a host sync per step shows): headbudget and HF models step through
+:class:`headbudget.train.loop.TrainLoop` (AdamW with decay groups, betas 0.9/0.95, clipping to 1.0), nanoGPT
+as its ``train.py`` does (``configure_optimizers``, ``clip_grad_norm_``, ``loss.item()`` at log steps).
+A block is one timed unit (``--steps``/``--warmup`` count blocks); ``median_step_s`` is its median / log_every.
+
+    python benchmarks/throughput.py --loop --kinds uniform,nanogpt --nanogpt model.py --log-every 10
 """
 
 from __future__ import annotations
@@ -79,14 +87,49 @@ def step_fn(model, batch, opt, device, dtype):
     return step
 
 
+def loop_block_fn(kind, model, batch, device, dtype, log_every):
+    """``log_every`` training steps ending with the read of the loss (the trainers' log step)."""
+    import itertools
+
+    from headbudget.train.loop import TrainLoop, build_adamw
+
+    autocast = torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
+    if kind == "nanogpt":  # nanoGPT's train.py, minus its data loading, lr schedule and accumulation
+        opt = model.gpt.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device)
+
+        def block():
+            for _ in range(log_every):
+                with autocast:
+                    loss = model(batch, labels=batch).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            loss.item()
+        return block
+    opt = build_adamw(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=device == "cuda")
+    loop = TrainLoop(model, opt, lambda b: model(b, labels=b).loss, grad_clip=1.0, autocast=autocast)
+    batches = itertools.repeat(batch)
+
+    def block():
+        for i in range(log_every):
+            loop.step(batches, i, need_norm=i == log_every - 1)
+        loop.check()
+    return block
+
+
 def run_config(preset: str, batch: int, context: int, kinds: list[str], steps: int, warmup: int,
-               device: str, dtype: torch.dtype) -> dict:
+               device: str, dtype: torch.dtype, log_every: int = 0) -> dict:
+    """``log_every`` > 0: time blocks of that many steps through the training loops (``--loop``)."""
     p = get_preset(preset)
     torch.manual_seed(0)
     data = torch.randint(0, p.vocab_size, (batch, context), device=device)
     models = {k: build(k, preset, device) for k in kinds}
     steps_fns = {}
     for k, m in models.items():
+        if log_every:
+            steps_fns[k] = loop_block_fn(k, m, data, device, dtype, log_every)
+            continue
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device == "cuda")
         steps_fns[k] = step_fn(m, data, opt, device, dtype)
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -94,12 +137,15 @@ def run_config(preset: str, batch: int, context: int, kinds: list[str], steps: i
         for k in kinds:  # interleaved so drifts in machine load hit every model alike
             t = time.perf_counter()
             steps_fns[k]()
+            if device == "cuda":
+                torch.cuda.synchronize()
             if i >= warmup:
-                times[k].append(time.perf_counter() - t)
+                times[k].append((time.perf_counter() - t) / max(log_every, 1))
     tokens = batch * context
     res = {k: {"median_step_s": statistics.median(v), "tokens_per_s": tokens / statistics.median(v),
                "params": sum(p.numel() for p in models[k].parameters())} for k, v in times.items()}
-    out = {"preset": preset, "batch": batch, "context": context, "results": res}
+    out = {"preset": preset, "batch": batch, "context": context, "results": res,
+           **({"loop": True, "log_every": log_every} if log_every else {})}
     if "uniform" in res:
         base = res["uniform"]["tokens_per_s"]
         out["ratios"] = {f"{k}/uniform": r["tokens_per_s"] / base for k, r in res.items() if k != "uniform"}
@@ -120,6 +166,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--nanogpt", help="path to nanoGPT's model.py (for --kinds ...,nanogpt)")
+    ap.add_argument("--loop", action="store_true", help="time training steps through the training loops "
+                    "(headbudget.train.loop for headbudget/HF, nanoGPT's train.py steps) in blocks of --log-every")
+    ap.add_argument("--log-every", type=int, default=10, help="--loop: steps per block (one loss read each)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
     global NANOGPT_PATH
@@ -131,7 +180,8 @@ def main() -> None:
     rows = []
     for spec in args.configs.split(","):
         preset, batch, context = spec.split(":")
-        rows.append(run_config(preset, int(batch), int(context), kinds, args.steps, args.warmup, args.device, dtype))
+        rows.append(run_config(preset, int(batch), int(context), kinds, args.steps, args.warmup, args.device, dtype,
+                               args.log_every if args.loop else 0))
     print(f"{'config':<24}{'model':<10}{'params':>13}{'step s':>10}{'tokens/s':>12}")
     for r in rows:
         name = f"{r['preset']} b{r['batch']} T{r['context']}"
@@ -140,7 +190,8 @@ def main() -> None:
         for k, v in r.get("ratios", {}).items():
             print(f"{'':<24}ratio {k}: {v:.3f}")
     meta = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(), "steps": args.steps, "warmup": args.warmup}
+            "machine": platform.machine(), "cpu_count": os.cpu_count(), "steps": args.steps, "warmup": args.warmup,
+            "loop": args.loop, "log_every": args.log_every if args.loop else None}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

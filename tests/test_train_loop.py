@@ -100,13 +100,13 @@ def test_the_device_is_read_only_at_log_steps_and_the_end():
     model = _linear()
     loop = TrainLoop(model, torch.optim.SGD(model.parameters(), lr=0.01), lambda x: model(x).pow(2).mean())
     reads = []
-    real = TrainLoop._check
+    real = TrainLoop.check
 
     def counting(self):
         reads.append([p.step for p in self._pending])
         return real(self)
 
-    loop._check = counting.__get__(loop)
+    loop.check = counting.__get__(loop)
     result = loop.run(iter(_data(12)), steps=12, log_every=5)
     assert reads == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12], []]
     assert result.steps == 12 and len(result.losses) == 12

@@ -1,4 +1,5 @@
-"""Training: run configs, the trainer (AdamW, cosine, exact resume, DDP/FSDP) and schedule comparisons.
+"""Training: run configs, the one training loop (:mod:`headbudget.train.loop`), the trainer (exact resume,
+DDP/FSDP2) and schedule comparisons.
 
     >>> from headbudget.train import load_config, train
     >>> # result = train(load_config("configs/quickstart.yaml", ["train.steps=50"]), "runs/qs")

@@ -244,13 +244,13 @@ class TrainLoop:
         for step in range(start_step, steps):
             t0 = time.perf_counter()
             logged = log_at(step + 1)
-            grad_norm = self._step(batches, step, need_norm=logged)
+            grad_norm = self.step(batches, step, need_norm=logged)
             if grad_norm is None:  # the iterator ended
                 break
             done, n_steps = step + 1, n_steps + 1
             record = None
             if logged:
-                last = self._check()
+                last = self.check()
                 seconds += time.perf_counter() - t0
                 rec = LogRecord(step=done, loss=last[0], grad_norm=float(grad_norm), lr=last[1], parts=last[2],
                                 seconds=seconds, steps=n_steps)
@@ -259,17 +259,19 @@ class TrainLoop:
             else:
                 seconds += time.perf_counter() - t0
             if checkpoint_at is not None and checkpoint_at(done):
-                self._check()  # no checkpoint holds weights a NaN has reached
+                self.check()  # no checkpoint holds weights a NaN has reached
                 if on_checkpoint is not None:
                     on_checkpoint(done)
             if on_step is not None and on_step(done, record):
                 break
-        self._check()
+        self.check()
         return LoopResult(steps=done, losses=self._losses)
 
-    def _step(self, batches: Iterator[Any], step: int, need_norm: bool) -> torch.Tensor | None:
-        """One optimizer step; its gradient norm (a device tensor; 0 when neither clipping nor logging needs
-        it), or None when ``batches`` had nothing left at this step's start."""
+    def step(self, batches: Iterator[Any], step: int, need_norm: bool) -> torch.Tensor | None:
+        """One optimizer step (the ``step``-th, from 0) on the next ``grad_accum`` batches; its gradient norm (a
+        device tensor; 0 when neither clipping nor ``need_norm`` asks for it), or None when ``batches`` had nothing
+        left.  Its loss stays on the device until :meth:`check`; :meth:`run` drives both, a caller with its own
+        outer loop (benchmarks/throughput.py) may call them directly."""
         if callable(self.lr_schedule) and not hasattr(self.lr_schedule, "step"):
             lr = self.lr_schedule(step)
             for g in self.optimizer.param_groups:
@@ -326,7 +328,7 @@ class TrainLoop:
             parts_sum /= self.grad_accum
         return loss_sum / self.grad_accum, parts_sum
 
-    def _check(self) -> tuple[float, float, tuple[float, ...]] | None:
+    def check(self) -> tuple[float, float, tuple[float, ...]] | None:
         """Read the pending losses (one host sync; averaged over processes) and stop on a non-finite one.
         Returns (loss, lr, parts) of the last pending step."""
         if not self._pending:

@@ -1,4 +1,5 @@
-"""The training loop: AdamW, warmup + cosine, grad accumulation, clipping, exact resume, DDP/FSDP.
+"""``headbudget train``: one run from a :class:`RunConfig` into a folder (data, model, exact resume, DDP/FSDP2, export);
+its steps run through :class:`headbudget.train.loop.TrainLoop` (AdamW, warmup + cosine, accumulation, clipping).
 
     >>> from headbudget.train import RunConfig, train
     >>> cfg = RunConfig.from_dict({"model": {"preset": "cpu-tiny", "schedule": "prism"},
