@@ -58,8 +58,8 @@ def test_print_config_round_trips_and_flags_beat_the_file(tmp_path, capsys):
     [
         (["--set", "kep=3"], "--set 'kep=3': unknown key 'kep' (did you mean 'keep'?)"),
         (["--set", "keep"], "--set 'keep': expected KEY=VALUE, e.g. --set poly_degree=6"),
-        (["--set", "keep=many"], "flags: keep: expected an integer, got 'many'"),
-        (["--set", "mss=median"], "flags: mss: 'median' is not one of mean, nearest"),
+        (["--set", "keep=many"], "--set: keep: expected an integer, got 'many'"),
+        (["--set", "mss=median"], "--set: mss: 'median' is not one of mean, nearest"),
     ],
 )
 def test_bad_overrides_are_one_line_errors(extra, line, capsys):
@@ -86,3 +86,54 @@ def test_bad_flag_values_are_refused_by_argparse_with_the_field_type(capsys):
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == \
         "headbudget prune: error: argument --keep: expected an integer, got 'x'"
+
+
+def test_train_section_flags_set_and_print_config_round_trips(tmp_path, capsys):
+    first = _print_config(["train", "quickstart", "--train.lr", "3e-4", "--schedule", "prism", "--set",
+                           "train.steps=5", "--set", "train.batch_size=4", "--train.batch_size", "8",
+                           "--data.split_blank_lines", "yes", "--seed", "3", "--print_config"], capsys)
+    d = yaml.safe_load(first)
+    assert (d["train"]["lr"], d["train"]["steps"], d["train"]["batch_size"], d["model"]["schedule"], d["seed"],
+            d["data"]["split_blank_lines"], d["name"]) == (3e-4, 5, 8, "prism", 3, True, "quickstart")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(first)
+    assert _print_config(["train", str(cfg), "--print_config"], capsys) == first
+    with pytest.raises(SystemExit):
+        main(["train", str(cfg), "--train.steps", "ten"])
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "headbudget train: error: argument --train.steps: expected an integer, got 'ten'"
+
+
+def test_prepare_and_distill_flags_are_config_fields(tmp_path, capsys):
+    d = yaml.safe_load(_print_config(["prepare", "--source", "synthetic:500", "--tokenizer", "bpe:300",
+                                      "--data.val_fraction", "0.2", "--print_config"], capsys))
+    assert d["data"] == {**d["data"], "source": "synthetic:500", "tokenizer": "bpe:300", "val_fraction": 0.2}
+    d = yaml.safe_load(_print_config(["distill", "runs/s", "--teacher", "runs/t", "--temperature", "4", "--data",
+                                      "corpus.txt", "--tokens", "4096", "--train.batch_size", "2",
+                                      "--train.context", "64", "--print_config"], capsys))
+    assert (d["model"]["init"], d["data"]["tokenizer"], d["distill"], d["data"]["source"], d["train"]["steps"],
+            d["train"]["lr"]) == ("runs/s", "model", {"teacher": "runs/t", "temperature": 4.0, "alpha": 1.0},
+                                  "corpus.txt", 32, 1e-4)
+    assert main(["distill", "runs/s", "--print_config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "headbudget distill: error: distill needs a teacher: --teacher MODEL (or distill.teacher in the config)"]
+
+
+def test_compress_flags_are_compress_job_fields(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from headbudget.compression.allocation import ALLOCATIONS
+    from headbudget.compression.job import ALLOCATION_NAMES, METHOD_NAMES
+    from headbudget.compression.pipeline import METHODS
+
+    assert (METHOD_NAMES, ALLOCATION_NAMES) == (METHODS, ALLOCATIONS)
+    first = _print_config(["compress", "m", "--out", "o", "--sweep", "0.25,0.5", "--method", "group",
+                           "--no-progress", "--print_config"], capsys)
+    d = yaml.safe_load(first)
+    assert (d["sweep"], d["method"], d["progress"], d["keep"]) == ([0.25, 0.5], "group", False, 0.5)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(first)
+    assert _print_config(["compress", "--config", str(cfg), "--print_config"], capsys) == first
+    assert main(["compress", "--config", str(cfg), "--set", "allocation=later", "--print_config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "headbudget compress: error: --set: allocation: 'later' is not one of uniform, later_layers_first, "
+        "earlier_layers_first"]

@@ -170,7 +170,8 @@ def test_a_set_typo_is_refused_before_torch_is_imported():
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.stdout.strip() == "[2, 2, 2, 2] False"
-    assert res.stderr.splitlines() == [f"headbudget {c}: error: --set 'train.stpes=3': unknown key 'train.stpes'"
+    assert res.stderr.splitlines() == [f"headbudget {c}: error: --set 'train.stpes=3': unknown key 'train.stpes' "
+                                       "(did you mean 'train.steps'?)"
                                        for c in ("train", "compare", "quickstart", "prepare")]
 
 

@@ -51,6 +51,23 @@ def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: tuple
     return dataclasses.field(default=default, metadata=meta)
 
 
+#: the names of headbudget.loading.DTYPES (not imported: settings are read without torch)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+
+def device_option() -> Any:
+    """The ``device`` field of every job that loads a model (checked by ``headbudget.loading.resolve_device``)."""
+    return option(None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+
+
+def dtype_option(auto: str = "the checkpoint's own") -> Any:
+    """The ``dtype`` field of every job that loads a model: a plain string checked by
+    ``headbudget.loading.resolve_dtype`` (a bad value is one error line)."""
+    return option("auto", metavar="{" + ",".join(DTYPE_NAMES) + "}",
+                  help=f"float type of the model's weights (default auto: {auto}); bfloat16/float16 halve memory "
+                       "and, on hardware with fast half-precision, time")
+
+
 @functools.cache
 def field_types(cls: type) -> dict[str, Any]:
     """``{field name: resolved type}`` of a dataclass (string annotations evaluated)."""
@@ -137,9 +154,11 @@ def unknown_key(origin: str, dotted: str, key: str, valid: typing.Iterable[str],
     return ConfigError(f"{origin}: unknown {what} {dotted!r}; valid keys here: {', '.join(valid)}")
 
 
-def from_dict(cls: type, d: dict[str, Any] | None, origin: str = "config", prefix: str = "") -> Any:
+def from_dict(cls: type, d: dict[str, Any] | None, origin: str = "config", prefix: str = "",
+              partial: bool = False) -> Any:
     """An instance of dataclass ``cls`` from a (nested) mapping: values coerced to the field types, nested
-    dataclasses from sub-mappings, choices checked, unknown keys refused (:func:`unknown_key`)."""
+    dataclasses from sub-mappings, choices checked, unknown keys refused (:func:`unknown_key`).  ``partial``:
+    only check ``d`` (required fields may be missing) and return the coerced mapping."""
     if d is not None and not isinstance(d, dict):
         raise ConfigError(f"{origin}: {prefix.rstrip('.') or 'the top level'} must be a mapping, got {d!r}")
     hints = field_types(cls)
@@ -155,13 +174,15 @@ def from_dict(cls: type, d: dict[str, Any] | None, origin: str = "config", prefi
                 value = dataclasses.asdict(value)
             if value is not None and not isinstance(value, dict):
                 raise ConfigError(f"{origin}: {dotted!r} must be a section (mapping), got {value!r}")
-            kwargs[key] = from_dict(tp, value, origin, dotted + ".")
+            kwargs[key] = from_dict(tp, value, origin, dotted + ".", partial)
             continue
         value = coerce(value, tp, f"{origin}: {dotted}")
         choices = by_name[key].metadata.get("choices")
         if choices and value is not None and value not in choices:
             raise ConfigError(f"{origin}: {dotted}: {value!r} is not one of {', '.join(map(str, choices))}")
         kwargs[key] = value
+    if partial:
+        return kwargs
     missing = [f.name for f in by_name.values() if f.name not in kwargs and f.init
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -206,12 +227,12 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return raw or {}
 
 
-def _example(cls: type, prefix: str = "") -> str:
+def example_override(cls: type, prefix: str = "") -> str:
     """``key=default`` of the first field of ``cls`` with a number default (sections searched in order)."""
     for f in dataclasses.fields(cls):
         tp = field_types(cls)[f.name]
         if dataclasses.is_dataclass(tp):
-            found = _example(tp, f"{prefix}{f.name}.")
+            found = example_override(tp, f"{prefix}{f.name}.")
             if found:
                 return found
         elif isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
@@ -234,7 +255,7 @@ def apply_overrides(cls: type, d: dict[str, Any], overrides: typing.Iterable[str
     d = dict(d)
     for item in overrides or []:
         if "=" not in item:
-            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} {_example(cls)}")
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} {example_override(cls)}")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         node, tp = d, cls
@@ -257,5 +278,6 @@ def apply_overrides(cls: type, d: dict[str, Any], overrides: typing.Iterable[str
     return d
 
 
-__all__ = ["ConfigError", "apply_overrides", "coerce", "field_types", "from_dict", "load_yaml", "option",
-           "to_dict", "to_yaml", "unknown_key"]
+__all__ = ["DTYPE_NAMES", "ConfigError", "apply_overrides", "coerce", "device_option", "dtype_option", "example_override",
+           "field_types",
+           "from_dict", "load_yaml", "option", "to_dict", "to_yaml", "unknown_key"]

@@ -11,7 +11,13 @@ import argparse
 import json
 from pathlib import Path
 
-from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
+from headbudget.cli.dataclass_flags import (
+    add_config_flags,
+    add_dataclass_flags,
+    dataclass_from_args,
+    print_config,
+)
+from headbudget.compression.job import CompressJob
 from headbudget.data.text import read_text
 from headbudget.threads import add_threads_flag
 
@@ -23,40 +29,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Compress a headbudget or Hugging Face GPT-2 model directory. Writes OUT/model/ "
         "(loadable with from_pretrained), OUT/report.json, and with --sweep OUT/sweep.json and OUT/sweep.png.",
     )
-    p.add_argument("model", metavar="MODEL",
-                   help="model or run folder, or GGUF file, of any decoder headbudget converts (GPT-2, Llama, ...)")
-    p.add_argument("--method", choices=["svd", "group"], default="svd",
-                   help="svd: per-head rank reduction of W_Q W_K^T and W_V W_O; group: share K/V within head groups")
-    p.add_argument("--keep", type=float, default=0.5,
-                   help="kept fraction of the attention rank budget (svd) or of the K/V heads (group)")
-    p.add_argument("--allocation", choices=["uniform", "later_layers_first", "earlier_layers_first"],
-                   default="uniform", help="how the kept budget is spread over layers")
-    p.add_argument("--strength", type=float, default=0.5,
-                   help="slope of the non-uniform allocations: keep factors from (1+s) to (1-s) x mean")
-    p.add_argument("--groups", default=None,
-                   help="JSON file with explicit head groups for --method group: a list with one entry per "
-                   "layer (a list of head-index lists, or null to allocate that layer), or an object "
-                   "{\"LAYER\": groups} naming some layers; e.g. CAHP clusters")
-    p.add_argument("--data", default=None,
-                   help="text for perplexity before/after: a file, an HF dataset NAME[:CONFIG], or synthetic[:N_WORDS] "
-                   "(held-out text of the built-in grammar)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder or spec (default: the model's own, see headbudget.loading)")
-    p.add_argument("--context", type=int, default=256, help="perplexity window (capped at the model's positions)")
-    p.add_argument("--stride", type=int, default=None, help="perplexity stride (default context/2)")
-    p.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
-    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of --data")
-    p.add_argument("--sweep", default=None,
-                   help="comma list of kept fractions: compare all three allocations at each (needs --data)")
-    p.add_argument("--out", required=True, help="output directory")
+    add_dataclass_flags(p, CompressJob, positional=("model",))  # every setting, declared on CompressJob
+    add_config_flags(p, CompressJob, "the compress job's settings")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
-    add_device_flag(p)
-    add_dtype_flag(p, auto="float32; the compression itself always runs in float32, --dtype is the type "
-                   "perplexity is measured in and the compressed model saved in")
     add_threads_flag(p)  # applied by cli.main (headbudget.threads)
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, validate=_validate)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """The job of the flags, --config and --set, before torch is imported."""
+    args.job = dataclass_from_args(CompressJob, args, positional=("model",))
 
 
 def _fraction(value: float, flag: str) -> float:
@@ -93,34 +76,32 @@ def read_groups(path: str) -> list | dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    job: CompressJob = getattr(args, "job", None) or dataclass_from_args(CompressJob, args, positional=("model",))
+    if args.print_config:
+        return print_config(job)
     from headbudget.compression.pipeline import format_report, run_compress
     from headbudget.loading import resolve_device, resolve_dtype
     from headbudget.run_dir import claim_output_dir
 
-    resolve_dtype(args.dtype)
-    resolve_device(args.device)
-    _fraction(args.keep, "--keep")
-    sweep = None
-    if args.sweep:
-        try:
-            sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--sweep: expected a comma list of fractions, got {args.sweep!r}") from None
-        for k in sweep:
-            _fraction(k, "--sweep")
-    if args.context < 2:
-        raise ValueError(f"--context must be >= 2, got {args.context}")
-    groups = read_groups(args.groups) if args.groups else None
-    if groups is not None and args.method != "group":
+    resolve_dtype(job.dtype)
+    resolve_device(job.device)
+    _fraction(job.keep, "--keep")
+    sweep = list(job.sweep) or None
+    for k in sweep or ():
+        _fraction(k, "--sweep")
+    if job.context < 2:
+        raise ValueError(f"--context must be >= 2, got {job.context}")
+    groups = read_groups(job.groups) if job.groups else None
+    if groups is not None and job.method != "group":
         raise ValueError("--groups only applies to --method group")
-    with claim_output_dir(args.out, command="headbudget compress", overwrite=args.overwrite):
+    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite):
         report = run_compress(
-            args.model, args.method, args.keep, args.allocation, args.out, data=args.data,
-            tokenizer=args.tokenizer, sweep=sweep, groups=groups, context=args.context, stride=args.stride,
-            max_windows=args.max_windows, max_tokens=args.max_tokens, strength=args.strength,
-            progress=not args.no_progress, threads=args.threads, dtype=args.dtype, device=args.device,
+            job.model, job.method, job.keep, job.allocation, job.out, data=job.data,
+            tokenizer=job.tokenizer, sweep=sweep, groups=groups, context=job.context, stride=job.stride,
+            max_windows=job.max_windows, max_tokens=job.max_tokens, strength=job.strength,
+            progress=job.progress, threads=args.threads, dtype=job.dtype, device=job.device,
         )
     print(format_report(report))
-    print(f"wrote {Path(args.out) / 'model'}, {Path(args.out) / 'report.json'}"
-          + (f", {Path(args.out) / 'sweep.png'}" if sweep else ""))
+    print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}"
+          + (f", {Path(job.out) / 'sweep.png'}" if sweep else ""))
     return 0

@@ -5,7 +5,7 @@ help, choices, flag spelling), and the dataclass built back from the parsed flag
     >>> import argparse
     >>> from headbudget.pruning.job import PruneJob
     >>> p = argparse.ArgumentParser()
-    >>> _ = add_dataclass_flags(p, PruneJob, positional=("model",)); add_config_flags(p)
+    >>> _ = add_dataclass_flags(p, PruneJob, positional=("model",)); add_config_flags(p, PruneJob)
     >>> args = p.parse_args(["runs/ft", "--task", "sst5", "--keep", "12", "--out", "runs/cahp"])
     >>> job = dataclass_from_args(PruneJob, args, defaults={"data_dir": None})
     >>> job.keep, job.pool_size
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,7 @@ from headbudget.typed_config import (
     ConfigError,
     apply_overrides,
     coerce,
+    example_override,
     field_types,
     from_dict,
     load_yaml,
@@ -62,6 +64,16 @@ def flag_name(f: dataclasses.Field, prefix: str = "") -> str:
     return f"--{prefix}{f.name}" if prefix else "--" + f.name.replace("_", "-")
 
 
+#: the value placeholder of a --section.key flag by type (a prune flag shows its name: --keep KEEP)
+_METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def _base(tp: Any) -> Any:
+    """``int`` of ``int | None``."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else tp
+
+
 def _converter(tp: Any, flag: str) -> Any:
     def convert(text: str) -> Any:
         try:
@@ -73,22 +85,24 @@ def _converter(tp: Any, flag: str) -> Any:
     return convert
 
 
-def _help(f: dataclasses.Field) -> str:
+def _help(f: dataclasses.Field, show_bool: bool = False) -> str:
     text = (f.metadata.get("help") or "").replace("%", "%%")
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return f"{text} (required)"
     default = f.default if f.default is not dataclasses.MISSING else None
-    if default is not None and not isinstance(default, bool) and default != () and "default" not in text:
+    if default is not None and (show_bool or not isinstance(default, bool)) and default != () \
+            and "default" not in text:
         text = f"{text} (default: {default})" if text else f"default: {default}"
     return text
 
 
 def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = "", skip: Iterable[str] = (),
                         positional: Iterable[str] = (), choices: dict[str, tuple[Any, ...]] | None = None,
-                        group_title: str | None = None) -> list[str]:
+                        aliases: dict[str, tuple[str, ...]] | None = None, group_title: str | None = None) -> list[str]:
     """One flag per field of dataclass ``cls`` with ``cli`` metadata true (nested dataclass fields: their
-    fields as ``--section.key``); ``positional`` fields are optional positionals (a config file may give
-    them).  Returns the dests added."""
+    fields as ``--section.key VALUE``); ``positional`` fields are optional positionals (a config file may give
+    them); ``aliases`` maps a dest (``model.schedule``) to shorter spellings a command also accepts
+    (``--schedule``); ``skip`` names fields or whole sections.  Returns the dests added."""
     skip, positional = set(skip), tuple(positional)
     target = p.add_argument_group(group_title) if group_title else p
     dests: list[str] = []
@@ -97,11 +111,13 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
             continue
         tp, dest = field_types(cls)[f.name], prefix + f.name
         if dataclasses.is_dataclass(tp):
-            dests += add_dataclass_flags(p, tp, prefix=f"{dest}.", group_title=f"{dest} (--set {dest}.KEY=VALUE)")
+            dests += add_dataclass_flags(p, tp, prefix=f"{dest}.", aliases=aliases,
+                                         skip={k[len(dest) + 1:] for k in skip if k.startswith(dest + ".")},
+                                         group_title=f"{dest} section (or --set {dest}.KEY=VALUE)")
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else \
             None if f.default is dataclasses.MISSING else f.default
-        kw: dict[str, Any] = {"default": default, "help": _help(f), "action": _STORE}
+        kw: dict[str, Any] = {"default": default, "help": _help(f, show_bool=bool(prefix)), "action": _STORE}
         if f.name in positional:
             target.add_argument(dest, nargs="?", metavar=f.metadata.get("metavar") or f.name.upper(), **kw)
             dests.append(dest)
@@ -115,20 +131,21 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
             kw["type"] = _converter(tp, flag)
             kw["choices"] = (choices or {}).get(f.name) or f.metadata.get("choices")
             kw["metavar"] = f.metadata.get("metavar") or ("{" + ",".join(map(str, kw["choices"])) + "}"
-                                                          if kw["choices"] else None)
+                                                          if kw["choices"] else "{true,false}" if tp is bool
+                                                          else _METAVARS.get(_base(tp)) if prefix else None)
             if kw["choices"]:  # checked on the converted value; the metavar lists them
                 kw["choices"] = tuple(kw["choices"])
-        target.add_argument(flag, dest=dest, **kw)
+        target.add_argument(*(aliases or {}).get(dest, ()), flag, dest=dest, **kw)
         dests.append(dest)
     return dests
 
 
-def add_config_flags(p: argparse.ArgumentParser, what: str = "the settings") -> None:
-    """``--config FILE``, ``--set KEY=VALUE`` (repeatable) and ``--print_config``."""
+def add_config_flags(p: argparse.ArgumentParser, cls: type, what: str = "the settings") -> None:
+    """``--config FILE``, ``--set KEY=VALUE`` (repeatable) and ``--print_config`` for dataclass ``cls``."""
     p.add_argument("--config", metavar="FILE", default=None,
                    help=f"YAML file of {what} (as --print_config writes it); flags given override it")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one setting by its config key, e.g. --set keep=12 (repeatable)")
+                   help=f"override one setting by its config key, e.g. --set {example_override(cls)} (repeatable)")
     p.add_argument("--print_config", "--print-config", action="store_true",
                    help=f"print all of {what} as YAML (feed it back with --config) and exit")
 
@@ -146,10 +163,11 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top``'s keys set, sub-mappings merged key by key."""
     out = dict(base)
     for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -157,12 +175,16 @@ def settings_mapping(cls: type, args: argparse.Namespace, defaults: dict[str, An
                      base: dict[str, Any] | None = None) -> dict[str, Any]:
     """``defaults`` < ``base`` < ``--config`` file < ``--set`` < given flags, as one mapping for ``cls``
     (a key of the file or of --set that is not a field is refused, naming it and the nearest field)."""
-    d = _merge(defaults or {}, base or {})
+    d = deep_merge(defaults or {}, base or {})
     path = getattr(args, "config", None)
-    if path:  # an unknown key of the file is refused by from_dict, naming the file
-        d = _merge(d, load_yaml(path))
-    d = apply_overrides(cls, d, getattr(args, "overrides", None))
-    return _merge(d, flag_values(args))
+    if path:  # each layer is checked as it comes, so an error names the file or --set it came from
+        file_d = load_yaml(path)
+        from_dict(cls, file_d, str(path), partial=True)
+        d = deep_merge(d, file_d)
+    if getattr(args, "overrides", None):
+        d = apply_overrides(cls, d, args.overrides)
+        from_dict(cls, d, "--set", partial=True)
+    return deep_merge(d, flag_values(args))
 
 
 def missing_flags(cls: type, d: dict[str, Any], positional: Iterable[str] = ()) -> list[str]:
@@ -197,5 +219,5 @@ def field_help(cls: type, name: str) -> str:
     return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
 
 
-__all__ = ["add_config_flags", "add_dataclass_flags", "build", "dataclass_from_args", "field_help", "flag_name",
-           "flag_values", "missing_flags", "print_config", "settings_mapping"]
+__all__ = ["add_config_flags", "add_dataclass_flags", "build", "dataclass_from_args", "deep_merge", "field_help",
+           "flag_name", "flag_values", "missing_flags", "print_config", "settings_mapping"]

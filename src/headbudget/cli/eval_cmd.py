@@ -13,24 +13,114 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headbudget.cli.model_flags import add_device_flag, add_dtype_flag
+from headbudget.cli.dataclass_flags import (
+    add_config_flags,
+    add_dataclass_flags,
+    dataclass_from_args,
+    print_config,
+)
 from headbudget.io import atomic_write_json
 from headbudget.run_dir import check_output_file
 from headbudget.threads import add_threads_flag
+from headbudget.typed_config import device_option, dtype_option, option
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model folder, `headbudget train` run folder, GGUF file or hub name")
-    p.add_argument("--tokenizer", help="tokenizer folder, byte, gpt2[:DIR], hf:NAME or hub name "
-                   "(default: the model's own, see headbudget.loading)")
-    p.add_argument("--gguf-file", help="GGUF file name inside MODEL (a folder with several)")
-    add_device_flag(p)
-    add_dtype_flag(p)
+@dataclass(kw_only=True)
+class ModelSettings:
+    """The model a command scores (every flag declared once, on its field)."""
+
+    model: str = option(help="model folder, `headbudget train` run folder, GGUF file or hub name", metavar="MODEL")
+    tokenizer: str | None = option(None, help="tokenizer folder, byte, gpt2[:DIR], hf:NAME or hub name (default: "
+                                              "the model's own, see headbudget.loading)")
+    gguf_file: str | None = option(None, help="GGUF file name inside MODEL (a folder with several)")
+    device: str | None = device_option()
+    dtype: str = dtype_option()
+
+
+@dataclass(kw_only=True)
+class EvalSettings(ModelSettings):
+    """``headbudget eval``."""
+
+    tasks: str = option("piqa,hellaswag,arc_easy,winogrande",
+                        help="comma-separated: built in (piqa,hellaswag,arc_easy,arc_challenge,openbookqa,winogrande,"
+                             "copa) or lm-eval task/group names and YAML files (pip install \"headbudget[lmeval]\")")
+    include_path: str | None = option(
+        None, help="folder of lm-eval task YAML files of your own (as lm-eval's flag); a requested task's "
+                   "!function imports and runs Python files from that folder, so use only folders you trust")
+    num_fewshot: int | None = option(None, help="few-shot examples for lm-eval tasks (as lm-eval; a built-in "
+                                                "name with N > 0 runs lm-eval's task of that name)")
+    seed: str | None = option(None, help="lm-eval's seeds: one integer for all, or PYTHON,NUMPY,TORCH,FEWSHOT "
+                                         "(default 0,1234,1234,1234)")
+    log_samples: bool = option(False, help="also write lm-eval's per-document samples_<task>_<datetime>.jsonl "
+                                           "files (needs --output-path or --json)")
+    bootstrap_iters: int = option(100000, help="lm-eval's bootstrap resamples for non-mean stderrs (0: none)")
+    data_dir: str | None = option(None, help="local JSONL files (e.g. ../shared/data/zeroshot); default: the "
+                                             "Hugging Face hub")
+    limit: int | None = option(None, help="first N examples per task")
+    batch_size: int = option(16, help="sequences per forward pass")
+    strategy: str = option("prefix", choices=("prefix", "full"),
+                           help="prefix: each document's choices (and documents sharing a few-shot context) as one "
+                                "token trie, shared tokens run once (default); full: every choice in full, batched "
+                                "by length")
+    output_path: str | None = option(
+        None, help="folder for lm-eval's files, as lm-eval's --output_path: DIR/<model>/results_<datetime>.json "
+                   "(+ samples_<task>_<datetime>.jsonl with --log-samples); headbudget's own fields under the key "
+                   "\"headbudget\"")
+    json: str | None = option(None, help="write lm-eval's results dict to exactly this file (samples files, with "
+                                         "--log-samples, in its folder)")
+    quiet: bool = option(False, help="no progress bars")
+
+
+@dataclass(kw_only=True)
+class PerplexitySettings(ModelSettings):
+    """``headbudget perplexity``."""
+
+    data: str = option(help="text file, or HF dataset NAME[:CONFIG]")
+    split: str = option("test", help="HF split")
+    context: int = option(1024, help="window length in tokens")
+    stride: int | None = option(None, help="window step (default: half the context)")
+    max_windows: int | None = option(None, help="score only the first N windows")
+    json: str | None = option(None, help="also write the result (loss, ppl, windows, ...) to this JSON file")
+    quiet: bool = option(False, help="no progress bar")
+
+
+@dataclass(kw_only=True)
+class AttentionSettings(ModelSettings):
+    """``headbudget attention``."""
+
+    data: str = option(help="text file, or HF dataset NAME[:CONFIG]")
+    out: str = option(help="output directory")
+    compare: str | None = option(None, help="a second model, plotted side by side")
+    seq_len: int = option(128, help="tokens per sequence")
+    n_seqs: int = option(4, help="sequences averaged")
+    local_window: int = option(8, help="distance counted as local (local share)")
+
+
+def _add_settings(p: argparse.ArgumentParser, cls: type, what: str) -> None:
+    """The flags of ``cls``'s fields, --config/--set/--print_config, --threads; validate builds the settings."""
+    add_dataclass_flags(p, cls, positional=("model",))
+    add_config_flags(p, cls, what)
     add_threads_flag(p)  # applied by cli.main (headbudget.threads), the same on every command
+
+    def validate(args: argparse.Namespace) -> None:  # before torch: a bad key or value costs nothing
+        args.settings = dataclass_from_args(cls, args, positional=("model",))
+        vars(args).update(dataclasses.asdict(args.settings))  # the run functions read args.<field>
+
+    p.set_defaults(validate=validate)
+
+
+def _printed(args: argparse.Namespace) -> bool:
+    """--print_config: the settings printed, nothing run."""
+    if getattr(args, "print_config", False):
+        print_config(args.settings)
+        return True
+    return False
 
 
 def _check_model_flags(args: argparse.Namespace) -> None:
@@ -51,6 +141,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if _printed(args):
+        return 0
     from headbudget.evaluation.lm_eval_files import check_output_args, write_lm_eval_files
     from headbudget.evaluation.suite import evaluate_suite, format_report, prepare_suite
 
@@ -60,7 +152,8 @@ def run_eval(args: argparse.Namespace) -> int:
     _check_model_flags(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
-                                  num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit)
+                                  num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
+                                  log_samples=args.log_samples)
     model, tok = _load(args)
     report = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, include_path=args.include_path,
                             num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
@@ -93,6 +186,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_perplexity(args: argparse.Namespace) -> int:
+    if _printed(args):
+        return 0
     from headbudget.evaluation.perplexity import perplexity, read_text
 
     if args.json:  # checked before the model loads, not after the scoring
@@ -150,6 +245,8 @@ def _attention_in_out(args: argparse.Namespace) -> int:
     """``run_attention`` holding ``--out`` (headbudget.run_dir: another run's results refused, one writer)."""
     from headbudget.run_dir import claim_output_dir
 
+    if _printed(args):
+        return 0
     with claim_output_dir(args.out, command="headbudget attention", overwrite=args.overwrite):
         return run_attention(args)
 
@@ -158,62 +255,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval", help="zero-shot multiple-choice accuracy (lm-eval's numbers)",
                               description="Zero-shot PIQA/HellaSwag/ARC/WinoGrande with "
                               "lm-evaluation-harness's prompts and metrics.")
-    _add_model_args(p)
-    p.add_argument("--tasks", default="piqa,hellaswag,arc_easy,winogrande",
-                   help="comma-separated: built in (piqa,hellaswag,arc_easy,arc_challenge,openbookqa,"
-                   "winogrande,copa) or lm-eval task/group names and YAML files (pip install "
-                   "\"headbudget[lmeval]\")")
-    p.add_argument("--include-path", help="folder of lm-eval task YAML files of your own (as lm-eval's "
-                   "flag); a requested task's !function imports and runs Python files from that folder, "
-                   "so use only folders you trust")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks (as lm-eval; "
-                   "a built-in name with N > 0 runs lm-eval's task of that name)")
-    p.add_argument("--seed", default=None, help="lm-eval's seeds: one integer for all, or "
-                   "PYTHON,NUMPY,TORCH,FEWSHOT (default 0,1234,1234,1234)")
-    p.add_argument("--log-samples", action="store_true", help="also write lm-eval's per-document "
-                   "samples_<task>_<datetime>.jsonl files (needs --output-path or --json)")
-    p.add_argument("--bootstrap-iters", type=int, default=100000,
-                   help="lm-eval's bootstrap resamples for non-mean stderrs (0: none)")
-    p.add_argument("--data-dir", help="local JSONL files (e.g. ../shared/data/zeroshot); default: "
-                   "the Hugging Face hub")
-    p.add_argument("--limit", type=int, help="first N examples per task")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--strategy", default="prefix", choices=["prefix", "full"],
-                   help="prefix: each document's choices (and documents sharing a few-shot context) "
-                   "as one token trie, shared tokens run once (default); full: every choice in full, "
-                   "batched by length")
-    p.add_argument("--output-path", help="folder for lm-eval's files, as lm-eval's --output_path: "
-                   "DIR/<model>/results_<datetime>.json (+ samples_<task>_<datetime>.jsonl with "
-                   "--log-samples); headbudget's own fields under the key \"headbudget\"")
-    p.add_argument("--json", help="write lm-eval's results dict to exactly this file (samples files, "
-                   "with --log-samples, in its folder)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_settings(p, EvalSettings, "the evaluation's settings")
     p.set_defaults(func=run_eval)
 
     p = subparsers.add_parser("perplexity", help="sliding-window token perplexity",
                               description="Token-level loss and perplexity with a sliding window.")
-    _add_model_args(p)
-    p.add_argument("--data", required=True, help="text file, or HF dataset NAME[:CONFIG]")
-    p.add_argument("--split", default="test", help="HF split (default test)")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--stride", type=int, default=None, help="window step (default: half the context)")
-    p.add_argument("--max-windows", type=int, help="score only the first N windows")
-    p.add_argument("--json")
-    p.add_argument("--quiet", action="store_true")
+    _add_settings(p, PerplexitySettings, "the perplexity run's settings")
     p.set_defaults(func=run_perplexity)
 
     p = subparsers.add_parser("attention", help="per-head attention distance/entropy/locality",
                               description="Mean attention distance, entropy and local share per "
                               "layer and head; JSON and PNG plots.")
-    _add_model_args(p)
-    p.add_argument("--data", required=True, help="text file, or HF dataset NAME[:CONFIG]")
-    p.add_argument("--out", required=True, help="output directory")
+    _add_settings(p, AttentionSettings, "the attention run's settings")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
-    p.add_argument("--compare", help="a second model, plotted side by side")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--n-seqs", type=int, default=4)
-    p.add_argument("--local-window", type=int, default=8)
     p.set_defaults(func=_attention_in_out)
 
 

@@ -1,28 +1,30 @@
 """The ``--device`` and ``--dtype`` flags, the same on every command that loads a model
 (``eval``, ``perplexity``, ``attention``, ``prune``, ``prune-compare``, ``compress``); their values
 are resolved by :func:`headbudget.loading.resolve_device` and :func:`headbudget.loading.resolve_dtype`.
+They are generated from the one declaration of the ``device`` / ``dtype`` fields
+(:func:`headbudget.typed_config.device_option`, :func:`~headbudget.typed_config.dtype_option`) that the jobs'
+dataclasses use too, for commands whose other flags are not (yet) a dataclass.
 
     >>> import argparse
     >>> p = argparse.ArgumentParser(); add_device_flag(p); add_dtype_flag(p)
-    >>> vars(p.parse_args(["--dtype", "bfloat16"]))
+    >>> {k: v for k, v in vars(p.parse_args(["--dtype", "bfloat16"])).items() if not k.startswith("_")}
     {'device': None, 'dtype': 'bfloat16'}
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-# the names of headbudget.loading.DTYPES (not imported: parsers are built without torch)
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+from headbudget.cli.dataclass_flags import add_dataclass_flags
+from headbudget.typed_config import DTYPE_NAMES, device_option, dtype_option
+
+__all__ = ["DTYPE_NAMES", "add_device_flag", "add_dtype_flag"]
 
 
 def add_device_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    add_dataclass_flags(p, dataclasses.make_dataclass("DeviceFlag", [("device", str | None, device_option())]))
 
 
 def add_dtype_flag(p: argparse.ArgumentParser, auto: str = "the checkpoint's own") -> None:
-    # a plain string, checked by headbudget.loading.resolve_dtype: a bad value is one error line
-    p.add_argument("--dtype", default="auto", metavar="{" + ",".join(DTYPE_NAMES) + "}",
-                   help=f"float type of the model's weights (default auto: {auto}); bfloat16/float16 "
-                   "halve memory and, on hardware with fast half-precision, time")
+    add_dataclass_flags(p, dataclasses.make_dataclass("DtypeFlag", [("dtype", str, dtype_option(auto))]))

@@ -45,7 +45,7 @@ def _add_common(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
                    help="population variance, var + 1e-10 (no 1e-6 floor) and float64 t-SNE instead of the "
                         "published code's sample variance, max(var, 1e-6) and float32 (sets "
                         + ", ".join(f"{k}={v}" for k, v in LEGACY_SIGNATURES.items()) + ")")
-    add_config_flags(p, "the prune job's settings")
+    add_config_flags(p, PruneJob, "the prune job's settings")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
 

@@ -20,24 +20,38 @@ import sys
 import time
 from pathlib import Path
 
+from headbudget.cli.dataclass_flags import add_dataclass_flags, deep_merge, flag_values, print_config
 from headbudget.train.config import RunConfig, load_config, resolve_config_path, steps_for_tokens
 
 
-def _add_common(p: argparse.ArgumentParser, config_required: bool = True) -> None:
+def _add_common(p: argparse.ArgumentParser, config_required: bool = True, skip: tuple[str, ...] = (),
+                aliases: dict[str, tuple[str, ...]] | None = None) -> None:
+    """CONFIG, one ``--section.key`` flag per RunConfig field (generated from its declaration), --set and
+    --print_config."""
     if config_required:
         p.add_argument("config", help="config file (YAML) or a bundled name: quickstart, cpu-small, gpt2-124m, ...")
     else:
         p.add_argument("config", nargs="?", help="config file (YAML) or bundled name (optional)")
+    add_dataclass_flags(p, RunConfig, skip=skip, aliases=aliases)
+    _add_set_flags(p)
+
+
+def _add_set_flags(p: argparse.ArgumentParser, example: str = "train.lr=3e-4") -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+                   help=f"override a config key, e.g. --set {example} (repeatable; flags given win)")
+    p.add_argument("--print_config", "--print-config", action="store_true",
+                   help="print the full run config as YAML (give it back as CONFIG for the same run) and exit")
 
 
 def _load(args: argparse.Namespace, defaults: list[str] | None = None) -> RunConfig:
-    """The config of ``args.config`` (or, with none, the built-in defaults changed by ``defaults``) and --set."""
+    """The config of ``args.config`` (or, with none, the built-in defaults changed by ``defaults``), its --set
+    overrides, then the ``--section.key`` flags given."""
     path = resolve_config_path(args.config) if args.config else None
     threads = getattr(args, "threads", None)  # --threads (cli.main) wins over the config's train.threads
-    return load_config(path, ([] if path else defaults or []) + args.overrides +
-                       ([f"train.threads={threads}"] if threads else []))
+    cfg = load_config(path, ([] if path else defaults or []) + args.overrides +
+                      ([f"train.threads={threads}"] if threads else []))
+    given = flag_values(args)
+    return RunConfig.from_dict(deep_merge(cfg.to_dict(), given), "flags") if given else cfg
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -58,24 +72,28 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _with_init(cfg: RunConfig, init: str, overrides: list[str]) -> RunConfig:
+def _with_init(cfg: RunConfig, init: str, overrides: list[str], args: argparse.Namespace) -> RunConfig:
     """Continue a saved model: its layout and weights, and its tokenizer unless data.tokenizer is set."""
-    explicit_tok = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides)
+    explicit_tok = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides) \
+        or "tokenizer" in flag_values(args).get("data", {})
     return cfg.replace(model={"init": init}, **({} if explicit_tok else {"data": {"tokenizer": "model"}}))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = getattr(args, "cfg", None) or _load(args)
-    if args.init:
-        cfg = _with_init(cfg, args.init, args.overrides)
-    if args.teacher:
-        cfg = cfg.replace(distill={"teacher": args.teacher})
-    if args.schedule:
-        cfg = cfg.replace(model={"schedule": args.schedule})
-    if args.seed is not None:
-        cfg = cfg.replace(seed=args.seed)
-    out = Path(args.out or cfg.out or f"runs/{cfg.name}-{cfg.model.schedule}-s{cfg.seed}")
+    cfg = getattr(args, "cfg", None) or _train_config(args)
+    if args.print_config:
+        return print_config(cfg)
+    out = Path(cfg.out or f"runs/{cfg.name}-{cfg.model.schedule}-s{cfg.seed}")
     return _run_training(cfg, out, args, "train")
+
+
+def _train_config(args: argparse.Namespace) -> RunConfig:
+    cfg = _load(args)
+    return _with_init(cfg, args.init, args.overrides, args) if args.init else cfg
+
+
+def _validate_train(args: argparse.Namespace) -> None:
+    args.cfg = _train_config(args)
 
 
 def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
@@ -132,17 +150,12 @@ def parse_token_count(value: str, flag: str = "--tokens") -> int:
 
 def _distill_config(args: argparse.Namespace) -> RunConfig:
     """The run ``distill`` trains: ``train --init STUDENT --teacher TEACHER`` with --data and --tokens applied."""
-    cfg = _with_init(_load(args, DISTILL_DEFAULTS), args.student, args.overrides)
-    changes = {k: v for k, v in (("teacher", args.teacher), ("temperature", args.temperature),
-                                 ("alpha", args.alpha)) if v is not None}
-    cfg = cfg.replace(distill=changes)
-    if args.data:
-        cfg = cfg.replace(data={"source": args.data})
+    cfg = _with_init(_load(args, DISTILL_DEFAULTS), args.student, args.overrides, args)
+    if not cfg.distill.teacher:
+        raise ValueError("distill needs a teacher: --teacher MODEL (or distill.teacher in the config)")
     if args.tokens:
         cfg = cfg.replace(train={"steps": steps_for_tokens(parse_token_count(args.tokens), cfg.train.batch_size,
                                                            cfg.train.context)})
-    if args.seed is not None:
-        cfg = cfg.replace(seed=args.seed)
     return cfg
 
 
@@ -152,12 +165,16 @@ def _validate_distill(args: argparse.Namespace) -> None:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     cfg = getattr(args, "cfg", None) or _distill_config(args)
-    out = Path(args.out or cfg.out or f"runs/{cfg.name}-s{cfg.seed}")
+    if args.print_config:
+        return print_config(cfg)
+    out = Path(cfg.out or f"runs/{cfg.name}-s{cfg.seed}")
     return _run_training(cfg, out, args, "distill")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     cfg = getattr(args, "cfg", None) or _load(args)
+    if args.print_config:
+        return print_config(cfg)
     _quiet_transformers()
     from headbudget.run_dir import claim_output_dir
     from headbudget.train.compare import default_reference, parse_schedules, run_compare
@@ -191,11 +208,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from headbudget.data.prepare import prepare_data
 
     cfg = getattr(args, "cfg", None) or _load(args)
+    if args.print_config:
+        return print_config(cfg)
     d = cfg.data
-    source = args.source or d.source
-    tokenizer = args.tokenizer or d.tokenizer
     t0 = time.perf_counter()
-    data = prepare_data(source, tokenizer, args.cache_dir or d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
+    data = prepare_data(d.source, d.tokenizer, d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
                         max_chars=d.max_chars, split_blank_lines=d.split_blank_lines, force=args.force)
     m = data.meta
     print(f"{'reused' if data.reused else 'prepared'} {data.directory} in {time.perf_counter() - t0:.1f}s")
@@ -206,50 +223,41 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train one model from a config",
-                       description="Train one model; writes metrics.jsonl, checkpoints/, model/ (HF format).")
-    _add_common(p)
-    p.add_argument("--schedule", help="head schedule: uniform, prism, reverse, linear, uniform@128, 3,3,6,6 ...")
-    p.add_argument("--out", help="run directory (default: config 'out' or runs/NAME-SCHEDULE-sSEED)")
-    p.add_argument("--seed", type=int, help="override the config's seed")
+                       description="Train one model; writes metrics.jsonl, checkpoints/, model/ (HF format). Every "
+                                   "config key is also a flag: --section.key VALUE (e.g. --train.lr 3e-4); flags given "
+                                   "override CONFIG, whose values override the defaults shown.")
+    _add_common(p, skip=("model.init",), aliases={"model.schedule": ("--schedule",), "distill.teacher": ("--teacher",)})
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out (none yet: start at step 0 "
                    "with a notice; a finished run is left as it is)")
     p.add_argument("--init", metavar="DIR",
                    help="start from a saved model (pruned/compressed ones too): its layout, weights and tokenizer; "
                         "fresh optimizer; data and training settings from CONFIG")
-    p.add_argument("--teacher", metavar="MODEL",
-                   help="distil from this model (same tokenizer): loss mixes KL to it and LM cross-entropy "
-                        "(distill.temperature, distill.alpha); see `headbudget distill`")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
-    p.set_defaults(func=cmd_train, validate=_validate)
+    p.set_defaults(func=cmd_train, validate=_validate_train)
 
     p = sub.add_parser("distill", help="recover a pruned/compressed model by logit distillation from a teacher",
                        description="train --init STUDENT --teacher TEACHER: loss alpha*T^2*KL(teacher||student) + "
                                    "(1-alpha)*CE on --data, same loop, checkpoints, resume and outputs as train "
                                    "(model/ opens with AutoModelForCausalLM).")
     p.add_argument("student", help="the model to recover (model folder, run folder or GGUF); its tokenizer is used")
-    p.add_argument("--teacher", required=True, metavar="MODEL",
-                   help="the model to imitate; must share the student's tokenizer (heads, widths, kv groups may differ)")
-    p.add_argument("--data", metavar="SOURCE", help="training text: file/glob, jsonl:PATH[:FIELD], hf:NAME ... "
-                   "(default: the config's data.source)")
+    p.add_argument("--config", help="run config (YAML or bundled name) for the training settings (default: the "
+                   "built-in defaults with " + ", ".join(DISTILL_DEFAULTS) + ")")
+    add_dataclass_flags(p, RunConfig, skip=("model.init",),
+                        aliases={"distill.teacher": ("--teacher",), "distill.temperature": ("--temperature",),
+                                 "distill.alpha": ("--alpha",), "data.source": ("--data",)})
     p.add_argument("--tokens", metavar="N", help="training tokens, e.g. 1M or 500k: train.steps = N / (batch_size x "
                    "context), rounded up (default: the config's train.steps)")
-    p.add_argument("--temperature", type=float, help="softmax temperature T of the KL (default 2)")
-    p.add_argument("--alpha", type=float, help="weight of the KL; 1-alpha weighs the LM loss (default 1)")
-    p.add_argument("--config", help="run config (YAML or bundled name) for the training settings (default: the "
-                   "built-in defaults with train.lr=1e-4)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.batch_size=8 (repeatable)")
-    p.add_argument("--out", help="output folder (default: config 'out' or runs/NAME-sSEED)")
-    p.add_argument("--seed", type=int, help="override the config's seed")
+    _add_set_flags(p, "train.batch_size=8")
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
     p.set_defaults(func=cmd_distill, validate=_validate_distill)
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
-                       description="Writes compare.json, report.md and loss_curves.png.")
-    _add_common(p)
+                       description="Writes compare.json, report.md and loss_curves.png. Every config key is also "
+                                   "a flag: --section.key VALUE.")
+    _add_common(p, skip=("out",))
     p.add_argument("--schedules", default="uniform,prism",
                    help="comma list, e.g. uniform,prism,reverse,uniform@128 (use ';' between schedules "
                         "written as head lists)")
@@ -270,9 +278,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("prepare", help="tokenize a data source into cached train/val memmaps",
                        description="Prepare (or find in the cache) the data of a config or of --source.")
-    _add_common(p, config_required=False)
-    p.add_argument("--source", help="text file/glob, jsonl:PATH[:FIELD], hf:NAME[:CONFIG], synthetic[:N_WORDS]")
-    p.add_argument("--tokenizer", help="byte, bpe:N, gpt2[:DIR], hf:NAME_OR_PATH")
-    p.add_argument("--cache-dir", help="cache directory (default $HEADBUDGET_DATA_CACHE or ~/.cache/headbudget/data)")
+    _add_common(p, config_required=False, skip=("name", "seed", "out", "model", "train", "distill"),
+                aliases={"data.source": ("--source",), "data.tokenizer": ("--tokenizer",),
+                         "data.cache_dir": ("--cache-dir",)})
     p.add_argument("--force", action="store_true", help="rebuild even when a cached copy exists")
     p.set_defaults(func=cmd_prepare, validate=_validate)

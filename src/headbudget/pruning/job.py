@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from headbudget.typed_config import option
+from headbudget.typed_config import device_option, dtype_option, option
 
 
 @dataclass
@@ -66,12 +66,8 @@ class PruneJob:
     limit_eval: int | None = option(None,
                                     help="seeded subsample of each eval split (lm: at most N held-out windows)")
     max_length: int = option(128, help="classification: longest tokenized example")
-    device: str | None = option(None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    # float type of the model's weights (headbudget.loading.DTYPES); a plain string checked by resolve_dtype
-    dtype: str = option(
-        "auto", metavar="{auto,float32,bfloat16,float16}",
-        help="float type of the model's weights (default auto: the checkpoint's own); bfloat16/float16 halve "
-             "memory and, on hardware with fast half-precision, time")
+    device: str | None = device_option()
+    dtype: str = dtype_option()
     progress: bool = option(True, help="no progress bars", flag="--no-progress")
     save_model: bool = option(True, help="write OUT/model", cli=False)
     # task "lm"
