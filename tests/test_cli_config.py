@@ -137,3 +137,14 @@ def test_compress_flags_are_compress_job_fields(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "headbudget compress: error: --set: allocation: 'later' is not one of uniform, later_layers_first, "
         "earlier_layers_first"]
+
+
+def test_finetune_flags_are_finetune_job_fields(tmp_path, capsys):
+    from headbudget.pruning.job import FinetuneJob
+
+    d = yaml.safe_load(_print_config(["finetune", "m", "--task", "mnli", "--data-dir", "d", "--out", "o",
+                                      "--max-steps", "5", "--no-progress", "--print_config"], capsys))
+    assert FinetuneJob(**d) == FinetuneJob("m", "mnli", "d", "o", max_steps=5, progress=False)
+    assert main(["finetune", "m", "--task", "sst5", "--out", "o", "--print_config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "headbudget finetune: error: missing --data-dir (give it on the command line or in --config)"]

@@ -26,11 +26,11 @@ from headbudget.cli.dataclass_flags import (
     add_config_flags,
     add_dataclass_flags,
     build,
+    dataclass_from_args,
     print_config,
     settings_mapping,
 )
-from headbudget.cli.model_flags import add_device_flag
-from headbudget.pruning.job import PruneJob
+from headbudget.pruning.job import FinetuneJob, PruneJob
 from headbudget.run_dir import claim_output_dir
 
 # --------------------------------------------------------------------------- argparse
@@ -64,20 +64,27 @@ def _validate_job(args: argparse.Namespace) -> None:
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
+    job: FinetuneJob = getattr(args, "job", None) or dataclass_from_args(FinetuneJob, args, positional=("model",))
+    if args.print_config:
+        return print_config(job)
     from headbudget.pruning.finetune import run_finetune
 
-    if args.epochs < 1:
-        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
-    with claim_output_dir(args.out, command="headbudget finetune", overwrite=args.overwrite):
+    if job.epochs < 1:
+        raise ValueError(f"--epochs must be >= 1, got {job.epochs}")
+    with claim_output_dir(job.out, command="headbudget finetune", overwrite=args.overwrite):
         summary = run_finetune(
-            args.model, args.task, args.data_dir, args.out, epochs=args.epochs, lr=args.lr,
-            warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, batch_size=args.batch_size,
-            seed=args.seed, max_length=args.max_length, train_limit=args.limit_train, eval_limit=args.limit_eval,
-            max_steps=args.max_steps, device=args.device, progress=not args.no_progress,
+            job.model, job.task, job.data_dir, job.out, epochs=job.epochs, lr=job.lr,
+            warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay, batch_size=job.batch_size,
+            seed=job.seed, max_length=job.max_length, train_limit=job.limit_train, eval_limit=job.limit_eval,
+            max_steps=job.max_steps, device=job.device, progress=job.progress,
         )
     accs = ", ".join(f"{s} {a:.4f}" for s, a in summary.get("final", {}).items())
-    print(f"fine-tuned {args.model} on {args.task}: {accs}; saved to {args.out}")
+    print(f"fine-tuned {job.model} on {job.task}: {accs}; saved to {job.out}")
     return 0
+
+
+def _validate_finetune(args: argparse.Namespace) -> None:
+    args.job = dataclass_from_args(FinetuneJob, args, positional=("model",))
 
 
 def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy") -> None:
@@ -178,25 +185,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("finetune", help="fine-tune a sequence classifier (SST-5, MNLI)",
                               description="Fine-tune a classifier: AdamW, linear warmup, dynamic padding.")
-    p.add_argument("model", metavar="MODEL", help="model folder, unpacked wheel, .whl or pruned model")
-    p.add_argument("--task", required=True, choices=("sst5", "mnli"))
-    p.add_argument("--data-dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--warmup-ratio", type=float, default=0.1)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit-train", type=int, default=None)
-    p.add_argument("--limit-eval", type=int, default=None)
-    p.add_argument("--max-steps", type=int, default=None)
-    add_device_flag(p)
-    p.add_argument("--no-progress", action="store_true")
+    add_dataclass_flags(p, FinetuneJob, positional=("model",))
+    add_config_flags(p, FinetuneJob, "the fine-tuning job's settings")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
-    p.set_defaults(func=_cmd_finetune)
+    p.set_defaults(func=_cmd_finetune, validate=_validate_finetune)
 
     p = subparsers.add_parser("prune", help="prune attention heads (CAHP or a baseline), fine-tune, report",
                               description="Prune heads with CAHP or a baseline; writes the model and report.json.")

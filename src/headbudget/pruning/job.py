@@ -122,4 +122,29 @@ class PruneJob:
                                    default_factory=dict)
 
 
-__all__ = ["PruneJob"]
+@dataclass
+class FinetuneJob:
+    """``headbudget finetune``: fine-tune a sequence classifier (each field declares its flag once).
+
+        run_finetune(job.model, job.task, job.data_dir, job.out, epochs=job.epochs, ...)
+    """
+
+    model: str = option(help="model folder, unpacked wheel, .whl or pruned model", metavar="MODEL")
+    task: str = option(help="classification task", choices=("sst5", "mnli"))
+    data_dir: str = option(help="folder with the task's files")
+    out: str = option(help="output folder")
+    epochs: int = option(3, help="passes over the training set")
+    lr: float = option(2e-5, help="peak learning rate (AdamW, linear warmup then linear decay)")
+    warmup_ratio: float = option(0.1, help="share of the steps with linear warmup")
+    weight_decay: float = option(0.01, help="AdamW weight decay")
+    batch_size: int = option(32, help="examples per step (dynamic padding)")
+    max_length: int = option(128, help="longest tokenized example")
+    seed: int = option(0, help="seed of shuffling, subsampling, dropout and a new classifier head")
+    limit_train: int | None = option(None, help="seeded subsample of the training split")
+    limit_eval: int | None = option(None, help="seeded subsample of each eval split")
+    max_steps: int | None = option(None, help="stop after N optimizer steps")
+    device: str | None = device_option()
+    progress: bool = option(True, help="no progress bars", flag="--no-progress")
+
+
+__all__ = ["FinetuneJob", "PruneJob"]
