@@ -109,3 +109,15 @@ def test_gpt2_tokenizer_files_that_are_not_utf8_name_the_file(tmp_path):
     with pytest.raises(NotUTF8Error) as exc:
         gpt2_hf_tokenizer(tmp_path)  # was Python's UnicodeDecodeError naming no file
     assert str(exc.value) == f"{tmp_path / 'encoder.json'}: not UTF-8 text (byte 0xe9 at offset 10, line 1)"
+
+
+def test_a_non_utf8_include_path_yaml_names_file_byte_offset_and_line(tmp_path):
+    from headbudget.evaluation.harness import _malformed_yaml
+
+    (tmp_path / "ok.yaml").write_text("task: hb_ok\n")
+    (tmp_path / "bad.yaml").write_bytes(b"task: hb_bad\n# caf\xe9\n")
+    err = _malformed_yaml(tmp_path, "hb_bad")
+    assert str(err) == (f"{tmp_path / 'bad.yaml'}: not UTF-8 text (byte 0xe9 at offset 18, line 2); "
+                        "lm-eval skips such a file, so task 'hb_bad' is not defined")  # the line was missing
+    (tmp_path / "bad.yaml").unlink()
+    assert _malformed_yaml(tmp_path, "hb_ok") is None

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from headbudget.data.text import NotUTF8Error, read_text
 from headbudget.evaluation.scorer import Scorer
 
 try:
@@ -268,11 +269,13 @@ def task_manager(tasks: Sequence[str], include_path: str | Sequence[str] | None 
     return TaskManager(include_path=paths)
 
 
-def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None) -> str | dict[str, Any]:
+def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None,
+                      limit: int | float | None = None) -> str | dict[str, Any]:
     """What ``tm.load`` takes for task ``name``: the name itself, or -- for a built-in task file read
     from ``data_dir`` -- its config with the data at ``data_dir/<metadata.local_file>`` (JSON lines,
     the hub's schema); its rows are checked first (:func:`~headbudget.evaluation.tasks.load_examples`:
-    a bad row is a DataError naming file, line and field, before any model work).
+    a bad row is a DataError naming file, line and field, before any model work; the first ``limit``
+    rows when ``limit`` is a count).
 
         >>> builtin_task_spec(task_manager(["piqa"]), "piqa", "tests/fixtures/zeroshot")["dataset_kwargs"]
         {'data_files': {'validation': 'tests/fixtures/zeroshot/piqa_validation.jsonl'}}
@@ -285,7 +288,7 @@ def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None) -> str | 
 
     from headbudget.evaluation.tasks import load_examples
 
-    load_examples(name, data_dir)
+    load_examples(name, data_dir, limit if isinstance(limit, int) else None)  # the rows lm-eval will read
     cfg = load_yaml(yaml_path, resolve_func=True)
     split = cfg.get("test_split") or cfg["validation_split"]
     data = str(Path(data_dir) / cfg["metadata"]["local_file"])
@@ -305,15 +308,13 @@ def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
 
     _AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
     paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
-    bad: list[tuple[bool, Path, str]] = []
+    bad: list[tuple[bool, str]] = []  # (mentions the task, "file[:line:col]: what is wrong")
     for root in paths:
         for f in sorted(Path(root).rglob("*.yaml")):
             try:
-                raw = f.read_bytes()
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad.append((name.encode() in raw, f,
-                            f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"))
+                text = read_text(f)
+            except NotUTF8Error as exc:  # names the file, byte, offset and line
+                bad.append((name.encode() in f.read_bytes(), str(exc)))
                 continue
             except OSError:
                 continue
@@ -323,11 +324,11 @@ def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
                 mark = getattr(exc, "problem_mark", None)
                 where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
                 problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-                bad.append((name in text, Path(f"{f}{where}"), f"invalid YAML ({problem})"))
+                bad.append((name in text, f"{f}{where}: invalid YAML ({problem})"))
     if not bad:
         return None
-    _, path, why = sorted(bad, key=lambda b: not b[0])[0]
-    return ValueError(f"{path}: {why}; lm-eval skips such a file, so task {name!r} is not defined")
+    problem = sorted(bad, key=lambda b: not b[0])[0][1]
+    return ValueError(f"{problem}; lm-eval skips such a file, so task {name!r} is not defined")
 
 
 def _unknown_task(name: str, tm: Any, include_path: Any) -> ValueError:
@@ -342,8 +343,8 @@ def _unknown_task(name: str, tm: Any, include_path: Any) -> ValueError:
                       f"{where}{hint}")
 
 
-def load_harness_tasks(tasks: Sequence[str], include_path: Any = None,
-                       data_dir: str | Path | None = None) -> tuple[Any, dict[str, Any]]:
+def load_harness_tasks(tasks: Sequence[str], include_path: Any = None, data_dir: str | Path | None = None,
+                       limit: int | float | None = None) -> tuple[Any, dict[str, Any]]:
     """``(TaskManager, loaded)`` for lm-eval task names, groups, tags or YAML paths, the built-in
     tasks' data read from ``data_dir`` when given; unknown names and generation tasks are ValueErrors
     naming them (before any model work)."""
@@ -351,7 +352,7 @@ def load_harness_tasks(tasks: Sequence[str], include_path: Any = None,
     for name in tasks:
         if name not in tm.all_tasks and not Path(name).is_file():
             raise _unknown_task(name, tm, include_path)
-    specs = [builtin_task_spec(tm, name, data_dir) for name in tasks]
+    specs = [builtin_task_spec(tm, name, data_dir, limit) for name in tasks]
     try:
         loaded = tm.load(specs)
     except (KeyError, FileNotFoundError) as exc:
@@ -395,7 +396,7 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     t0 = time.perf_counter()
     seeds = parse_seed(seed)
     if loaded is None:
-        _, loaded = load_harness_tasks(tasks, include_path, data_dir)
+        _, loaded = load_harness_tasks(tasks, include_path, data_dir, limit)
     if lm is None:
         lm = HeadBudgetLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                           strategy=strategy, device=device, progress=progress)
