@@ -238,14 +238,6 @@ def long_files(src: Path = SRC, limit: int = MAX_LINES) -> dict[str, int]:
     return {k: v for k, v in sorted(counts.items()) if v > limit}
 
 
-# Circles other parts of issue 21 are still removing; each is tolerated only in exactly this form.
-# pruning/pipeline <-> workloads is gone (PruneJob moved to pruning/job.py).
-ALLOWED_CYCLES: list[list[str]] = [
-    # evaluation part of issue 21 (helper H6): parse_seed moves into harness.py; remove this entry then
-    ["headbudget.evaluation.harness", "headbudget.evaluation.suite", "headbudget.evaluation.harness"],
-]
-
-
 # ---------------------------------------------------------------------- the package
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
@@ -261,7 +253,7 @@ def test_the_graph_sees_every_kind_of_import(graph):
 
 
 def test_no_import_cycle(graph):
-    cycles = [c for c in import_cycles(graph) if c not in ALLOWED_CYCLES]
+    cycles = import_cycles(graph)
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
@@ -274,17 +266,6 @@ def test_every_module_has_a_layer(graph):
     assert {m: layer_of(m) for m in graph}  # KeyError names a module no LAYERS entry covers
 
 
-# Files still over the limit while other parts of issue 21 shrink them (empty since train/trainer.py moved its
-# loop to train/loop.py). The strict xfail below turns into a failure the moment they are all short, to empty
-# this set; meanwhile no other file may grow past the limit.
-STILL_LONG: set[str] = set()
-
-
-def test_no_file_beyond_the_ones_being_shrunk_is_over_500_lines():
-    assert set(long_files()) <= STILL_LONG
-
-
-@pytest.mark.xfail(bool(STILL_LONG), strict=True, reason=f"still over {MAX_LINES} lines: {sorted(STILL_LONG)}")
 def test_no_source_file_over_500_lines():
     assert long_files() == {}
 
