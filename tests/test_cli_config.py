@@ -148,3 +148,21 @@ def test_finetune_flags_are_finetune_job_fields(tmp_path, capsys):
     assert main(["finetune", "m", "--task", "sst5", "--out", "o", "--print_config"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "headbudget finetune: error: missing --data-dir (give it on the command line or in --config)"]
+
+
+def test_experiment_flags_are_config_fields_and_quick_is_a_base(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from headbudget.experiments.ngram import NgramConfig
+
+    first = _print_config(["experiment", "ngram", "--quick", "--budget", "32", "--offsets", "1,3",
+                           "--print_config"], capsys)
+    d = yaml.safe_load(first)
+    quick = NgramConfig.quick()
+    assert (d["budget"], d["head_counts"], d["offsets"], d["steps"], d["seeds"]) == (32, None, [1, 3], quick.steps,
+                                                                                    [0])
+    cfg = tmp_path / "ngram.yaml"
+    cfg.write_text(first)
+    assert _print_config(["experiment", "ngram", "--config", str(cfg), "--print_config"], capsys) == first
+    assert main(["experiment", "ngram", "--config", str(cfg), "--set", "offset=2", "--print_config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "headbudget experiment: error: --set 'offset=2': unknown key 'offset' (did you mean 'offsets'?)"]

@@ -92,7 +92,8 @@ def _help(f: dataclasses.Field, show_bool: bool = False) -> str:
     default = f.default if f.default is not dataclasses.MISSING else None
     if default is not None and (show_bool or not isinstance(default, bool)) and default != () \
             and "default" not in text:
-        text = f"{text} (default: {default})" if text else f"default: {default}"
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        text = f"{text} (default: {shown})" if text else f"default: {shown}"
     return text
 
 

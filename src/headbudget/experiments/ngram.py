@@ -32,24 +32,27 @@ from tqdm.auto import tqdm
 
 from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
 from headbudget.train.loop import TrainLoop
+from headbudget.typed_config import option
 
 
 @dataclass
 class NgramConfig:
     """Sizes of the n-gram experiment (defaults: a few minutes on 2 shared CPU cores)."""
 
-    budget: int = 64
-    head_counts: tuple[int, ...] | None = None  # None: every divisor of budget
-    offsets: tuple[int, ...] = (1, 2, 3, 4)
-    vocab: int = 16
-    seq_len: int = 32
-    d_model: int = 64
-    steps: int = 600
-    batch: int = 64
-    lr: float = 3e-3
-    eval_batch: int = 512
-    seeds: tuple[int, ...] = (0, 1)
-    threads: int = 1
+    # each field declares its `headbudget experiment ngram` flag (headbudget.typed_config.option)
+    budget: int = option(64, help="n_heads x head_dim")
+    head_counts: tuple[int, ...] | None = option(
+        None, help="comma list of head counts, each dividing --budget (default: all divisors)", flag="--heads")
+    offsets: tuple[int, ...] = option((1, 2, 3, 4), help="comma list of offsets to copy")
+    vocab: int = option(16, help="vocabulary size")
+    seq_len: int = option(32, help="sequence length")
+    d_model: int = option(64, help="embedding width")
+    steps: int = option(600, help="training steps per model")
+    batch: int = option(64, help="sequences per step")
+    lr: float = option(3e-3, help="peak learning rate")
+    eval_batch: int = option(512, help="sequences the error is measured on")
+    seeds: tuple[int, ...] = option((0, 1), help="comma list of seeds")
+    threads: int = option(1, help="torch threads while running", cli=False)  # the CLI's --threads sets it
 
     @classmethod
     def quick(cls) -> NgramConfig:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -34,25 +34,30 @@ from tqdm.auto import tqdm
 
 from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
 from headbudget.train.loop import TrainLoop
+from headbudget.typed_config import option
 
 
 @dataclass
 class SaturationConfig:
     """Sizes of the saturation experiment (defaults: about 5-8 minutes on 2 shared CPU cores)."""
 
-    seq_lens: tuple[int, ...] = (16, 64, 256, 1024)
-    student_dims: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    d_model: int = 64
-    teacher_dim: int = 64
-    logit_scale: float = 2.0  # teacher logits are scaled to std ~ logit_scale
-    steps: int = 200
-    lrs: tuple[float, ...] = (0.03, 0.1)  # each student is trained at each; the best is kept
-    tokens_per_step: int = 2048  # batch = max(2, tokens_per_step // L) sequences
-    eval_tokens: int = 8192
-    seed: int = 0
-    student_value_dim: int | None = None  # None: the teacher's value width
-    threads: int = 1  # torch intra-op threads while running (restored afterwards)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # each field declares its `headbudget experiment saturation` flag (headbudget.typed_config.option)
+    seq_lens: tuple[int, ...] = option((16, 64, 256, 1024), help="comma list of sequence lengths L")
+    student_dims: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64), help="comma list of student head dims",
+                                           flag="--dims")
+    d_model: int = option(64, help="input width")
+    teacher_dim: int = option(64, help="teacher head dim")
+    logit_scale: float = option(2.0, help="teacher logit std (teacher logits are scaled to std ~ this)")
+    steps: int = option(200, help="training steps per student and learning rate")
+    lrs: tuple[float, ...] = option((0.03, 0.1), help="comma list of learning rates; each student is trained at "
+                                                      "each and the best is kept")
+    tokens_per_step: int = option(2048, help="tokens per training batch (batch = max(2, this // L) sequences)")
+    eval_tokens: int = option(8192, help="tokens the error is measured on")
+    seed: int = option(0, help="seed of the teacher, data and students")
+    student_value_dim: int | None = option(None, help="student value width (default: the teacher's)")
+    # torch intra-op threads while running (restored afterwards); the CLI's --threads sets it
+    threads: int = option(1, help="torch threads while running", cli=False)
+    extra: dict[str, Any] = option(help="free-form notes recorded with the result", cli=False, default_factory=dict)
 
     @classmethod
     def quick(cls) -> SaturationConfig:
