@@ -145,6 +145,14 @@ def test_registration_errors_and_a_scorer_of_the_wrong_shape(tiny, tmp_path, reg
         check_job(_job(tiny, tmp_path / "s", method="short"))
     with pytest.raises(ValueError, match=r"importance 'short' returned \[4\] scores per layer; the model has \[4, 4\]"):
         run_prune(_job(tiny, tmp_path / "s", method="short", keep=4))
+    methods.register_selector("layer-0-only", lambda run: methods.Selection(kept=[0, 1, 2, 3]))
+    registered.append("layer-0-only")
+    with pytest.raises(ValueError, match="^method 'layer-0-only' kept no head of layer 1: every layer keeps at least one$"):
+        run_prune(_job(tiny, tmp_path / "l0", method="layer-0-only", keep=4))
+    methods.register_selector("out-of-range", lambda run: methods.Selection(kept=[0, 8]))
+    registered.append("out-of-range")
+    with pytest.raises(ValueError, match=r"kept heads \[0, 8\]: give distinct flat indices in 0..7"):
+        run_prune(_job(tiny, tmp_path / "oor", method="out-of-range", keep=4))
 
 
 def test_old_methods_tuple_warns_and_reads_the_registry(registered):

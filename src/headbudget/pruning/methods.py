@@ -130,7 +130,9 @@ class PruningMethod:
 
     def select(self, run: MethodRun) -> Selection:
         if self.selector is not None:
-            return self.selector(run)
+            sel = self.selector(run)
+            sel.kept = _checked_kept(self.name, sel.kept, run.head_counts)
+            return sel
         assert self.importance is not None and run.target is not None
         counts = run.head_counts
         scores = [np.asarray(s, dtype=np.float64).reshape(-1) for s in self.importance(run.importance_context())]
@@ -138,6 +140,19 @@ class PruningMethod:
             raise ValueError(f"importance {self.name!r} returned {[len(s) for s in scores]} scores per layer; "
                              f"the model has {counts} heads per layer")
         return Selection(kept=select_top(scores, run.target), details={"scores": flatten(scores)})
+
+
+def _checked_kept(name: str, kept: Sequence[int], counts: Sequence[int]) -> list[int]:
+    """``kept`` sorted, or a one-line ``ValueError`` when a selector's heads cannot be the pruned model's."""
+    total = sum(counts)
+    out = sorted(int(i) for i in kept)
+    if len(set(out)) != len(out) or (out and not 0 <= out[0] <= out[-1] < total):
+        raise ValueError(f"method {name!r} kept heads {out}: give distinct flat indices in 0..{total - 1}")
+    layer_of = [layer for layer, n in enumerate(counts) for _ in range(n)]
+    empty = sorted(set(range(len(counts))) - {layer_of[i] for i in out})
+    if empty:
+        raise ValueError(f"method {name!r} kept no head of layer {empty[0]}: every layer keeps at least one")
+    return out
 
 
 _REGISTRY: dict[str, PruningMethod] = {}
