@@ -121,3 +121,15 @@ def test_a_non_utf8_include_path_yaml_names_file_byte_offset_and_line(tmp_path):
                         "lm-eval skips such a file, so task 'hb_bad' is not defined")  # the line was missing
     (tmp_path / "bad.yaml").unlink()
     assert _malformed_yaml(tmp_path, "hb_ok") is None
+
+
+def test_the_old_io_names_warn_and_give_the_one_reader():
+    import headbudget.io as hio
+
+    with pytest.warns(DeprecationWarning, match=r"headbudget\.io\.read_text_file is deprecated: use "
+                                                r"headbudget\.data\.text\.read_text"):
+        assert hio.read_text_file is read_text
+    with pytest.warns(DeprecationWarning):
+        assert hio.NotUTF8Error is NotUTF8Error
+    with pytest.raises(AttributeError):
+        hio.no_such_name  # noqa: B018

@@ -209,3 +209,21 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
     """Save a matplotlib figure atomically (format from the suffix, PNG by default)."""
     fmt = Path(path).suffix[1:] or "png"
     return atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=fmt))
+
+
+#: text readers that lived here before issue 21: old name -> name in :mod:`headbudget.data.text`
+_MOVED_TO_DATA_TEXT = {"NotUTF8Error": "NotUTF8Error", "read_text_file": "read_text", "iter_text_lines": "iter_text_lines"}
+
+
+def __getattr__(name: str) -> Any:
+    """The old import paths of the text readers, with a DeprecationWarning naming the new one."""
+    if name not in _MOVED_TO_DATA_TEXT:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    new = _MOVED_TO_DATA_TEXT[name]
+    warnings.warn(f"headbudget.io.{name} is deprecated: use headbudget.data.text.{new}", DeprecationWarning,
+                  stacklevel=2)
+    from headbudget.data import text
+
+    return getattr(text, new)
