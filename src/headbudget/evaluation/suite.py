@@ -93,7 +93,7 @@ def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_
         return None
     from headbudget.evaluation.harness import load_harness_tasks
 
-    return load_harness_tasks(tasks, include_path, data_dir)[1]
+    return load_harness_tasks(tasks, include_path, data_dir, limit)[1]
 
 
 def _lm_eval_keys(res: dict[str, Any], filt: str = "none") -> dict[str, Any]:
