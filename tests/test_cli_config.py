@@ -166,3 +166,24 @@ def test_experiment_flags_are_config_fields_and_quick_is_a_base(tmp_path, capsys
     assert main(["experiment", "ngram", "--config", str(cfg), "--set", "offset=2", "--print_config"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "headbudget experiment: error: --set 'offset=2': unknown key 'offset' (did you mean 'offsets'?)"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["schedule", "--preset", "cpu-tiny", "--kind", "uniform@32", "--json"],
+    ["export", "m", "--out", "m.gguf", "--outtype", "f16"],
+    ["eval", "m", "--tasks", "piqa", "--limit", "5", "--strategy", "full"],
+    ["perplexity", "m", "--data", "t.txt", "--context", "64"],
+    ["attention", "m", "--data", "t.txt", "--out", "a", "--compare", "n"],
+])
+def test_print_config_round_trips_on_every_settings_command(argv, tmp_path, capsys):
+    first = _print_config([*argv, "--print_config"], capsys)
+    assert yaml.safe_load(first)  # every setting, not just those given
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(first)
+    assert _print_config([argv[0], "--config", str(cfg), "--print_config"], capsys) == first
+
+
+def test_schedule_settings_reach_the_command(capsys):
+    assert main(["schedule", "--preset", "cpu-tiny", "--kind", "uniform@32", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"kind": "uniform@32"' in out and '"preset": "cpu-tiny"' in out

@@ -228,7 +228,8 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def example_override(cls: type, prefix: str = "") -> str:
-    """``key=default`` of the first field of ``cls`` with a number default (sections searched in order)."""
+    """``key=default`` of the first field of ``cls`` with a number default (sections searched in order), else
+    of its first string field: the example of an override in help texts and errors."""
     for f in dataclasses.fields(cls):
         tp = field_types(cls)[f.name]
         if dataclasses.is_dataclass(tp):
@@ -237,7 +238,8 @@ def example_override(cls: type, prefix: str = "") -> str:
                 return found
         elif isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
             return f"{prefix}{f.name}={f.default}"
-    return ""
+    return next((f"{prefix}{f.name}={f.default}" for f in dataclasses.fields(cls) if isinstance(f.default, str)),
+                "KEY=VALUE") if not prefix else ""
 
 
 def apply_overrides(cls: type, d: dict[str, Any], overrides: typing.Iterable[str] | None,

@@ -215,10 +215,33 @@ def print_config(obj: Any) -> int:
     return 0
 
 
+def add_settings(p: argparse.ArgumentParser, cls: type, what: str, positional: Iterable[str] = ()) -> None:
+    """A command whose settings are dataclass ``cls``: its flags, --config/--set/--print_config, and a
+    ``validate`` (run by cli.main before the command, before torch) that builds ``args.settings`` and copies its
+    fields onto ``args`` for the command to read; the command starts with ``if printed(args): return 0``."""
+    positional = tuple(positional)
+    add_dataclass_flags(p, cls, positional=positional)
+    add_config_flags(p, cls, what)
+
+    def validate(args: argparse.Namespace) -> None:
+        args.settings = dataclass_from_args(cls, args, positional=positional)
+        vars(args).update(dataclasses.asdict(args.settings))
+
+    p.set_defaults(validate=validate)
+
+
+def printed(args: argparse.Namespace) -> bool:
+    """--print_config: ``args.settings`` printed as YAML (the command then does nothing else)."""
+    if getattr(args, "print_config", False):
+        print_config(args.settings)
+        return True
+    return False
+
+
 def field_help(cls: type, name: str) -> str:
     """The help text declared on field ``name`` of ``cls`` (for a flag that sets the field another way)."""
     return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
 
 
-__all__ = ["add_config_flags", "add_dataclass_flags", "build", "dataclass_from_args", "deep_merge", "field_help",
-           "flag_name", "flag_values", "missing_flags", "print_config", "settings_mapping"]
+__all__ = ["add_config_flags", "add_dataclass_flags", "add_settings", "build", "dataclass_from_args", "deep_merge", "field_help",
+           "flag_name", "flag_values", "missing_flags", "print_config", "printed", "settings_mapping"]

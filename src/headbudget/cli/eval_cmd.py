@@ -13,18 +13,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headbudget.cli.dataclass_flags import (
-    add_config_flags,
-    add_dataclass_flags,
-    dataclass_from_args,
-    print_config,
-)
+from headbudget.cli.dataclass_flags import add_settings, printed
 from headbudget.io import atomic_write_json
 from headbudget.run_dir import check_output_file
 from headbudget.threads import add_threads_flag
@@ -103,24 +97,8 @@ class AttentionSettings(ModelSettings):
 
 
 def _add_settings(p: argparse.ArgumentParser, cls: type, what: str) -> None:
-    """The flags of ``cls``'s fields, --config/--set/--print_config, --threads; validate builds the settings."""
-    add_dataclass_flags(p, cls, positional=("model",))
-    add_config_flags(p, cls, what)
+    add_settings(p, cls, what, positional=("model",))
     add_threads_flag(p)  # applied by cli.main (headbudget.threads), the same on every command
-
-    def validate(args: argparse.Namespace) -> None:  # before torch: a bad key or value costs nothing
-        args.settings = dataclass_from_args(cls, args, positional=("model",))
-        vars(args).update(dataclasses.asdict(args.settings))  # the run functions read args.<field>
-
-    p.set_defaults(validate=validate)
-
-
-def _printed(args: argparse.Namespace) -> bool:
-    """--print_config: the settings printed, nothing run."""
-    if getattr(args, "print_config", False):
-        print_config(args.settings)
-        return True
-    return False
 
 
 def _check_model_flags(args: argparse.Namespace) -> None:
@@ -141,7 +119,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    if _printed(args):
+    if printed(args):
         return 0
     from headbudget.evaluation.lm_eval_files import check_output_args, write_lm_eval_files
     from headbudget.evaluation.suite import evaluate_suite, format_report, prepare_suite
@@ -186,7 +164,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_perplexity(args: argparse.Namespace) -> int:
-    if _printed(args):
+    if printed(args):
         return 0
     from headbudget.evaluation.perplexity import perplexity, read_text
 
@@ -245,7 +223,7 @@ def _attention_in_out(args: argparse.Namespace) -> int:
     """``run_attention`` holding ``--out`` (headbudget.run_dir: another run's results refused, one writer)."""
     from headbudget.run_dir import claim_output_dir
 
-    if _printed(args):
+    if printed(args):
         return 0
     with claim_output_dir(args.out, command="headbudget attention", overwrite=args.overwrite):
         return run_attention(args)

@@ -8,6 +8,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+
+from headbudget.cli.dataclass_flags import add_settings, printed
+from headbudget.typed_config import option
+
+
+@dataclass
+class ExportSettings:
+    """``headbudget export`` (each flag declared once, on its field)."""
+
+    model: str = option(help="model or run folder, or GGUF file", metavar="MODEL")
+    out: str = option(help="the file to write (e.g. model.gguf)")
+    fmt: str = option("gguf", help="output format (gguf)", flag="--format", choices=("gguf",))
+    outtype: str = option("f32", help="type of the 2-D weights (1-D norms stay f32, as llama.cpp's converter "
+                                      "writes them)", choices=("f32", "f16"))
+    gguf_file: str | None = option(None, help="the GGUF file to read, in a folder holding several")
+    tokenizer: str | None = option(None, help="tokenizer folder or spec (default: the model's own; a GGUF source "
+                                              "keeps its tokenizer metadata)")
+    tokenizer_pre: str | None = option(None, help="llama.cpp's pre-tokenizer name (gpt-2, smollm, llama-bpe, "
+                                                  "qwen2, ...) when the tokenizer's is not recognised")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,22 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "architecture (per-layer head counts and MLP widths, one head size) otherwise. Unequal query groups are "
         "written with duplicated key/value heads (the cost is printed); per-layer head widths are refused.",
     )
-    p.add_argument("model", metavar="MODEL", help="model or run folder, or GGUF file")
-    p.add_argument("--format", dest="fmt", choices=["gguf"], default="gguf", help="output format (gguf)")
-    p.add_argument("--out", required=True, help="the file to write (e.g. model.gguf)")
-    p.add_argument("--outtype", choices=["f32", "f16"], default="f32",
-                   help="type of the 2-D weights (1-D norms stay f32, as llama.cpp's converter writes them)")
-    p.add_argument("--gguf-file", default=None, help="the GGUF file to read, in a folder holding several")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder or spec (default: the model's own; a GGUF source keeps its tokenizer metadata)")
-    p.add_argument("--tokenizer-pre", default=None,
-                   help="llama.cpp's pre-tokenizer name (gpt-2, smollm, llama-bpe, qwen2, ...) when the tokenizer's "
-                   "is not recognised")
+    add_settings(p, ExportSettings, "the export's settings", positional=("model",))
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if printed(args):
+        return 0
     from transformers.utils import logging as hf_logging
 
     from headbudget.export import export_model

@@ -4,10 +4,29 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
 from headbudget.accounting import attention_parameters, count_parameters, flops_per_token
+from headbudget.cli.dataclass_flags import add_settings, printed
 from headbudget.schedule_spec import schedule_from_spec
 from headbudget.schedules import HeadSchedule, get_preset
+from headbudget.typed_config import option
+
+
+@dataclass
+class ScheduleSettings:
+    """``headbudget schedule`` (each flag declared once, on its field)."""
+
+    preset: str = option("gpt2-124m", help="gpt2-124m | gpt2-354m | gpt-757m | cpu-tiny | cpu-small")
+    kind: str = option("prism", help="uniform | prism | reverse | linear | uniform@HEAD_DIM | comma list of head "
+                                     "counts (budgeted kinds too, see --budget)")
+    max_head_dim: int | None = option(None, help="widest head (prism/reverse/linear)")
+    min_head_dim: int | None = option(None, help="narrowest head (prism/reverse/linear)")
+    context: int | None = option(None, help="context length for FLOPs (default: preset's)")
+    budget: float | None = option(None, help="fraction of the uniform attention budget D (with --strategy)")
+    strategy: str | None = option(None, help="budget strategy: uniform_shrink | late_dim_decay | front_loaded_heads "
+                                             "| a comma list")
+    json: bool = option(False, help="print JSON instead of a table")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,20 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Print a preset's per-layer schedule (heads, head_dim, kv heads, attention params, "
         "forward FLOPs per token) and totals.",
     )
-    p.add_argument("--preset", default="gpt2-124m", help="gpt2-124m | gpt2-354m | gpt-757m | cpu-tiny | cpu-small")
-    p.add_argument(
-        "--kind", default="prism",
-        help="uniform | prism | reverse | linear | uniform@HEAD_DIM | comma list of head counts "
-        "(budgeted kinds too, see --budget)",
-    )
-    p.add_argument("--max-head-dim", type=int, default=None, help="widest head (prism/reverse/linear)")
-    p.add_argument("--min-head-dim", type=int, default=None, help="narrowest head (prism/reverse/linear)")
-    p.add_argument("--context", type=int, default=None, help="context length for FLOPs (default: preset's)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="fraction of the uniform attention budget D (with --strategy)")
-    p.add_argument("--strategy", default=None,
-                   help="budget strategy: uniform_shrink | late_dim_decay | front_loaded_heads | a comma list")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_settings(p, ScheduleSettings, "the schedule's settings")
     p.set_defaults(func=run)
 
 
@@ -47,6 +53,8 @@ def build_schedule(args: argparse.Namespace) -> HeadSchedule:
 
 
 def run(args: argparse.Namespace) -> int:
+    if printed(args):
+        return 0
     preset = get_preset(args.preset)
     sched = build_schedule(args)
     context = args.context or preset.n_positions
