@@ -48,9 +48,10 @@ def test_print_config_round_trips_and_flags_beat_the_file(tmp_path, capsys):
     again = yaml.safe_load(_print_config(["prune", "--config", str(cfg), "--keep", "3", "--set", "pool_size=8",
                                           "--no-progress", "--print_config"], capsys))
     assert again == {**d, "keep": 3, "pool_size": 8, "progress": False}
-    # prune-compare reads the same file (its --methods replace method)
-    cmp = yaml.safe_load(_print_config(["prune-compare", "--config", str(cfg), "--print_config"], capsys))
-    assert cmp == d
+    # prune-compare reads the same file; its own settings (methods, seeds, ranking) are fields too
+    cmp = yaml.safe_load(_print_config(["prune-compare", "--config", str(cfg), "--methods", "cahp,fisher",
+                                        "--print_config"], capsys))
+    assert cmp == {**d, "methods": "cahp,fisher", "calibration_seeds": None, "ranking_rule": "mean"}
 
 
 @pytest.mark.parametrize(

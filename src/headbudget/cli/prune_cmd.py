@@ -19,7 +19,9 @@ Flags only: the pipelines are :mod:`headbudget.pruning.pipeline` (prune, prune-c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from headbudget.cli.dataclass_flags import (
@@ -32,35 +34,55 @@ from headbudget.cli.dataclass_flags import (
 )
 from headbudget.pruning.job import FinetuneJob, PruneJob
 from headbudget.run_dir import claim_output_dir
+from headbudget.typed_config import option
 
 # --------------------------------------------------------------------------- argparse
 #: the signature settings of headbudget's earlier releases (--legacy-signatures)
 LEGACY_SIGNATURES = {"ddof": 0, "var_floor": None, "var_eps": 1e-10, "tsne_dtype": "float64"}
 
 
-def _add_common(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """The flags of every PruneJob field (generated from its declaration) plus the run's own."""
-    add_dataclass_flags(p, PruneJob, positional=("model",), skip=skip)
+@dataclass
+class PruneCompareJob(PruneJob):
+    """``headbudget prune-compare``: a PruneJob (``method`` aside) and the comparison's own settings."""
+
+    methods: str = option("cahp,michel,fisher,magnitude,random",
+                          help="comma list; cahp@D sets CAHP's polynomial degree (e.g. cahp@2,cahp@6,michel)")
+    calibration_seeds: str | None = option(
+        None, help="lm: comma list of seeds, e.g. 0,1,2: the comparison once per seed (calibration windows drawn "
+                   "with it, in OUT/seed<s>), then mean, std and min-max per method and text and a ranking that "
+                   "names a method only if it is best on every text")
+    ranking_rule: str = option("mean", choices=("mean", "range"),
+                               help="with --calibration-seeds: best = better mean on every text (mean), or worst "
+                                    "seed better than every other method's best seed on every text (range)")
+
+    def prune_job(self) -> PruneJob:
+        """The settings every method of the comparison shares."""
+        return PruneJob(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PruneJob)})
+
+
+def _add_common(p: argparse.ArgumentParser, cls: type[PruneJob], skip: tuple[str, ...] = ()) -> None:
+    """The flags of every field of ``cls`` (generated from its declaration) plus the run's own."""
+    add_dataclass_flags(p, cls, positional=("model",), skip=skip)
     p.add_argument("--legacy-signatures", action="store_true",
                    help="population variance, var + 1e-10 (no 1e-6 floor) and float64 t-SNE instead of the "
                         "published code's sample variance, max(var, 1e-6) and float32 (sets "
                         + ", ".join(f"{k}={v}" for k, v in LEGACY_SIGNATURES.items()) + ")")
-    add_config_flags(p, PruneJob, "the prune job's settings")
+    add_config_flags(p, cls, "the prune job's settings")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
 
+    def validate(args: argparse.Namespace) -> None:  # before torch is imported: a bad key costs nothing
+        args.job = _job(args, cls)
 
-def _job(args: argparse.Namespace) -> PruneJob:
+    p.set_defaults(validate=validate)
+
+
+def _job(args: argparse.Namespace, cls: type[PruneJob] = PruneJob) -> Any:
     """The job of the flags, --config and --set (lm: no recovery fine-tuning unless asked for)."""
-    d = settings_mapping(PruneJob, args, {"data_dir": None},
+    d = settings_mapping(cls, args, {"data_dir": None},
                          base=LEGACY_SIGNATURES if args.legacy_signatures else None)
     d.setdefault("finetune_epochs", 0 if d.get("task") == "lm" else 3)
-    return build(PruneJob, d, args, positional=("model",))
-
-
-def _validate_job(args: argparse.Namespace) -> None:
-    """Build the job before torch is imported (cli.main calls it first): a bad key costs nothing."""
-    args.job = _job(args)
+    return build(cls, d, args, positional=("model",))
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
@@ -137,11 +159,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from headbudget.pruning.compare import run_compare
     from headbudget.pruning.workloads import eval_text_name
 
-    job = getattr(args, "job", None) or _job(args)
+    settings: PruneCompareJob = getattr(args, "job", None) or _job(args, PruneCompareJob)
     if args.print_config:
-        return print_config(job)
+        return print_config(settings)
+    job = settings.prune_job()
     eval_data = job.eval_data
-    seeds = _comma_list("--calibration-seeds", args.calibration_seeds, int)
+    seeds = _comma_list("--calibration-seeds", settings.calibration_seeds, int)
     if (eval_data or seeds is not None) and job.task != "lm":
         raise ValueError(f"--eval-data / --calibration-seeds score and calibrate LMs: they need --task lm, "
                          f"not {job.task}")
@@ -153,11 +176,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--eval-data {','.join(eval_data)!r}: two texts share a name (file stem) or one is "
                          "named 'heldout'")
     if seeds is not None and len(set(seeds)) != len(seeds):
-        raise ValueError(f"--calibration-seeds {args.calibration_seeds!r}: repeated seed")
+        raise ValueError(f"--calibration-seeds {settings.calibration_seeds!r}: repeated seed")
     with claim_output_dir(job.out, command="headbudget prune-compare", resume=args.resume,
                           overwrite=args.overwrite):
-        summary = run_compare(job, args.methods, resume=args.resume, calibration_seeds=seeds,
-                              ranking_rule=args.ranking_rule)
+        summary = run_compare(job, settings.methods, resume=args.resume, calibration_seeds=seeds,
+                              ranking_rule=settings.ranking_rule)
     if seeds is not None:
         for stage, rank in summary["ranking"].items():
             lines = [f"{lbl}: " + ", ".join(f"{t} {a['mean']:.4f} ± {a['std']:.4f}" for t, a in d.items())
@@ -193,22 +216,13 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("prune", help="prune attention heads (CAHP or a baseline), fine-tune, report",
                               description="Prune heads with CAHP or a baseline; writes the model and report.json.")
-    _add_common(p)
-    p.set_defaults(func=_cmd_prune, validate=_validate_job)
+    _add_common(p, PruneJob)
+    p.set_defaults(func=_cmd_prune)
 
     p = subparsers.add_parser("prune-compare", help="several pruning methods, one table",
                               description="Run several methods and tabulate: each cahp@d finds its own knee, each "
                                           "baseline takes the count of the nearest cahp entry before it (or --keep).")
-    _add_common(p, skip=("method",))
-    p.add_argument("--methods", default="cahp,michel,fisher,magnitude,random",
-                   help="comma list; cahp@D sets CAHP's polynomial degree (e.g. cahp@2,cahp@6,michel)")
+    _add_common(p, PruneCompareJob, skip=("method",))
     p.add_argument("--resume", action="store_true",
                    help="reuse every method already finished in --out with the same settings; run the rest")
-    p.add_argument("--calibration-seeds", default=None,
-                   help="lm: comma list of seeds, e.g. 0,1,2: the comparison once per seed (calibration windows "
-                        "drawn with it, in OUT/seed<s>), then mean, std and min-max per method and text and a "
-                        "ranking that names a method only if it is best on every text")
-    p.add_argument("--ranking-rule", choices=("mean", "range"), default="mean",
-                   help="with --calibration-seeds: best = better mean on every text (mean), or worst seed better "
-                        "than every other method's best seed on every text (range)")
-    p.set_defaults(func=_cmd_compare, validate=_validate_job)
+    p.set_defaults(func=_cmd_compare)
