@@ -188,3 +188,21 @@ def test_schedule_settings_reach_the_command(capsys):
     assert main(["schedule", "--preset", "cpu-tiny", "--kind", "uniform@32", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"kind": "uniform@32"' in out and '"preset": "cpu-tiny"' in out
+
+
+def test_print_config_imports_no_torch():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import contextlib, io, sys
+        from headbudget.cli.main import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            rcs = [main(a.split() + ["--print_config"]) for a in (
+                "prune m --task sst5 --data-dir d --out o", "prune-compare m --task lm --data t --out o",
+                "compress m --out o", "eval m", "train quickstart --train.lr 1e-3", "distill s --teacher t")]
+        print(rcs, "torch" in sys.modules)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "[0, 0, 0, 0, 0, 0] False", res.stderr

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "validate", None):  # checks needing no torch: a --set typo costs no torch import
             args.validate(args)
-        if "threads" in vars(args):  # the one thread policy (headbudget.threads), before any work
+        if "threads" in vars(args) and not getattr(args, "print_config", False):  # the one thread policy
+            # (headbudget.threads), before any work; --print_config does none (and needs no torch)
             from headbudget.threads import configure_threads
 
             configure_threads(args.threads)

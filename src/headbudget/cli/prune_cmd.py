@@ -154,14 +154,14 @@ def _comma_list(flag: str, raw: str | None, cast: Any = str) -> list[Any] | None
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    settings: PruneCompareJob = getattr(args, "job", None) or _job(args, PruneCompareJob)
+    if args.print_config:
+        return print_config(settings)
     from pathlib import Path
 
     from headbudget.pruning.compare import run_compare
     from headbudget.pruning.workloads import eval_text_name
 
-    settings: PruneCompareJob = getattr(args, "job", None) or _job(args, PruneCompareJob)
-    if args.print_config:
-        return print_config(settings)
     job = settings.prune_job()
     eval_data = job.eval_data
     seeds = _comma_list("--calibration-seeds", settings.calibration_seeds, int)
