@@ -206,3 +206,12 @@ def test_print_config_imports_no_torch():
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.stdout.strip() == "[0, 0, 0, 0, 0, 0] False", res.stderr
+
+
+def test_a_flag_given_at_its_default_value_still_beats_the_config_file(tmp_path, capsys):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model: m\ntask: sst5\ndata_dir: d\nout: o\npool_size: 8\nprogress: false\n")
+    d = yaml.safe_load(_print_config(["prune", "--config", str(cfg), "--print_config"], capsys))
+    assert (d["pool_size"], d["progress"]) == (8, False)
+    d = yaml.safe_load(_print_config(["prune", "--config", str(cfg), "--pool-size", "32", "--print_config"], capsys))
+    assert d["pool_size"] == 32  # 32 is PruneJob's default: given on the command line, it wins over the file
