@@ -238,10 +238,5 @@ def printed(args: argparse.Namespace) -> bool:
     return False
 
 
-def field_help(cls: type, name: str) -> str:
-    """The help text declared on field ``name`` of ``cls`` (for a flag that sets the field another way)."""
-    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name)
-
-
-__all__ = ["add_config_flags", "add_dataclass_flags", "add_settings", "build", "dataclass_from_args", "deep_merge", "field_help",
+__all__ = ["add_config_flags", "add_dataclass_flags", "add_settings", "build", "dataclass_from_args", "deep_merge",
            "flag_name", "flag_values", "missing_flags", "print_config", "printed", "settings_mapping"]
