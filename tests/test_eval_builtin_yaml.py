@@ -54,6 +54,15 @@ def test_yaml_tasks_score_every_document_as_the_builtin_path():
             assert out["results"][task][f"{metric},none"] == builtin["results"][task][metric], (task, metric)
     assert worst < 1e-6  # measured 1.2e-7: float32 rounding of another batch layout
 
+    # one row per pass, so no batch layout differs: bit-identical
+    scores.clear()
+    evaluate_tasks(model, tok, tasks, data_dir=str(FIXTURES), batch_size=1, progress=False, scores_out=scores)
+    out = evaluate_harness(model, tok, tasks, data_dir=str(FIXTURES), batch_size=1, log_samples=True,
+                           progress=False)
+    for task in tasks:
+        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        assert [[r[0][0] for r in s["resps"]] for s in samples] == scores[task], task
+
 
 def test_eval_reads_the_packaged_yaml_with_the_data_dir(tmp_path, capsys):
     model_dir = tmp_path / "m"

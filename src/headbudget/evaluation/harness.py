@@ -1,7 +1,8 @@
 """lm-evaluation-harness's task library, scored by headbudget's shared-prefix engine.
 
 lm-eval (the optional extra, ``pip install "headbudget[lmeval]"``) builds the requests -- its task
-names, groups, YAML files of the user's own (``include_path``), few-shot contexts and seeds -- and
+names, groups, headbudget's built-in tasks (the YAML files in ``lm_eval_tasks/``, local data through
+:func:`builtin_task_spec`), YAML files of the user's own (``include_path``), few-shot contexts and seeds -- and
 computes the metrics; :class:`HeadBudgetLM` answers its ``loglikelihood`` and
 ``loglikelihood_rolling`` requests with :class:`headbudget.evaluation.zeroshot.Scorer`: the
 requests of one document (its choices) become one token trie, and documents whose prompts share a
