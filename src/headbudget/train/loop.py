@@ -239,7 +239,7 @@ class TrainLoop:
                 return done == steps or (log_every > 0 and done % log_every == 0)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)  # nothing left over from an earlier backward
-        self._losses = []
+        self._pending, self._losses = [], []
         batches, done, seconds, n_steps = iter(micro_batches), start_step, 0.0, 0
         for step in range(start_step, steps):
             t0 = time.perf_counter()

@@ -329,11 +329,14 @@ class Trainer:
     def _micro_batches(self, run: _Run, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The micro-batches of steps ``start_step..``: a pure function of (seed, step, micro, rank)."""
         t, device = self.cfg.train, run.device
+        pin = device.type == "cuda"  # a copy from pageable memory waits for the GPU queue: a sync per micro-batch
         for step in range(start_step, t.steps):
             for micro in range(t.grad_accum):
                 x, y = train_batch(run.data.train, seed=self.cfg.seed, step=step, batch_size=t.batch_size,
                                    context=t.context, micro=micro, n_micro=t.grad_accum, rank=self.rank,
                                    world_size=self.world)
+                if pin:
+                    x, y = x.pin_memory(), y.pin_memory()
                 yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def _evaluate_run(self, run: _Run) -> float:
