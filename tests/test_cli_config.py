@@ -215,3 +215,12 @@ def test_a_flag_given_at_its_default_value_still_beats_the_config_file(tmp_path,
     assert (d["pool_size"], d["progress"]) == (8, False)
     d = yaml.safe_load(_print_config(["prune", "--config", str(cfg), "--pool-size", "32", "--print_config"], capsys))
     assert d["pool_size"] == 32  # 32 is PruneJob's default: given on the command line, it wins over the file
+
+
+def test_threads_flag_at_zero_beats_the_config_file(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("train:\n  threads: 3\n")
+    d = yaml.safe_load(_print_config(["train", str(cfg), "--threads", "0", "--print_config"], capsys))
+    assert d["train"]["threads"] == 0  # 0 = automatic, given on the command line: it wins over the file's 3
+    d = yaml.safe_load(_print_config(["train", str(cfg), "--print_config"], capsys))
+    assert d["train"]["threads"] == 3

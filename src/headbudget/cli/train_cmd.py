@@ -47,9 +47,10 @@ def _load(args: argparse.Namespace, defaults: list[str] | None = None) -> RunCon
     """The config of ``args.config`` (or, with none, the built-in defaults changed by ``defaults``), its --set
     overrides, then the ``--section.key`` flags given."""
     path = resolve_config_path(args.config) if args.config else None
-    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over the config's train.threads
+    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over the config's train.threads,
+    # --threads 0 (auto) too
     cfg = load_config(path, ([] if path else defaults or []) + args.overrides +
-                      ([f"train.threads={threads}"] if threads else []))
+                      ([f"train.threads={threads}"] if threads is not None else []))
     given = flag_values(args)
     return RunConfig.from_dict(deep_merge(cfg.to_dict(), given), "flags") if given else cfg
 
