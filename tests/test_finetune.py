@@ -171,6 +171,28 @@ def test_finetune_learns_and_is_reproducible(tokenizer) -> None:
         finetune(_tiny_classifier(), tokenizer, data, eval_splits=["test"], progress=False)
 
 
+class _NanModel(nn.Module):
+    """A classifier whose loss is NaN from its second call on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        self.calls += 1
+        loss = (self.w.sum() * input_ids.float().mean()) ** 2
+        return SimpleNamespace(loss=loss * float("nan") if self.calls >= 2 else loss)
+
+
+def test_finetune_stops_on_a_nan_loss_naming_its_first_step(tokenizer) -> None:
+    model = _NanModel()
+    # the loss is read at log steps (every 10) and at the end of the epoch, not after every step
+    with pytest.raises(FloatingPointError, match=r"non-finite training loss \(nan\) at step 2 "):
+        finetune(model, tokenizer, {"train": _toy(8), "dev": _toy(2)}, epochs=2, batch_size=2, progress=False)
+    assert model.calls == 4  # the first epoch's 4 steps ran; it stopped before evaluating or a second epoch
+
+
 def test_pruned_classifier_saves_loads_and_finetunes(tokenizer, tmp_path: Path) -> None:
     model = _tiny_classifier(5).eval()
     get_adapter(model).prune_heads({0: [0, 2], 1: [3]})
