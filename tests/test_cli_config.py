@@ -224,3 +224,18 @@ def test_threads_flag_at_zero_beats_the_config_file(tmp_path, capsys):
     assert d["train"]["threads"] == 0  # 0 = automatic, given on the command line: it wins over the file's 3
     d = yaml.safe_load(_print_config(["train", str(cfg), "--print_config"], capsys))
     assert d["train"]["threads"] == 3
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["prune", "m", "--keep", "x"], "headbudget prune: error: argument --keep: expected an integer, got 'x'"),
+    (["prune", "m", "--keep_ratoi", "0.5"],
+     "headbudget prune: error: unrecognized arguments: --keep_ratoi 0.5 (did you mean --keep-ratio?)"),
+    (["train", "quickstart", "--train.lrr=3"],
+     "headbudget train: error: unrecognized arguments: --train.lrr=3 (did you mean --train.lr?)"),
+    (["experiment", "ngram", "--stepz", "3"],
+     "headbudget experiment ngram: error: unrecognized arguments: --stepz 3 (did you mean --steps?)"),
+])
+def test_usage_errors_are_one_line_naming_the_command_and_the_nearest_flag(argv, line, capsys):
+    with pytest.raises(SystemExit) as exc:  # argparse's own errors: no usage block before the line
+        main(argv)
+    assert exc.value.code == 2 and capsys.readouterr().err.splitlines() == [line]

@@ -16,10 +16,12 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import importlib
 import pickle
 import sys
+import typing
 
 # command name -> module implementing it (module.register(subparsers))
 COMMANDS: dict[str, str] = {
@@ -73,10 +75,37 @@ def anticipated_error(exc: BaseException) -> str | None:
     return None
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit 2 (``headbudget prune: error: argument --keep: ...``)
+    instead of the whole usage (~35 lines for prune) before it; ``--help`` shows the usage.  Sub-command
+    parsers inherit the class (``add_subparsers`` makes them with ``type(self)``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> typing.NoReturn:
+    """The error for arguments no parser took, from the command's own parser (its name, not ``headbudget``),
+    naming the nearest flag of that command for the first unknown flag."""
+    while parser._subparsers is not None:  # down to the (sub-)command that was chosen
+        action = parser._subparsers._group_actions[0]
+        chosen = action.choices.get(getattr(args, action.dest, None) or "")
+        if chosen is None:
+            break
+        parser = chosen
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    unknown = next((x.split("=", 1)[0] for x in extra if x.startswith("--")), None)
+    near = difflib.get_close_matches(unknown.replace("_", "-"), flags, n=1) if unknown else []
+    if near:
+        message += f" (did you mean {near[0]}?)"
+    parser.error(message)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` only that command's module is imported (``schedule`` needs no torch),
     without it every command (for ``--help``)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="headbudget",
         description="Adaptive head budgeting: schedules, training, evaluation, pruning, compression.",
     )
@@ -105,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)  # no global options take values
     parser = build_parser(command)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unrecognized(parser, args, extra)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
