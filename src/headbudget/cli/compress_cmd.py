@@ -19,7 +19,6 @@ from headbudget.cli.dataclass_flags import (
 )
 from headbudget.compression.job import CompressJob
 from headbudget.data.text import read_text
-from headbudget.threads import add_threads_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +32,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_flags(p, CompressJob, "the compress job's settings")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
-    add_threads_flag(p)  # applied by cli.main (headbudget.threads)
     p.set_defaults(func=run, validate=_validate)
 
 

@@ -21,7 +21,6 @@ from typing import Any
 from headbudget.cli.dataclass_flags import add_settings, printed
 from headbudget.io import atomic_write_json
 from headbudget.run_dir import check_output_file
-from headbudget.threads import add_threads_flag
 from headbudget.typed_config import device_option, dtype_option, option
 
 
@@ -94,11 +93,6 @@ class AttentionSettings(ModelSettings):
     seq_len: int = option(128, help="tokens per sequence")
     n_seqs: int = option(4, help="sequences averaged")
     local_window: int = option(8, help="distance counted as local (local share)")
-
-
-def _add_settings(p: argparse.ArgumentParser, cls: type, what: str) -> None:
-    add_settings(p, cls, what, positional=("model",))
-    add_threads_flag(p)  # applied by cli.main (headbudget.threads), the same on every command
 
 
 def _check_model_flags(args: argparse.Namespace) -> None:
@@ -233,18 +227,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval", help="zero-shot multiple-choice accuracy (lm-eval's numbers)",
                               description="Zero-shot PIQA/HellaSwag/ARC/WinoGrande with "
                               "lm-evaluation-harness's prompts and metrics.")
-    _add_settings(p, EvalSettings, "the evaluation's settings")
+    add_settings(p, EvalSettings, "the evaluation's settings", positional=("model",))
     p.set_defaults(func=run_eval)
 
     p = subparsers.add_parser("perplexity", help="sliding-window token perplexity",
                               description="Token-level loss and perplexity with a sliding window.")
-    _add_settings(p, PerplexitySettings, "the perplexity run's settings")
+    add_settings(p, PerplexitySettings, "the perplexity run's settings", positional=("model",))
     p.set_defaults(func=run_perplexity)
 
     p = subparsers.add_parser("attention", help="per-head attention distance/entropy/locality",
                               description="Mean attention distance, entropy and local share per "
                               "layer and head; JSON and PNG plots.")
-    _add_settings(p, AttentionSettings, "the attention run's settings")
+    add_settings(p, AttentionSettings, "the attention run's settings", positional=("model",))
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
     p.set_defaults(func=_attention_in_out)
