@@ -239,3 +239,10 @@ def test_usage_errors_are_one_line_naming_the_command_and_the_nearest_flag(argv,
     with pytest.raises(SystemExit) as exc:  # argparse's own errors: no usage block before the line
         main(argv)
     assert exc.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
+
+
+@pytest.mark.parametrize("budget", [["--budget", "32"], ["--set", "budget=32"]])
+def test_ngram_quick_with_another_budget_drops_the_quick_head_counts_however_the_budget_is_given(budget, capsys):
+    pytest.importorskip("torch")
+    d = yaml.safe_load(_print_config(["experiment", "ngram", "--quick", *budget, "--print_config"], capsys))
+    assert (d["budget"], d["head_counts"]) == (32, None)  # quick's 1,2,4,16,64: 64 does not divide 32

@@ -15,8 +15,8 @@ from headbudget.cli.dataclass_flags import (
     add_config_flags,
     add_dataclass_flags,
     build,
+    deep_merge,
     flag_name,
-    flag_values,
     print_config,
     settings_mapping,
 )
@@ -53,9 +53,10 @@ def _add_experiment(esub: Any, name: str, cls: type, help: str, description: str
     def validate(args: argparse.Namespace) -> None:  # the config before any work: a bad value costs nothing
         base = cls.quick() if args.quick else cls()
         defaults = dataclasses.asdict(base)
-        if name == "ngram" and args.quick and "budget" in flag_values(args):
+        given = settings_mapping(cls, args)  # --config, --set and the flags given
+        if name == "ngram" and args.quick and "budget" in given and "head_counts" not in given:
             defaults["head_counts"] = None  # the quick head counts divide only the default budget
-        cfg = build(cls, settings_mapping(cls, args, defaults), args)
+        cfg = build(cls, deep_merge(defaults, given), args)
         _check_positive(cfg, cls)
         if args.threads is not None and args.threads <= 0:
             raise ValueError(f"--threads must be positive, got {args.threads}")
