@@ -163,3 +163,16 @@ def test_old_methods_tuple_warns_and_reads_the_registry(registered):
     with pytest.warns(DeprecationWarning, match="available_importances"):
         names = pipeline.METHODS
     assert names == (*BUILTINS, "late")
+
+
+def test_a_comparison_runs_every_methods_check_before_any_method(tiny, tmp_path, registered):
+    from headbudget.pruning.compare import run_compare
+
+    def refuse(job):
+        raise ValueError(f"method picky cannot run on task {job.task} ({job.method})")
+
+    methods.register_importance("picky", lambda ctx: SCORES, check=refuse)
+    registered.append("picky")
+    with pytest.raises(ValueError, match=r"^method picky cannot run on task sst5 \(picky\)$"):
+        run_compare(_job(tiny, tmp_path / "cmp", keep=4), "random,picky")
+    assert not (tmp_path / "cmp" / "random").exists()  # was: random ran (and wrote its folder) first

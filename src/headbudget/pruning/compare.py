@@ -90,6 +90,10 @@ def run_compare(job: PruneJob, methods: str, resume: bool = False,
         raise ValueError(f"without a forced head count (keep / keep_ratio) the first method must find its own "
                          f"head count, as cahp does ({entries[0][1]} needs one)")
     check_job(replace(job, method="cahp"))
+    for method in dict.fromkeys(m for _, m, _ in entries):  # e.g. attattr with task lm: before any method runs
+        check = get_importance(method).check
+        if check is not None:
+            check(replace(job, method=method))
     if calibration_seeds is not None:
         return _run_compare_seeds(job, entries, list(calibration_seeds), resume, on_row, ranking_rule)
     loaded = load_workload(job)
