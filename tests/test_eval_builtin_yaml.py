@@ -29,7 +29,7 @@ def test_every_builtin_task_has_a_yaml_file_and_a_fixture():
 
 
 def test_yaml_tasks_score_every_document_as_the_builtin_path():
-    """Same (context, continuation) pairs, per-document log-likelihoods equal to 1e-6 relative, same
+    """Same (context, continuation) pairs, per-document log-likelihoods equal to 1e-5 relative, same
     predictions and the same acc/acc_norm, for all seven tasks."""
     from headbudget.evaluation.harness import evaluate_harness
     from headbudget.evaluation.zeroshot import evaluate_tasks
@@ -39,7 +39,6 @@ def test_yaml_tasks_score_every_document_as_the_builtin_path():
     scores: dict[str, list[list[float]]] = {}
     builtin = evaluate_tasks(model, tok, tasks, data_dir=str(FIXTURES), progress=False, scores_out=scores)
     out = evaluate_harness(model, tok, tasks, data_dir=str(FIXTURES), log_samples=True, progress=False)
-    worst = 0.0
     for task in tasks:
         samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
         examples = load_examples(task, FIXTURES)
@@ -47,12 +46,13 @@ def test_yaml_tasks_score_every_document_as_the_builtin_path():
         for s, ex, lls in zip(samples, examples, scores[task], strict=True):
             assert [tuple(a) for a in s["arguments"]] == list(zip(ex.contexts, ex.continuations, strict=True))
             got = [r[0][0] for r in s["resps"]]
-            assert got == pytest.approx(lls, rel=1e-6, abs=0)
-            worst = max(worst, *(abs(g - w) / abs(w) for g, w in zip(got, lls, strict=True)))
+            # the two paths batch the documents differently (lm-eval groups all tasks' requests): float32
+            # sums in another order; measured 1.2e-7 here, 2.4e-6 on SmolLM2 -- 1e-5 leaves room for
+            # another CPU's kernels (the batch-size-1 comparison below is exact)
+            assert got == pytest.approx(lls, rel=1e-5, abs=0)
         assert out["predictions"][task] == builtin["predictions"][task]
         for metric in TASKS[task].metrics:
             assert out["results"][task][f"{metric},none"] == builtin["results"][task][metric], (task, metric)
-    assert worst < 1e-6  # measured 1.2e-7: float32 rounding of another batch layout
 
     # one row per pass, so no batch layout differs: bit-identical
     scores.clear()
