@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from headbudget.pruning import pipeline
+from headbudget.pruning.job import PruneJob
 from headbudget.pruning.methods import get_importance
-from headbudget.pruning.pipeline import PruneJob, _job_fingerprint, check_job
+from headbudget.pruning.pipeline import _job_fingerprint, check_job
 from headbudget.pruning.workloads import LMWorkload, Workload, load_workload
 
 
