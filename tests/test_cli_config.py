@@ -246,3 +246,17 @@ def test_ngram_quick_with_another_budget_drops_the_quick_head_counts_however_the
     pytest.importorskip("torch")
     d = yaml.safe_load(_print_config(["experiment", "ngram", "--quick", *budget, "--print_config"], capsys))
     assert (d["budget"], d["head_counts"]) == (32, None)  # quick's 1,2,4,16,64: 64 does not divide 32
+
+
+def _help_of(command: str, flag: str) -> str:
+    sub = build_parser(command)._subparsers._group_actions[0].choices[command]
+    return next(a.help for a in sub._actions if flag in a.option_strings)
+
+
+def test_help_says_required_only_for_settings_the_command_line_needs():
+    # PruneJob.data_dir (str | None, no default) is needed by sst5/mnli only: not "(required)" in prune's help
+    assert _help_of("prune", "--data-dir") == "sst5/mnli: folder with the task's files"
+    assert _help_of("prune", "--out").endswith("(required)")
+    assert _help_of("finetune", "--data-dir").endswith("(required)")  # FinetuneJob.data_dir is a str
+    # a section's bool default is spelled as its {true,false} values and YAML spell it
+    assert _help_of("train", "--model.bias").endswith("(default: true)")

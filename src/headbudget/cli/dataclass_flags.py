@@ -7,7 +7,7 @@ help, choices, flag spelling), and the dataclass built back from the parsed flag
     >>> p = argparse.ArgumentParser()
     >>> _ = add_dataclass_flags(p, PruneJob, positional=("model",)); add_config_flags(p, PruneJob)
     >>> args = p.parse_args(["runs/ft", "--task", "sst5", "--keep", "12", "--out", "runs/cahp"])
-    >>> job = dataclass_from_args(PruneJob, args, defaults={"data_dir": None})
+    >>> job = dataclass_from_args(PruneJob, args)
     >>> job.keep, job.pool_size
     (12, 32)
 
@@ -85,14 +85,23 @@ def _converter(tp: Any, flag: str) -> Any:
     return convert
 
 
-def _help(f: dataclasses.Field, show_bool: bool = False) -> str:
+def _optional_on_cli(cls: type) -> dict[str, None]:
+    """``{name: None}`` of the fields typed ``X | None`` that have no default: Python callers pass them, on the
+    command line they may be left out (``PruneJob.data_dir``: only sst5/mnli need one)."""
+    return {f.name: None for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            and type(None) in typing.get_args(field_types(cls)[f.name])}
+
+
+def _help(f: dataclasses.Field, show_bool: bool = False, optional: bool = False) -> str:
     text = (f.metadata.get("help") or "").replace("%", "%%")
-    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and not optional:
         return f"{text} (required)"
     default = f.default if f.default is not dataclasses.MISSING else None
     if default is not None and (show_bool or not isinstance(default, bool)) and default != () \
             and "default" not in text:
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default).lower() \
+            if isinstance(default, bool) else default  # as --x.y {true,false} and YAML spell it
         text = f"{text} (default: {shown})" if text else f"default: {shown}"
     return text
 
@@ -118,7 +127,8 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else \
             None if f.default is dataclasses.MISSING else f.default
-        kw: dict[str, Any] = {"default": default, "help": _help(f, show_bool=bool(prefix)), "action": _STORE}
+        kw: dict[str, Any] = {"default": default, "action": _STORE,
+                              "help": _help(f, show_bool=bool(prefix), optional=f.name in _optional_on_cli(cls))}
         if f.name in positional:
             target.add_argument(dest, nargs="?", metavar=f.metadata.get("metavar") or f.name.upper(), **kw)
             dests.append(dest)
@@ -176,7 +186,7 @@ def settings_mapping(cls: type, args: argparse.Namespace, defaults: dict[str, An
                      base: dict[str, Any] | None = None) -> dict[str, Any]:
     """``defaults`` < ``base`` < ``--config`` file < ``--set`` < given flags, as one mapping for ``cls``
     (a key of the file or of --set that is not a field is refused, naming it and the nearest field)."""
-    d = deep_merge(defaults or {}, base or {})
+    d = deep_merge({**_optional_on_cli(cls), **(defaults or {})}, base or {})
     path = getattr(args, "config", None)
     if path:  # each layer is checked as it comes, so an error names the file or --set it came from
         file_d = load_yaml(path)
