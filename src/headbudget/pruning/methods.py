@@ -42,6 +42,7 @@ from headbudget.pruning import attattr, cahp, gated
 from headbudget.pruning.importance import (
     IMPORTANCES,
     Batch,
+    Importance,
     ImportanceContext,
     flatten,
     gate_mask,
@@ -109,7 +110,6 @@ class Selection:
     plots: list[str] = field(default_factory=list)
 
 
-Importance = Callable[[ImportanceContext], Sequence[np.ndarray]]
 Selector = Callable[[MethodRun], Selection]
 
 
