@@ -260,3 +260,13 @@ def test_help_says_required_only_for_settings_the_command_line_needs():
     assert _help_of("finetune", "--data-dir").endswith("(required)")  # FinetuneJob.data_dir is a str
     # a section's bool default is spelled as its {true,false} values and YAML spell it
     assert _help_of("train", "--model.bias").endswith("(default: true)")
+
+
+def test_set_keeps_a_string_setting_as_typed_and_integers_exact(capsys):
+    d = yaml.safe_load(_print_config(["train", "quickstart", "--set", "name=010", "--set", "model.schedule=no",
+                                      "--set", "data.cache_dir=null", "--print_config"], capsys))
+    assert (d["name"], d["model"]["schedule"], d["data"]["cache_dir"]) == ("010", "no", None)  # not 8 / False
+    big = 2**53 + 1  # float() would round it to 2**53
+    d = yaml.safe_load(_print_config(["prune", "m", "--task", "lm", "--out", "o", "--seed", str(big), "--set",
+                                      f"calib_seed={big}", "--set", "keep=1e1", "--print_config"], capsys))
+    assert (d["seed"], d["calib_seed"], d["keep"]) == (big, big, 10)

@@ -123,7 +123,11 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             return int(value)
         if isinstance(value, str):
             try:
-                f = float(value.replace("_", ""))
+                return int(value.replace("_", ""))  # exact: float() would round a seed above 2**53
+            except ValueError:
+                pass
+            try:
+                f = float(value.replace("_", ""))  # 1e3
             except ValueError:
                 f = 0.5
             if f.is_integer():
@@ -269,6 +273,9 @@ def apply_overrides(cls: type, d: dict[str, Any], overrides: typing.Iterable[str
                 what = "key" if last or part in names else "section"
                 raise unknown_key(f"{flag} {item!r}", ".".join(parts[:i + 1]), part, names, what)
             if last:
+                if sub in (str, str | None):  # as typed (YAML reads name=010 as 8, name=no as false);
+                    node[part] = raw  # null/none is still None for an optional field (coerce)
+                    continue
                 try:
                     node[part] = yaml.safe_load(raw) if raw.strip() else ""
                 except yaml.YAMLError:
