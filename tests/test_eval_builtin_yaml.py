@@ -99,3 +99,17 @@ def test_the_task_files_are_package_data():
     files = [f"evaluation/lm_eval_tasks/{p.name}" for p in TASK_FILES.iterdir() if p.is_file()]
     assert len(files) == len(TASKS) + 1
     assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
+
+
+def test_a_builtin_task_offline_without_data_dir_points_at_data_dir(tmp_path, monkeypatch, capsys):
+    import datasets
+    import huggingface_hub.constants
+
+    # empty caches: the hub's piqa is never found locally, whatever this machine downloaded before
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"), raising=False)
+    rc = main(["eval", str(tmp_path / "no-such-model"), "--tasks", "piqa", "--limit", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    # was: "point a task YAML at local files and pass its folder with --include-path" (the built-in file exists)
+    assert err[0].endswith("offline, give the built-in task(s) piqa their local JSON lines with --data-dir DIR")

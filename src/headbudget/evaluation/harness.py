@@ -281,9 +281,8 @@ def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None,
         >>> builtin_task_spec(task_manager(["piqa"]), "piqa", "tests/fixtures/zeroshot")["dataset_kwargs"]
         {'data_files': {'validation': 'tests/fixtures/zeroshot/piqa_validation.jsonl'}}
     """
-    entry = tm.task_index.get(name)
-    yaml_path = getattr(entry, "yaml_path", None)
-    if data_dir is None or yaml_path is None or Path(yaml_path).resolve().parent != BUILTIN_TASKS_DIR:
+    yaml_path = _builtin_task_file(tm, name)
+    if data_dir is None or yaml_path is None:
         return name
     from lm_eval.tasks._yaml_loader import load_yaml  # the !function tags resolved as lm-eval does
 
@@ -297,6 +296,13 @@ def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None,
     return {**cfg, "dataset_path": "json", "dataset_name": None, "training_split": None,
             "dataset_kwargs": {"data_files": {split: data}},
             "metadata": {**cfg["metadata"], "task_file": str(yaml_path)}}  # lm-eval's source reads "inline"
+
+
+def _builtin_task_file(tm: Any, name: str) -> str | None:
+    """The YAML file of ``name`` when it is one of headbudget's built-in task files (not a user's
+    ``include_path`` file of the same name), else None."""
+    yaml_path = getattr(tm.task_index.get(name), "yaml_path", None)
+    return yaml_path if yaml_path is not None and Path(yaml_path).resolve().parent == BUILTIN_TASKS_DIR else None
 
 
 def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
@@ -360,9 +366,12 @@ def load_harness_tasks(tasks: Sequence[str], include_path: Any = None, data_dir:
         msg = exc.args[0] if exc.args else exc
         raise ValueError(f"cannot build lm-eval task(s) {', '.join(tasks)}: {msg}") from None
     except (ConnectionError, OSError) as exc:  # a hub dataset while offline, or unreachable
+        from_hub = [n for n, spec in zip(tasks, specs) if isinstance(spec, str) and _builtin_task_file(tm, n)]
+        fix = (f"give the built-in task(s) {', '.join(from_hub)} their local JSON lines with --data-dir DIR"
+               if from_hub else "point a task YAML at local files and pass its folder with --include-path "
+               "(see benchmarks/lm_eval_tasks)")
         raise ValueError(f"cannot load the data of lm-eval task(s) {', '.join(tasks)}: {exc}; offline, "
-                         "point a task YAML at local files and pass its folder with --include-path "
-                         "(see benchmarks/lm_eval_tasks)") from None
+                         f"{fix}") from None
     generation = sorted(f"{n} ({t.OUTPUT_TYPE})" for n, t in loaded["tasks"].items()
                         if t.OUTPUT_TYPE not in SUPPORTED_OUTPUT_TYPES)
     if generation:
