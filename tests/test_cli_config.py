@@ -270,3 +270,15 @@ def test_set_keeps_a_string_setting_as_typed_and_integers_exact(capsys):
     d = yaml.safe_load(_print_config(["prune", "m", "--task", "lm", "--out", "o", "--seed", str(big), "--set",
                                       f"calib_seed={big}", "--set", "keep=1e1", "--print_config"], capsys))
     assert (d["seed"], d["calib_seed"], d["keep"]) == (big, big, 10)
+
+
+def test_prune_help_groups_the_flags_by_what_they_set():
+    from headbudget.pruning.job import BASELINES, CAHP, LM, RECOVERY
+
+    sub = build_parser("prune")._subparsers._group_actions[0].choices["prune"]
+    flags = {g.title: {o for a in g._group_actions for o in a.option_strings} for g in sub._action_groups}
+    assert {"--pool-size", "--var-floor", "--clusters", "--legacy-signatures"} <= flags[CAHP]
+    assert {"--gate-lr", "--attattr-steps", "--importance-batches"} <= flags[BASELINES]
+    assert flags[RECOVERY] == {"--finetune-epochs", "--lr", "--warmup-ratio", "--weight-decay"}
+    assert {"--data", "--context", "--calib-seed", "--eval-data"} <= flags[LM]
+    assert {"--task", "--out", "--method", "--keep", "--config"} <= flags["options"]

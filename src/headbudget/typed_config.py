@@ -37,15 +37,15 @@ class ConfigError(ValueError):
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: tuple[Any, ...] | None = None,
-           flag: str | None = None, metavar: str | None = None, cli: bool = True,
+           flag: str | None = None, metavar: str | None = None, cli: bool = True, group: str | None = None,
            default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with what its flag needs: ``help``, ``choices``, ``flag`` (its spelling when not
-    ``--field-name``; ``--no-x`` for a bool that is on by default), ``metavar`` and ``cli=False`` for a setting
-    only a config file or Python sets.
+    ``--field-name``; ``--no-x`` for a bool that is on by default), ``metavar``, ``group`` (the title its flag
+    is listed under in ``--help``) and ``cli=False`` for a setting only a config file or Python sets.
 
         keep: int | None = option(None, help="force the number of heads kept (skips the knee)")
     """
-    meta = {"help": help, "choices": choices, "flag": flag, "metavar": metavar, "cli": cli}
+    meta = {"help": help, "choices": choices, "flag": flag, "metavar": metavar, "cli": cli, "group": group}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

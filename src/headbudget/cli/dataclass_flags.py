@@ -115,6 +115,7 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
     (``--schedule``); ``skip`` names fields or whole sections.  Returns the dests added."""
     skip, positional = set(skip), tuple(positional)
     target = p.add_argument_group(group_title) if group_title else p
+    groups: dict[str, Any] = {}  # a field's ``group`` title -> its argument group, made at its first field
     dests: list[str] = []
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.metadata.get("cli", True):
@@ -146,7 +147,10 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
                                                           else _METAVARS.get(_base(tp)) if prefix else None)
             if kw["choices"]:  # checked on the converted value; the metavar lists them
                 kw["choices"] = tuple(kw["choices"])
-        target.add_argument(*(aliases or {}).get(dest, ()), flag, dest=dest, **kw)
+        title = f.metadata.get("group")
+        if title and title not in groups:
+            groups[title] = p.add_argument_group(title)
+        (groups[title] if title else target).add_argument(*(aliases or {}).get(dest, ()), flag, dest=dest, **kw)
         dests.append(dest)
     return dests
 

@@ -32,7 +32,7 @@ from headbudget.cli.dataclass_flags import (
     print_config,
     settings_mapping,
 )
-from headbudget.pruning.job import FinetuneJob, PruneJob
+from headbudget.pruning.job import CAHP, FinetuneJob, PruneJob
 from headbudget.run_dir import claim_output_dir
 from headbudget.typed_config import option
 
@@ -63,10 +63,11 @@ class PruneCompareJob(PruneJob):
 def _add_common(p: argparse.ArgumentParser, cls: type[PruneJob], skip: tuple[str, ...] = ()) -> None:
     """The flags of every field of ``cls`` (generated from its declaration) plus the run's own."""
     add_dataclass_flags(p, cls, positional=("model",), skip=skip)
-    p.add_argument("--legacy-signatures", action="store_true",
-                   help="population variance, var + 1e-10 (no 1e-6 floor) and float64 t-SNE instead of the "
-                        "published code's sample variance, max(var, 1e-6) and float32 (sets "
-                        + ", ".join(f"{k}={v}" for k, v in LEGACY_SIGNATURES.items()) + ")")
+    cahp_flags = next(g for g in p._action_groups if g.title == CAHP)  # where the signature settings are listed
+    cahp_flags.add_argument("--legacy-signatures", action="store_true",
+                            help="population variance, var + 1e-10 (no 1e-6 floor) and float64 t-SNE instead of "
+                                 "the published code's sample variance, max(var, 1e-6) and float32 (sets "
+                                 + ", ".join(f"{k}={v}" for k, v in LEGACY_SIGNATURES.items()) + ")")
     add_config_flags(p, cls, "the prune job's settings")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")

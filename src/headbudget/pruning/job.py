@@ -13,6 +13,12 @@ from typing import Any
 
 from headbudget.typed_config import device_option, dtype_option, option
 
+#: the titles PruneJob's flags are grouped under in ``headbudget prune --help`` (the rest: every method's)
+CAHP = "CAHP: signatures, clustering and the knee"
+BASELINES = "baselines (michel, fisher, magnitude, random, pipelined-dsp, joint-dsp, pass, attattr)"
+RECOVERY = "recovery fine-tuning"
+LM = "task lm: label-free pruning of a causal LM"
+
 
 @dataclass
 class PruneJob:
@@ -39,27 +45,29 @@ class PruneJob:
                                       "headbudget.pruning.methods")
     keep: int | None = option(None, help="force the number of heads kept (skips the knee)")
     keep_ratio: float | None = option(None, help="force the fraction of heads kept")
-    poly_degree: int = option(6, help="Kneedle polynomial degree (lower keeps more heads)")
-    pool_size: int = option(32, help="signature grid size B (B x B per head)")
-    perplexity: float = option(10.0, help="t-SNE perplexity (clipped below #heads)")
+    poly_degree: int = option(6, help="Kneedle polynomial degree (lower keeps more heads)", group=CAHP)
+    pool_size: int = option(32, help="signature grid size B (B x B per head)", group=CAHP)
+    perplexity: float = option(10.0, help="t-SNE perplexity (clipped below #heads)", group=CAHP)
     mss: str = option("mean", help="silhouette variant: published mean-of-other-medoids, or textbook nearest",
-                      choices=("mean", "nearest"))
+                      choices=("mean", "nearest"), group=CAHP)
     curve: str = option("mss", help="knee of MSS vs k (default) or of measured dev accuracy vs heads kept",
-                        choices=("mss", "accuracy"))
-    curve_step: int = option(1, help="k step of the accuracy curve")
+                        choices=("mss", "accuracy"), group=CAHP)
+    curve_step: int = option(1, help="k step of the accuracy curve", group=CAHP)
     salience_fraction: float = option(
-        0.25, help="share of the training set for salience (first int(f*n) examples, file order)")
+        0.25, help="share of the training set for salience (first int(f*n) examples, file order)", group=CAHP)
     salience_order: str = option(
         "file", help="salience data: the first examples in file order (published code) or the first batches of "
-                     "the seeded shuffle", choices=("file", "shuffled"))
+                     "the seeded shuffle", choices=("file", "shuffled"), group=CAHP)
     importance_batches: int | None = option(
-        None, help="baselines: training batches their gradient importance uses (default all)")
+        None, help="baselines: training batches their gradient importance uses (default all)",
+        group=BASELINES)
     finetune_epochs: int = option(
         3, help="recovery fine-tuning epochs (default 3; on the command line 0 for --task lm, where an epoch is "
-                "one pass over the calibration windows)")
-    lr: float = option(2e-5, help="recovery fine-tuning learning rate")
-    warmup_ratio: float = option(0.1, help="recovery fine-tuning: share of the steps with linear warmup")
-    weight_decay: float = option(0.01, help="recovery fine-tuning: AdamW weight decay")
+                "one pass over the calibration windows)", group=RECOVERY)
+    lr: float = option(2e-5, help="recovery fine-tuning learning rate", group=RECOVERY)
+    warmup_ratio: float = option(0.1, help="recovery fine-tuning: share of the steps with linear warmup",
+                                 group=RECOVERY)
+    weight_decay: float = option(0.01, help="recovery fine-tuning: AdamW weight decay", group=RECOVERY)
     batch_size: int = option(32, help="batch size (signatures, salience, fine-tuning, evaluation)")
     seed: int = option(42, help="seed of subsampling, shuffling, t-SNE and fine-tuning")
     limit_train: int | None = option(None, help="seeded subsample of the training split")
@@ -71,48 +79,60 @@ class PruneJob:
     progress: bool = option(True, help="no progress bars", flag="--no-progress")
     save_model: bool = option(True, help="write OUT/model", cli=False)
     # task "lm"
-    data: str | None = option(None, help="lm: text file (calibration windows + held-out tail)")
+    data: str | None = option(None, help="lm: text file (calibration windows + held-out tail)", group=LM)
     tokenizer: str | None = option(
         None, help="tokenizer instead of the model's own (a folder, byte, gpt2[:DIR], hf:NAME)")
-    context: int = option(128, help="lm: window length in tokens")
-    calib_windows: int = option(32, help="lm: calibration windows (signatures, salience)")
-    heldout_fraction: float = option(0.1, help="lm: share of the text's tokens (its end) held out for perplexity")
+    context: int = option(128, help="lm: window length in tokens", group=LM)
+    calib_windows: int = option(32, help="lm: calibration windows (signatures, salience)", group=LM)
+    heldout_fraction: float = option(0.1, help="lm: share of the text's tokens (its end) held out for perplexity",
+                                     group=LM)
     calib_seed: int | None = option(
-        None, help="lm: draw the calibration windows with this seed (default: the first calib_windows windows)")
+        None, help="lm: draw the calibration windows with this seed (default: the first calib_windows windows)",
+        group=LM)
     eval_data: tuple[str, ...] = option(
         (), help="lm: comma list of more held-out text files, each scored by perplexity (at most --limit-eval "
-                 "windows) and named by its file stem in the tables")
-    ddof: int = option(1, help="class-conditional signature variance: 1 = sample (published code), 0 = population")
+                 "windows) and named by its file stem in the tables", group=LM)
+    ddof: int = option(1, help="class-conditional signature variance: 1 = sample (published code), 0 = population",
+                       group=CAHP)
     var_floor: float | None = option(
-        1e-6, help="max(var, floor) before Jeffries-Matusita (published: 1e-6); none: var + var_eps")
-    var_eps: float = option(0.0, help="added to the signature variance (legacy: 1e-10 with var_floor none)")
+        1e-6, help="max(var, floor) before Jeffries-Matusita (published: 1e-6); none: var + var_eps",
+        group=CAHP)
+    var_eps: float = option(0.0, help="added to the signature variance (legacy: 1e-10 with var_floor none)",
+                            group=CAHP)
     tsne_dtype: str = option("float32", help="float type of t-SNE (published: float32)",
-                             choices=("float32", "float64"))
+                             choices=("float32", "float64"), group=CAHP)
     knee_warn_ratio: float = option(
-        2.0, help="task lm, knee-chosen count: warn when pruned perplexity exceeds this x dense (0: off)")
+        2.0, help="task lm, knee-chosen count: warn when pruned perplexity exceeds this x dense (0: off)",
+        group=LM)
     # cahp selection (None: the mode's default -- classification the published salience / one head per
     # cluster; task lm cahp.LM_DEFAULTS: fisher, importance allocation over 30 clusters)
     representative: str | None = option(
         None, help="cahp: the score that picks each cluster's head (default: salience for sst5/mnli, fisher "
-                   "for lm)", choices=("salience", "fisher"))
+                   "for lm)", choices=("salience", "fisher"), group=CAHP)
     allocation: str | None = option(
         None, help="cahp: one head per cluster (published; default for sst5/mnli) or the head count spread over "
-                   "--clusters clusters by summed importance (default for lm)", choices=("cluster", "importance"))
+                   "--clusters clusters by summed importance (default for lm)", choices=("cluster", "importance"),
+                   group=CAHP)
     n_clusters: int | None = option(
-        None, help="cahp --allocation importance: number of clusters (default 30)", flag="--clusters")
+        None, help="cahp --allocation importance: number of clusters (default 30)", flag="--clusters",
+        group=CAHP)
     # gate-training baselines (pipelined-dsp, joint-dsp, pass; :mod:`headbudget.pruning.gated`): the published
     # SST-5 settings; joint-dsp trains the weights at ``lr``
     gate_lr: float = option(
-        0.5, help="pipelined-dsp / joint-dsp / pass: learning rate of the head logits (published: 0.5)")
+        0.5, help="pipelined-dsp / joint-dsp / pass: learning rate of the head logits (published: 0.5)",
+        group=BASELINES)
     gate_epochs: int = option(
-        1, help="pipelined-dsp / joint-dsp / pass: passes over the training batches for gate training")
+        1, help="pipelined-dsp / joint-dsp / pass: passes over the training batches for gate training",
+        group=BASELINES)
     gate_cooldown: int | None = option(
         None, help="pipelined-dsp / joint-dsp: steps to anneal the temperature 1000 -> 1e-8 (default: the "
-                   "published SST-5 setting, 90 pipelined / 270 joint)")
+                   "published SST-5 setting, 90 pipelined / 270 joint)", group=BASELINES)
     # attattr (:mod:`headbudget.pruning.attattr`)
     attattr_examples: int = option(
-        200, help="attattr: first N examples of the primary evaluation split (published: 200)")
-    attattr_steps: int = option(20, help="attattr: integrated-gradients steps (published: 20)")
+        200, help="attattr: first N examples of the primary evaluation split (published: 200)",
+        group=BASELINES)
+    attattr_steps: int = option(20, help="attattr: integrated-gradients steps (published: 20)",
+                                group=BASELINES)
     # which heads may go together (:mod:`headbudget.pruning.granularity`)
     granularity: str = option(
         "head", help="grouped-query models: any query heads (head), whole kv groups so the KV cache shrinks "
