@@ -282,3 +282,13 @@ def test_prune_help_groups_the_flags_by_what_they_set():
     assert flags[RECOVERY] == {"--finetune-epochs", "--lr", "--warmup-ratio", "--weight-decay"}
     assert {"--data", "--context", "--calib-seed", "--eval-data"} <= flags[LM]
     assert {"--task", "--out", "--method", "--keep", "--config"} <= flags["options"]
+
+
+@pytest.mark.parametrize(("item", "line"), [
+    ("train=3", "--set 'train=3': 'train' is a section; set one of its keys, e.g. --set train.steps=1000"),
+    ("train.lr.x=3", "--set 'train.lr.x=3': 'train.lr' is a key, not a section"),
+    ("trian.lr=3", "--set 'trian.lr=3': unknown section 'trian' (did you mean 'train'?)"),
+])
+def test_set_on_a_section_or_under_a_key_says_which_it_is(item, line, capsys):
+    assert main(["train", "quickstart", "--set", item, "--print_config"]) == 2  # was "unknown key 'train'
+    assert capsys.readouterr().err.splitlines() == [f"headbudget train: error: {line}"]  # (did you mean 'train'?)"

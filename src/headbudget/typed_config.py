@@ -269,9 +269,14 @@ def apply_overrides(cls: type, d: dict[str, Any], overrides: typing.Iterable[str
             names = {f.name for f in dataclasses.fields(tp)}
             sub = field_types(tp).get(part)
             last = i == len(parts) - 1
-            if part not in names or dataclasses.is_dataclass(sub) == last:
-                what = "key" if last or part in names else "section"
-                raise unknown_key(f"{flag} {item!r}", ".".join(parts[:i + 1]), part, names, what)
+            dotted = ".".join(parts[:i + 1])
+            if part not in names:
+                raise unknown_key(f"{flag} {item!r}", dotted, part, names, "key" if last else "section")
+            if dataclasses.is_dataclass(sub) and last:
+                raise ConfigError(f"{flag} {item!r}: {dotted!r} is a section; set one of its keys, e.g. {flag} "
+                                  f"{example_override(sub, dotted + '.') or dotted + '.KEY=VALUE'}")
+            if not dataclasses.is_dataclass(sub) and not last:
+                raise ConfigError(f"{flag} {item!r}: {dotted!r} is a key, not a section")
             if last:
                 if sub in (str, str | None):  # as typed (YAML reads name=010 as 8, name=no as false);
                     node[part] = raw  # null/none is still None for an optional field (coerce)
