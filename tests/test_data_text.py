@@ -133,3 +133,23 @@ def test_the_old_io_names_warn_and_give_the_one_reader():
         assert hio.NotUTF8Error is NotUTF8Error
     with pytest.raises(AttributeError):
         hio.no_such_name  # noqa: B018
+
+
+def test_ptb_and_tsv_files_with_old_mac_line_ends_read_as_in_text_mode(tmp_path):
+    """A lone CR ends a line, as text mode read these files before the one reader (which splits at LF only:
+    the PTB file was one line, the TSV a csv.Error traceback)."""
+    from headbudget.data.classification import TaskDataError, load_task
+
+    sst = tmp_path / "sst5"
+    sst.mkdir()
+    (sst / "train.txt").write_bytes(b"(3 (2 good) (4 film))\r(1 (1 bad) (2 plot))\r\n(0 (0 awful))\r")
+    data = load_task("sst5", tmp_path, splits=["train"])
+    assert [(e.text, e.label) for e in data.train] == [("good film", 3), ("bad plot", 1), ("awful", 0)]
+    mnli = tmp_path / "mnli"
+    mnli.mkdir()
+    (mnli / "train.tsv").write_bytes(b"sentence1\tsentence2\tgold_label\ra\tb\tneutral\rc\td\tentailment\r")
+    data = load_task("mnli", tmp_path, splits=["train"])
+    assert [(e.text, e.text_pair, e.label) for e in data.train] == [("a", "b", 1), ("c", "d", 0)]
+    (mnli / "train.tsv").write_bytes(b"sentence1\tsentence2\tgold_label\ra\tb\tneutral\rc\td\r")
+    with pytest.raises(TaskDataError, match=r"mnli/train\.tsv:3: expected 3 tab-separated columns, got 2$"):
+        load_task("mnli", tmp_path, splits=["train"])

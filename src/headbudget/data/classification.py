@@ -149,10 +149,25 @@ def parse_ptb_tree(line: str, where: str = "<tree>", num_labels: int = 5, unesca
     return Example(text=" ".join(leaves), label=root)
 
 
+_LONE_CR = re.compile(r"(?<=\r)(?!\n)")
+
+
+def _universal_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line_number, line)`` split at ``\\n``, ``\\r\\n`` and a lone ``\\r``, as a file opened in text mode
+    splits them (how these readers read before :func:`~headbudget.data.text.iter_text_lines`, which splits at
+    ``\\n`` only: a file with old Mac line ends was one line, and ``csv`` refuses a ``\\r`` inside one)."""
+    lineno = 0
+    for _, line in iter_text_lines(path):  # not UTF-8: names the file, offset and line
+        for part in _LONE_CR.split(line) if "\r" in line else (line,):
+            if part:
+                lineno += 1
+                yield lineno, part
+
+
 def read_ptb_file(path: Path, num_labels: int = 5) -> list[Example]:
     """All trees of a PTB file (blank lines skipped); errors name ``file:line``."""
     return [parse_ptb_tree(line, f"{path}:{lineno}", num_labels)
-            for lineno, line in iter_text_lines(path) if line.strip()]
+            for lineno, line in _universal_lines(path) if line.strip()]
 
 
 def _read_jsonl(
@@ -214,7 +229,7 @@ _MNLI_LABELS = ("entailment", "neutral", "contradiction")
 def read_glue_mnli_tsv(path: Path) -> list[Example]:
     """A GLUE MNLI TSV (header with ``sentence1``, ``sentence2``, ``gold_label``); ``-`` gold labels skipped."""
     out = []
-    lines = (line for _, line in iter_text_lines(path))  # not UTF-8: names the file, offset and line
+    lines = (line for _, line in _universal_lines(path))
     reader = csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
     try:
         header = next(reader)
