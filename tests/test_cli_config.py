@@ -292,3 +292,9 @@ def test_prune_help_groups_the_flags_by_what_they_set():
 def test_set_on_a_section_or_under_a_key_says_which_it_is(item, line, capsys):
     assert main(["train", "quickstart", "--set", item, "--print_config"]) == 2  # was "unknown key 'train'
     assert capsys.readouterr().err.splitlines() == [f"headbudget train: error: {line}"]  # (did you mean 'train'?)"
+
+
+def test_compare_print_config_shows_the_steps_tokens_sets(capsys):
+    d = yaml.safe_load(_print_config(["compare", "quickstart", "--tokens", "4096", "--train.batch_size", "2",
+                                      "--train.context", "64", "--print_config"], capsys))
+    assert d["train"]["steps"] == 32  # 4096 / (2 x 64), as distill's --print_config shows it (was quickstart's 150)

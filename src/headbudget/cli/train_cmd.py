@@ -174,6 +174,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     cfg = getattr(args, "cfg", None) or _load(args)
+    if args.tokens:  # before --print_config, which shows the steps it sets
+        cfg = cfg.replace(train={"steps": steps_for_tokens(parse_token_count(args.tokens), cfg.train.batch_size,
+                                                           cfg.train.context)})
     if args.print_config:
         return print_config(cfg)
     _quiet_transformers()
@@ -184,9 +187,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     reference = default_reference(schedules, args.reference)
-    if args.tokens:
-        cfg = cfg.replace(train={"steps": steps_for_tokens(parse_token_count(args.tokens), cfg.train.batch_size,
-                                                           cfg.train.context)})
     out = Path(args.out or f"runs/compare-{cfg.name}")
     n = len(schedules) * args.seeds
 
