@@ -264,8 +264,10 @@ def test_help_says_required_only_for_settings_the_command_line_needs():
 
 def test_set_keeps_a_string_setting_as_typed_and_integers_exact(capsys):
     d = yaml.safe_load(_print_config(["train", "quickstart", "--set", "name=010", "--set", "model.schedule=no",
-                                      "--set", "data.cache_dir=null", "--print_config"], capsys))
+                                      "--set", "data.cache_dir=null", "--set", "data.source='a b'",
+                                      "--print_config"], capsys))
     assert (d["name"], d["model"]["schedule"], d["data"]["cache_dir"]) == ("010", "no", None)  # not 8 / False
+    assert d["data"]["source"] == "a b"  # a quoted value is unquoted, as YAML would
     big = 2**53 + 1  # float() would round it to 2**53
     d = yaml.safe_load(_print_config(["prune", "m", "--task", "lm", "--out", "o", "--seed", str(big), "--set",
                                       f"calib_seed={big}", "--set", "keep=1e1", "--print_config"], capsys))

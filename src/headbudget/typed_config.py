@@ -278,8 +278,9 @@ def apply_overrides(cls: type, d: dict[str, Any], overrides: typing.Iterable[str
             if not dataclasses.is_dataclass(sub) and not last:
                 raise ConfigError(f"{flag} {item!r}: {dotted!r} is a key, not a section")
             if last:
-                if sub in (str, str | None):  # as typed (YAML reads name=010 as 8, name=no as false);
-                    node[part] = raw  # null/none is still None for an optional field (coerce)
+                quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""  # YAML unquotes it below
+                if sub in (str, str | None) and not quoted:  # as typed (YAML reads name=010 as 8, name=no as
+                    node[part] = raw  # false); null/none is still None for an optional field (coerce)
                     continue
                 try:
                     node[part] = yaml.safe_load(raw) if raw.strip() else ""
