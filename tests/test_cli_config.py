@@ -300,3 +300,49 @@ def test_compare_print_config_shows_the_steps_tokens_sets(capsys):
     d = yaml.safe_load(_print_config(["compare", "quickstart", "--tokens", "4096", "--train.batch_size", "2",
                                       "--train.context", "64", "--print_config"], capsys))
     assert d["train"]["steps"] == 32  # 4096 / (2 x 64), as distill's --print_config shows it (was quickstart's 150)
+
+
+def test_compare_flags_are_its_compare_section_and_train_reads_the_same_file(tmp_path, capsys):
+    first = _print_config(["compare", "quickstart", "--schedules", "uniform,reverse", "--seeds", "2", "--reference",
+                           "reverse", "--until-flat", "--no-save-models", "--out", "runs/c", "--print_config"], capsys)
+    d = yaml.safe_load(first)
+    assert d["compare"] == {"schedules": "uniform,reverse", "seeds": 2, "reference": "reverse", "until_flat": True,
+                            "save_models": False}
+    assert (d["out"], d["name"], d["train"]["steps"]) == ("runs/c", "quickstart", 150)
+    cfg = tmp_path / "cmp.yaml"
+    cfg.write_text(first)
+    assert _print_config(["compare", str(cfg), "--print_config"], capsys) == first  # round trip
+    assert yaml.safe_load(_print_config(["compare", str(cfg), "--set", "compare.seeds=3", "--seeds", "4",
+                                         "--print_config"], capsys))["compare"]["seeds"] == 4  # flag beats --set
+    # train reads compare's file: the run config, its compare: section checked and left out
+    assert _print_config(["train", str(cfg), "--print_config"], capsys) == first.split("compare:\n")[0]
+    cfg.write_text(first.replace("  seeds: 2", "  sedes: 2"))
+    for command in ("train", "compare"):
+        assert main([command, str(cfg), "--print_config"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"headbudget {command}: error: {cfg}: unknown key 'compare.sedes' (did you mean 'compare.seeds'?)"]
+    assert main(["compare", "quickstart", "--seeds", "0", "--print_config"]) == 2  # before any training
+    assert capsys.readouterr().err.splitlines() == [
+        "headbudget compare: error: compare.seeds (--seeds) must be at least 1, got 0"]
+
+
+def test_train_init_is_model_init_and_takes_the_model_tokenizer_unless_one_is_given(capsys):
+    d = yaml.safe_load(_print_config(["train", "quickstart", "--init", "runs/p", "--print_config"], capsys))
+    assert (d["model"]["init"], d["data"]["tokenizer"]) == ("runs/p", "model")
+    for extra in (["--data.tokenizer", "byte"], ["--set", "data.tokenizer=byte"]):
+        d = yaml.safe_load(_print_config(["train", "quickstart", "--init", "runs/p", *extra, "--print_config"],
+                                         capsys))
+        assert (d["model"]["init"], d["data"]["tokenizer"]) == ("runs/p", "byte")
+    d = yaml.safe_load(_print_config(["train", "quickstart", "--print_config"], capsys))
+    assert (d["model"]["init"], d["data"]["tokenizer"]) == (None, "bpe:512")
+
+
+def test_train_tokens_sets_the_steps_for_python_callers_too():
+    from headbudget.train.config import RunConfig
+
+    cfg = RunConfig.from_dict({"train": {"tokens": "1M"}})  # 1,000,000 / (16 x 128) = 488.28 -> 489
+    assert (cfg.train.steps, cfg.train.tokens) == (489, "1M")
+    assert cfg.replace(train={"batch_size": 32}).train.steps == 245  # the budget follows the batch
+    assert (cfg.replace(train={"steps": 7}).train.steps, cfg.replace(train={"steps": 7}).train.tokens) == (7, None)
+    with pytest.raises(ValueError, match=r"^train.tokens \(--tokens\) 'lots': expected a positive number"):
+        RunConfig.from_dict({"train": {"tokens": "lots"}})

@@ -217,7 +217,7 @@ def test_distill_command_equals_train_init_teacher(tmp_path, models, capsys):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--tokens", "lots"], "--tokens 'lots': expected a positive number of tokens"),
+    (["--tokens", "lots"], "train.tokens (--tokens) 'lots': expected a positive number of tokens"),
     (["--tokens", "1M", "--alpha", "1.5"], "distill.alpha must be between 0 and 1"),
     (["--tokens", "1M", "--temperature", "0"], "distill.temperature must be a positive number"),
     (["--tokens", "1M", "--teacher", "/nonexistent/teacher"],

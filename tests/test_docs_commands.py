@@ -499,7 +499,8 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
         has(out / "compare.json", out / "report.md", out / "loss_curves.png")
         runs = json.loads((out / "compare.json").read_text())["runs"]
         if name == "compare":
-            assert len(runs) == len(ns.schedules.split(",")) * ns.seeds, f"{w}: {len(runs)} runs in compare.json"
+            schedules, seeds = vars(ns)["compare.schedules"], vars(ns)["compare.seeds"]  # its compare: section
+            assert len(runs) == len(schedules.split(",")) * seeds, f"{w}: {len(runs)} runs in compare.json"
     elif name == "prepare":
         assert re.search(r"^(prepared|reused) ", stdout, re.M), f"{w}: printed {stdout[:300]}"
     elif name == "eval":

@@ -209,7 +209,7 @@ def test_cli_compare_tokens_reference_and_paired_report(tmp_path, capsys):
     assert f"[{lo:+.4f}, {hi:+.4f}]" in report and "95% CI of Δ" in report
     capsys.readouterr()
     assert main(["compare", str(cfgfile), "--tokens", "lots", "--out", str(tmp_path / "x")]) == 2
-    assert "--tokens 'lots'" in capsys.readouterr().err
+    assert "train.tokens (--tokens) 'lots': expected a positive number" in capsys.readouterr().err
     assert main(["compare", str(cfgfile), "--reference", "reverse", "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert "--reference 'reverse' is not among --schedules" in err and len(err.strip().splitlines()) == 1

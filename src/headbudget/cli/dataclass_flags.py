@@ -129,7 +129,8 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else \
             None if f.default is dataclasses.MISSING else f.default
         kw: dict[str, Any] = {"default": default, "action": _STORE,
-                              "help": _help(f, show_bool=bool(prefix), optional=f.name in _optional_on_cli(cls))}
+                              "help": _help(f, show_bool=bool(prefix) and not f.metadata.get("flag"),  # not a switch's
+                                           optional=f.name in _optional_on_cli(cls))}
         if f.name in positional:
             target.add_argument(dest, nargs="?", metavar=f.metadata.get("metavar") or f.name.upper(), **kw)
             dests.append(dest)
@@ -137,7 +138,7 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
         flag = flag_name(f, prefix)
         if tp is bool and flag.startswith("--no-") and f.default is True:
             kw["action"] = _STORE_FALSE
-        elif tp is bool and f.default is False and not prefix:
+        elif tp is bool and f.default is False and (not prefix or f.metadata.get("flag")):  # a switch
             kw["action"] = _STORE_TRUE
         else:
             kw["type"] = _converter(tp, flag)

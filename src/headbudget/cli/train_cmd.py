@@ -21,18 +21,19 @@ import time
 from pathlib import Path
 
 from headbudget.cli.dataclass_flags import add_dataclass_flags, deep_merge, flag_values, print_config
-from headbudget.train.config import RunConfig, load_config, resolve_config_path, steps_for_tokens
+from headbudget.train.config import CompareConfig, RunConfig, load_config, resolve_config_path
+from headbudget.train.config import parse_token_count as parse_token_count  # noqa: I001 (its old home: benchmarks/)
 
 
 def _add_common(p: argparse.ArgumentParser, config_required: bool = True, skip: tuple[str, ...] = (),
-                aliases: dict[str, tuple[str, ...]] | None = None) -> None:
-    """CONFIG, one ``--section.key`` flag per RunConfig field (generated from its declaration), --set and
+                aliases: dict[str, tuple[str, ...]] | None = None, cls: type[RunConfig] = RunConfig) -> None:
+    """CONFIG, one ``--section.key`` flag per field of ``cls`` (generated from its declaration), --set and
     --print_config."""
     if config_required:
         p.add_argument("config", help="config file (YAML) or a bundled name: quickstart, cpu-small, gpt2-124m, ...")
     else:
         p.add_argument("config", nargs="?", help="config file (YAML) or bundled name (optional)")
-    add_dataclass_flags(p, RunConfig, skip=skip, aliases=aliases)
+    add_dataclass_flags(p, cls, skip=skip, aliases=aliases)
     _add_set_flags(p)
 
 
@@ -43,21 +44,25 @@ def _add_set_flags(p: argparse.ArgumentParser, example: str = "train.lr=3e-4") -
                    help="print the full run config as YAML (give it back as CONFIG for the same run) and exit")
 
 
-def _load(args: argparse.Namespace, defaults: list[str] | None = None) -> RunConfig:
+def _load(args: argparse.Namespace, defaults: list[str] | None = None, cls: type[RunConfig] = RunConfig) -> RunConfig:
     """The config of ``args.config`` (or, with none, the built-in defaults changed by ``defaults``), its --set
     overrides, then the ``--section.key`` flags given."""
     path = resolve_config_path(args.config) if args.config else None
     threads = getattr(args, "threads", None)  # --threads (cli.main) wins over the config's train.threads,
     # --threads 0 (auto) too
     cfg = load_config(path, ([] if path else defaults or []) + args.overrides +
-                      ([f"train.threads={threads}"] if threads is not None else []))
+                      ([f"train.threads={threads}"] if threads is not None else []), cls=cls)
     given = flag_values(args)
-    return RunConfig.from_dict(deep_merge(cfg.to_dict(), given), "flags") if given else cfg
+    return cls.from_dict(deep_merge(cfg.to_dict(), given), "flags") if given else cfg
 
 
 def _validate(args: argparse.Namespace) -> None:
     """Read the config and its --set overrides before torch is imported (cli.main calls it first)."""
     args.cfg = _load(args)
+
+
+def _validate_compare(args: argparse.Namespace) -> None:
+    args.cfg = _load(args, cls=CompareConfig)
 
 
 def _is_main() -> bool:
@@ -73,10 +78,16 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _with_init(cfg: RunConfig, init: str, overrides: list[str], args: argparse.Namespace) -> RunConfig:
+def _given(args: argparse.Namespace, key: str) -> bool:
+    """Was config key ``section.name`` set on the command line (its flag or --set)?"""
+    section, name = key.split(".")
+    return any(o.split("=", 1)[0].strip() == key for o in args.overrides) \
+        or name in flag_values(args).get(section, {})
+
+
+def _with_init(cfg: RunConfig, init: str, args: argparse.Namespace) -> RunConfig:
     """Continue a saved model: its layout and weights, and its tokenizer unless data.tokenizer is set."""
-    explicit_tok = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides) \
-        or "tokenizer" in flag_values(args).get("data", {})
+    explicit_tok = _given(args, "data.tokenizer")
     return cfg.replace(model={"init": init}, **({} if explicit_tok else {"data": {"tokenizer": "model"}}))
 
 
@@ -89,8 +100,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace) -> RunConfig:
+    """The run config; ``--init`` (model.init) given on the command line also takes the model's tokenizer."""
     cfg = _load(args)
-    return _with_init(cfg, args.init, args.overrides, args) if args.init else cfg
+    return _with_init(cfg, cfg.model.init, args) if cfg.model.init and _given(args, "model.init") \
+        else cfg
 
 
 def _validate_train(args: argparse.Namespace) -> None:
@@ -132,31 +145,11 @@ def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: 
 DISTILL_DEFAULTS = ["name=distill", "train.lr=1e-4"]
 
 
-def parse_token_count(value: str, flag: str = "--tokens") -> int:
-    """``1M``, ``500k``, ``2e5`` or ``200000`` as a positive number of tokens (ValueError: one line).
-
-    >>> parse_token_count("1M"), parse_token_count("250k"), parse_token_count("3e4")
-    (1000000, 250000, 30000)
-    """
-    text = value.strip().replace("_", "")
-    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}.get(text[-1:].lower(), 1)
-    try:
-        n = float(text[:-1] if scale > 1 else text) * scale
-    except ValueError:
-        n = float("nan")
-    if not (n >= 1 and n == int(n)):
-        raise ValueError(f"{flag} {value!r}: expected a positive number of tokens, e.g. 1M, 500k or 200000")
-    return int(n)
-
-
 def _distill_config(args: argparse.Namespace) -> RunConfig:
     """The run ``distill`` trains: ``train --init STUDENT --teacher TEACHER`` with --data and --tokens applied."""
-    cfg = _with_init(_load(args, DISTILL_DEFAULTS), args.student, args.overrides, args)
+    cfg = _with_init(_load(args, DISTILL_DEFAULTS), args.student, args)
     if not cfg.distill.teacher:
         raise ValueError("distill needs a teacher: --teacher MODEL (or distill.teacher in the config)")
-    if args.tokens:
-        cfg = cfg.replace(train={"steps": steps_for_tokens(parse_token_count(args.tokens), cfg.train.batch_size,
-                                                           cfg.train.context)})
     return cfg
 
 
@@ -173,22 +166,18 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    cfg = getattr(args, "cfg", None) or _load(args)
-    if args.tokens:  # before --print_config, which shows the steps it sets
-        cfg = cfg.replace(train={"steps": steps_for_tokens(parse_token_count(args.tokens), cfg.train.batch_size,
-                                                           cfg.train.context)})
-    if args.print_config:
-        return print_config(cfg)
+    settings: CompareConfig = getattr(args, "cfg", None) or _load(args, cls=CompareConfig)
+    if args.print_config:  # the run config and its compare: section, one file train and compare both read
+        return print_config(settings)
     _quiet_transformers()
     from headbudget.run_dir import claim_output_dir
     from headbudget.train.compare import default_reference, parse_schedules, run_compare
 
-    schedules = parse_schedules(args.schedules)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
-    reference = default_reference(schedules, args.reference)
-    out = Path(args.out or f"runs/compare-{cfg.name}")
-    n = len(schedules) * args.seeds
+    cfg, c = settings.run_config(), settings.compare
+    schedules = parse_schedules(c.schedules)
+    reference = default_reference(schedules, c.reference)
+    out = Path(cfg.out or f"runs/compare-{cfg.name}")
+    n = len(schedules) * c.seeds
 
     def on_run(sched: str, seed: int, result) -> None:
         print(f"[{on_run.i}/{n}] {sched} seed {seed}: val loss {result.final_val_loss:.4f}, "
@@ -197,8 +186,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     on_run.i = 1
     with claim_output_dir(out, command="headbudget compare", overwrite=args.overwrite):
-        summary = run_compare(cfg, schedules, args.seeds, out, save_models=not args.no_save_models, on_run=on_run,
-                              reference=reference, until_flat=args.until_flat)
+        summary = run_compare(cfg, schedules, c.seeds, out, save_models=c.save_models, on_run=on_run,
+                              reference=reference, until_flat=c.until_flat)
     print()
     print((out / "report.md").read_text().split("## Reading")[0].split("\n\n", 2)[-1].strip())
     print(f"\ncompare.json, report.md, loss_curves.png in {out}  ({summary['wall_s']:.0f}s)")
@@ -227,12 +216,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Train one model; writes metrics.jsonl, checkpoints/, model/ (HF format). Every "
                                    "config key is also a flag: --section.key VALUE (e.g. --train.lr 3e-4); flags given "
                                    "override CONFIG, whose values override the defaults shown.")
-    _add_common(p, skip=("model.init",), aliases={"model.schedule": ("--schedule",), "distill.teacher": ("--teacher",)})
+    _add_common(p, aliases={"model.schedule": ("--schedule",), "distill.teacher": ("--teacher",),
+                            "model.init": ("--init",)})
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out (none yet: start at step 0 "
                    "with a notice; a finished run is left as it is)")
-    p.add_argument("--init", metavar="DIR",
-                   help="start from a saved model (pruned/compressed ones too): its layout, weights and tokenizer; "
-                        "fresh optimizer; data and training settings from CONFIG")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
     p.set_defaults(func=cmd_train, validate=_validate_train)
@@ -246,9 +233,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "built-in defaults with " + ", ".join(DISTILL_DEFAULTS) + ")")
     add_dataclass_flags(p, RunConfig, skip=("model.init",),
                         aliases={"distill.teacher": ("--teacher",), "distill.temperature": ("--temperature",),
-                                 "distill.alpha": ("--alpha",), "data.source": ("--data",)})
-    p.add_argument("--tokens", metavar="N", help="training tokens, e.g. 1M or 500k: train.steps = N / (batch_size x "
-                   "context), rounded up (default: the config's train.steps)")
+                                 "distill.alpha": ("--alpha",), "data.source": ("--data",),
+                                 "train.tokens": ("--tokens",)})
     _add_set_flags(p, "train.batch_size=8")
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
     p.add_argument("--overwrite", action="store_true",
@@ -258,24 +244,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
                        description="Writes compare.json, report.md and loss_curves.png. Every config key is also "
                                    "a flag: --section.key VALUE.")
-    _add_common(p, skip=("out",))
-    p.add_argument("--schedules", default="uniform,prism",
-                   help="comma list, e.g. uniform,prism,reverse,uniform@128 (use ';' between schedules "
-                        "written as head lists)")
-    p.add_argument("--seeds", type=int, default=1, help="number of seeds (config seed, seed+1, ...)")
-    p.add_argument("--reference", help="schedule the paired differences (per seed, mean, 95%% t-interval) are "
-                   "taken to; trained first at every seed (default: uniform if compared, else the first)")
-    p.add_argument("--tokens", metavar="N", help="training tokens per run, e.g. 2M or 500k: train.steps = N / "
-                   "(batch_size x context), rounded up (with --until-flat: the most a run trains)")
-    p.add_argument("--until-flat", action="store_true",
-                   help="the reference at the first seed trains until its val loss is flat (spread < 1%% of the "
-                        "newest over the last 20%% of the steps so far, at eval points after the warmup); every "
-                        "run then trains that many steps, all with the learning-rate schedule of train.steps")
-    p.add_argument("--out", help="output directory (default runs/compare-NAME)")
-    p.add_argument("--no-save-models", action="store_true", help="do not write each run's model/ folder")
+    _add_common(p, cls=CompareConfig, aliases={"train.tokens": ("--tokens",)})
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier comparison in --out (without it such a folder is refused)")
-    p.set_defaults(func=cmd_compare, validate=_validate)
+    p.set_defaults(func=cmd_compare, validate=_validate_compare)
 
     p = sub.add_parser("prepare", help="tokenize a data source into cached train/val memmaps",
                        description="Prepare (or find in the cache) the data of a config or of --source.")

@@ -29,8 +29,9 @@ from typing import Any
 from headbudget import typed_config
 from headbudget.typed_config import ConfigError, from_dict, load_yaml, option, to_dict, to_yaml
 
-__all__ = ["ConfigError", "DataSection", "DistillSection", "ModelSection", "RunConfig", "TrainSection",
-           "apply_overrides", "bundled_configs", "load_config", "resolve_config_path", "steps_for_tokens"]
+__all__ = ["CompareConfig", "CompareSection", "ConfigError", "DataSection", "DistillSection", "ModelSection",
+           "RunConfig", "TrainSection", "apply_overrides", "bundled_configs", "load_config", "parse_token_count",
+           "resolve_config_path", "steps_for_tokens"]
 
 
 @dataclass
@@ -50,8 +51,9 @@ class ModelSection:
     prism_max_head_dim: int | None = option(None, help="prism: widest head (null: the preset's)")
     prism_min_head_dim: int | None = option(None, help="prism: narrowest head (null: the preset's)")
     init: str | None = option(
-        None, help="continue from a saved model (headbudget, GPT-2, Llama... folder, run folder or GGUF): its "
-                   "layout and weights are used as they are (pruned ones too) and preset/schedule are ignored")
+        None, metavar="DIR", help="continue from a saved model (headbudget, GPT-2, Llama... folder, run folder or GGUF; pruned "
+                   "and compressed ones too): its layout and weights as they are, preset/schedule ignored, a fresh "
+                   "optimizer; given on the command line, data.tokenizer defaults to model (its own tokenizer)")
 
 
 @dataclass
@@ -71,7 +73,9 @@ class DataSection:
 
 @dataclass
 class TrainSection:
-    steps: int = option(1000, help="optimizer steps")
+    steps: int = option(1000, help="optimizer steps (set from tokens when tokens is given)")
+    tokens: str | None = option(None, metavar="N", help="training tokens, e.g. 1M, 500k or 2e5: steps = tokens / (batch_size x "
+                                           "context), rounded up (null: steps as given)")
     batch_size: int = option(16, help="global batch in sequences per optimizer step (split over grad_accum x "
                                       "processes)")
     grad_accum: int = option(1, help="micro-batches per optimizer step")
@@ -100,6 +104,11 @@ class TrainSection:
                                   "average: on a shared machine, oversubscribed OpenMP threads can be ~8x slower "
                                   "than one thread)")
 
+    def __post_init__(self) -> None:
+        if self.tokens is not None:  # the token budget decides the steps, here so Python callers get it too
+            self.steps = steps_for_tokens(parse_token_count(self.tokens, "train.tokens (--tokens)"), self.batch_size,
+                                          self.context)
+
 
 @dataclass
 class DistillSection:
@@ -117,9 +126,10 @@ class DistillSection:
 
 @dataclass
 class RunConfig:
-    name: str = option("run", help="run name (default folder runs/NAME-SCHEDULE-sSEED)")
+    name: str = option("run", help="run name (in the default output folder)")
     seed: int = option(0, help="training seed")
-    out: str | None = option(None, help="run directory")
+    out: str | None = option(None, help="output folder (null: train runs/NAME-SCHEDULE-sSEED, distill "
+                                        "runs/NAME-sSEED, compare runs/compare-NAME, quickstart runs/quickstart)")
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -128,6 +138,11 @@ class RunConfig:
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, origin: str = "config") -> RunConfig:
+        """A run config from a mapping; a ``compare:`` section (``headbudget compare``'s own settings,
+        :class:`CompareConfig`) is checked and left out, so ``train`` reads what ``compare --print_config`` wrote."""
+        if isinstance(d, dict) and "compare" in d and "compare" not in typed_config.field_types(cls):
+            d = dict(d)
+            from_dict(CompareSection, d.pop("compare"), origin, "compare.", partial=True)
         return from_dict(cls, d or {}, origin)
 
     @classmethod
@@ -141,14 +156,77 @@ class RunConfig:
         return to_yaml(self)
 
     def replace(self, **sections: Any) -> RunConfig:
-        """Copy with some top-level fields replaced (sections given as dicts of changes)."""
+        """Copy with some top-level fields replaced (sections given as dicts of changes); a new train.steps
+        drops train.tokens (which would set the steps back)."""
         d = self.to_dict()
+        if "steps" in sections.get("train", {}) and "tokens" not in sections["train"]:
+            d["train"]["tokens"] = None
         for k, v in sections.items():
             if isinstance(v, dict):
                 d[k].update(v)
             else:
                 d[k] = v
+        return type(self).from_dict(d)
+
+
+@dataclass
+class CompareSection:
+    """What ``headbudget compare`` adds to a run config: the ``compare:`` section of its config file (a plain
+    run config reads the file too and leaves it out).
+
+        run_compare(cfg, parse_schedules(c.schedules), c.seeds, out, reference=c.reference,
+                    until_flat=c.until_flat, save_models=c.save_models)
+    """
+
+    schedules: str = option("uniform,prism", flag="--schedules", metavar="LIST",
+                            help="comma list, e.g. uniform,prism,reverse,uniform@128 (use ';' between schedules "
+                                 "written as head lists)")
+    seeds: int = option(1, flag="--seeds", metavar="N", help="number of seeds (config seed, seed+1, ...)")
+    reference: str | None = option(None, flag="--reference", metavar="SCHEDULE",
+                                   help="schedule the paired differences (per seed, mean, 95% t-interval) are taken "
+                                        "to; trained first at every seed (default: uniform if compared, else the "
+                                        "first)")
+    until_flat: bool = option(False, flag="--until-flat",
+                              help="the reference at the first seed trains until its val loss is flat (spread < 1% "
+                                   "of the newest over the last 20% of the steps so far, at eval points after the "
+                                   "warmup); every run then trains that many steps, all with the learning-rate "
+                                   "schedule of train.steps (train.tokens: the most a run trains)")
+    save_models: bool = option(True, flag="--no-save-models", help="do not write each run's model/ folder")
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ConfigError(f"compare.seeds (--seeds) must be at least 1, got {self.seeds}")
+
+
+@dataclass
+class CompareConfig(RunConfig):
+    """``headbudget compare``'s settings: a run config (every run's, schedule and seed aside) and its
+    ``compare:`` section, one YAML file (``compare --print_config``) that ``train`` reads too."""
+
+    compare: CompareSection = field(default_factory=CompareSection)
+
+    def run_config(self) -> RunConfig:
+        """The run config every run of the comparison starts from."""
+        d = self.to_dict()
+        d.pop("compare")
         return RunConfig.from_dict(d)
+
+
+def parse_token_count(value: str, flag: str = "--tokens") -> int:
+    """``1M``, ``500k``, ``2e5`` or ``200000`` as a positive number of tokens (ValueError: one line).
+
+    >>> parse_token_count("1M"), parse_token_count("250k"), parse_token_count("3e4")
+    (1000000, 250000, 30000)
+    """
+    text = str(value).strip().replace("_", "")
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}.get(text[-1:].lower(), 1)
+    try:
+        n = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        n = float("nan")
+    if not (n >= 1 and n == int(n)):
+        raise ValueError(f"{flag} {value!r}: expected a positive number of tokens, e.g. 1M, 500k or 200000")
+    return int(n)
 
 
 def steps_for_tokens(tokens: int, batch_size: int, context: int) -> int:
@@ -164,12 +242,15 @@ def steps_for_tokens(tokens: int, batch_size: int, context: int) -> int:
 
 def apply_overrides(cfg: RunConfig, overrides: list[str] | None) -> RunConfig:
     """Apply ``section.key=value`` strings (values parsed as YAML, then coerced to the field type)."""
-    return RunConfig.from_dict(typed_config.apply_overrides(RunConfig, cfg.to_dict(), overrides), "--set")
+    cls = type(cfg)
+    return cls.from_dict(typed_config.apply_overrides(cls, cfg.to_dict(), overrides), "--set")
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a config file (or the defaults when ``path`` is None) and apply overrides."""
-    cfg = RunConfig.load(path) if path is not None else RunConfig()
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None,
+                cls: type[RunConfig] = RunConfig) -> RunConfig:
+    """Load a config file (or the defaults when ``path`` is None) and apply overrides; ``cls=CompareConfig``
+    also reads the file's ``compare:`` section."""
+    cfg = cls.load(path) if path is not None else cls()
     return apply_overrides(cfg, overrides)
 
 

@@ -134,7 +134,7 @@ def last_train_loss(path: Path) -> float | None:
 
 # ---------------------------------------------------------------------------- resume
 #: train keys a resumed run may change (they do not change the model, data or data order)
-RESUMABLE_CHANGES = frozenset({"steps", "eval_every", "eval_batches", "eval_batch_size", "log_every",
+RESUMABLE_CHANGES = frozenset({"steps", "tokens", "eval_every", "eval_batches", "eval_batch_size", "log_every",
                                "ckpt_every", "keep_last", "progress", "threads", "tensorboard", "compile",
                                "device", "fsdp"})
 
