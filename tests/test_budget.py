@@ -123,6 +123,16 @@ def test_budget_schedule_from_spec_moved_to_schedule_spec_with_a_warning():
     assert old("custom:4x32/4x32/2x32/2x32", "cpu-tiny").heads == (4, 4, 2, 2)
 
 
+@pytest.mark.parametrize("name", ["schedule_from_spec", "register_schedule_kind"])
+def test_names_budget_used_to_import_still_resolve_with_a_warning(name):
+    # `from headbudget.budget import schedule_from_spec` worked before the spec parser moved out
+    import headbudget.budget as budget
+
+    with pytest.warns(DeprecationWarning, match=f"headbudget.schedule_spec.{name}"):
+        old = getattr(budget, name)
+    assert old is getattr(schedule_spec, name)
+
+
 def test_budget_report_counts():
     ref = reference_schedule("cpu-tiny")
     s = budgeted_schedule("cpu-tiny", 0.5, "uniform_shrink")

@@ -448,12 +448,15 @@ def value_is_number(text: str) -> bool:
 def __getattr__(name: str) -> Any:
     # budget_schedule_from_spec moved up to headbudget.schedule_spec (as schedule_from_spec, which reads
     # every form); imported late because schedule_spec imports this module.
-    if name == "budget_schedule_from_spec":
+    # schedule_from_spec / register_schedule_kind were importable from here as a side effect of its imports.
+    moved = {"budget_schedule_from_spec": "schedule_from_spec", "schedule_from_spec": "schedule_from_spec",
+             "register_schedule_kind": "register_schedule_kind"}
+    if name in moved:
         import warnings
 
-        warnings.warn("headbudget.budget.budget_schedule_from_spec moved: use "
-                      "headbudget.schedule_spec.schedule_from_spec", DeprecationWarning, stacklevel=2)
-        from headbudget.schedule_spec import schedule_from_spec
+        warnings.warn(f"headbudget.budget.{name} moved: use headbudget.schedule_spec.{moved[name]}",
+                      DeprecationWarning, stacklevel=2)
+        import headbudget.schedule_spec as schedule_spec
 
-        return schedule_from_spec
+        return getattr(schedule_spec, moved[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
