@@ -148,6 +148,21 @@ def recover(student: Path, teacher: str | None, texts: dict[str, Path], args: ar
             "model": str(out / "model")}
 
 
+def table(result: dict) -> str:
+    """Markdown: perplexity per held-out text (dense / pruned / distilled / LM-trained) and the gap closed."""
+    dense = result["dense_ppl"]
+    head = "| student | recovery | " + " | ".join(f"{t} ppl (gap closed)" for t in HELDOUT) + " | tokens/s |"
+    lines = [head, "|---|---|" + "---:|" * (len(HELDOUT) + 1),
+             "| dense (teacher) | — | " + " | ".join(f"{dense[t]:.2f}" for t in HELDOUT) + " | |"]
+    for name, row in result["rows"].items():
+        lines.append(f"| {name} | none | " + " | ".join(f"{row['ppl']['pruned'][t]:.2f}" for t in HELDOUT) + " | |")
+        for kind in ("distilled", "lm_trained"):
+            if kind in row.get("gap_closed", {}):
+                cells = " | ".join(f"{row['ppl'][kind][t]:.2f} ({row['gap_closed'][kind][t]:.0%})" for t in HELDOUT)
+                lines.append(f"| {name} | {kind} | {cells} | {row[kind]['tokens_per_s_median']:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SMOL, help="the dense teacher (SmolLM2 GGUF)")
@@ -177,7 +192,11 @@ def main() -> None:
     ap.add_argument("--skip-lm", action="store_true", help="distil only (no plain LM baseline)")
     ap.add_argument("--work", default=str(REPO / "runs" / "distill_smollm2"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distill_smollm2.json"))
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.out).read_text())))
+        return
     if args.train_chars is None:
         args.train_chars = max(200_000, 5 * args.tokens)
     if not (TEXT / "movie_reviews.txt").is_file():
