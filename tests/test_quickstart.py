@@ -51,3 +51,21 @@ def test_tiny_quickstart_writes_report_and_timings(tmp_path, capsys):
     # ... and with --overwrite replaces them, reusing the prepared data (data-cache/ is kept)
     assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1", "--overwrite"]) == 0
     assert "(cached)" in capsys.readouterr().out
+
+
+def test_quickstart_flags_are_run_config_fields_and_print_config_round_trips(tmp_path, capsys):
+    assert main(["quickstart", "--tiny", "--out", "runs/q", "--cache-dir", "c", "--set", "train.steps=9",
+                 "--print_config"]) == 0
+    first = capsys.readouterr().out
+    d = yaml.safe_load(first)
+    assert (d["out"], d["data"]["cache_dir"], d["train"]["steps"], d["data"]["source"]) == \
+        ("runs/q", "c", 9, "synthetic:20000")  # --out, --cache-dir, --set over --tiny over the bundled file
+    cfg = tmp_path / "q.yaml"
+    cfg.write_text(first)
+    assert main(["quickstart", "--config", str(cfg), "--print_config"]) == 0
+    assert capsys.readouterr().out == first
+    assert main(["train", str(cfg), "--print_config"]) == 0  # the same run config train reads
+    assert capsys.readouterr().out == first
+    assert main(["quickstart", "--set", "train.stpes=3"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "headbudget quickstart: error: --set 'train.stpes=3': unknown key 'train.stpes' (did you mean 'train.steps'?)"]

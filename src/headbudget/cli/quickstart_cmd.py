@@ -1,6 +1,7 @@
 """``headbudget quickstart``: the main job end to end on the built-in corpus, in a few CPU minutes.
 
     headbudget quickstart --out runs/quickstart
+    headbudget quickstart --set train.steps=300 --print_config     # its run config, as train/compare read it
 
 Stages: prepare the synthetic corpus (tokenizer trained on it), train a uniform and a prism model of
 the ``cpu-tiny`` preset on identical batches, compare their validation loss, and write
@@ -11,12 +12,20 @@ stage took.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
+from headbudget.cli.dataclass_flags import (
+    add_config_flags,
+    add_dataclass_flags,
+    build,
+    print_config,
+    settings_mapping,
+)
 from headbudget.io import atomic_write_json, atomic_write_text
-from headbudget.train.config import RunConfig, apply_overrides, resolve_config_path
+from headbudget.train.config import DataSection, RunConfig, apply_overrides, resolve_config_path
 
 #: ``--tiny`` (hidden, for tests): seconds instead of minutes.
 TINY_OVERRIDES = [
@@ -80,9 +89,13 @@ def _quiet_transformers() -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    """The config with --tiny and --set, read before torch is imported (cli.main calls it first)."""
+    """The bundled config, --tiny, then --config, --set and the flags given, read before torch is imported
+    (cli.main calls it first)."""
+    base = quickstart_config(tiny=args.tiny).to_dict()
     threads = getattr(args, "threads", None)  # --threads (cli.main) wins over train.threads
-    args.cfg = quickstart_config(args.overrides + ([f"train.threads={threads}"] if threads else []), tiny=args.tiny)
+    if threads:
+        base["train"]["threads"] = threads
+    args.cfg = build(RunConfig, settings_mapping(RunConfig, args, base=base), args)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
@@ -90,21 +103,21 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
     if getattr(args, "cfg", None) is None:
         _validate(args)
-    cfg = args.cfg
+    if args.print_config:
+        return print_config(args.cfg)
+    cfg = args.cfg.replace(out=args.cfg.out or "runs/quickstart")
     # its data-cache/ is a cache, not a result: kept by --overwrite, never a reason to refuse
-    with claim_output_dir(args.out, command="headbudget quickstart", overwrite=args.overwrite, keep=("data-cache",)):
-        return _quickstart(args, cfg)
+    with claim_output_dir(cfg.out, command="headbudget quickstart", overwrite=args.overwrite, keep=("data-cache",)):
+        return _quickstart(cfg)
 
 
-def _quickstart(args: argparse.Namespace, cfg: RunConfig) -> int:
+def _quickstart(cfg: RunConfig) -> int:
     _quiet_transformers()
     from headbudget.train.compare import prepare_for, run_compare
 
     t_all = time.perf_counter()
-    out = Path(args.out)
-    if args.cache_dir:
-        cfg = cfg.replace(data={"cache_dir": args.cache_dir})
-    elif cfg.data.cache_dir is None:
+    out = Path(cfg.out)
+    if cfg.data.cache_dir is None:
         cfg = cfg.replace(data={"cache_dir": str(out / "data-cache")})
     timings: dict[str, float] = {}
     print(f"headbudget quickstart -> {out}")
@@ -160,11 +173,13 @@ def _quickstart(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quickstart", help="train uniform vs prism on the built-in corpus (a few CPU minutes)",
-                       description="Prepare the synthetic corpus, train a uniform and a prism model, compare.")
-    p.add_argument("--out", default="runs/quickstart", help="output directory (default runs/quickstart)")
-    p.add_argument("--cache-dir", help="data cache (default OUT/data-cache)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a quickstart config key, e.g. --set train.steps=300")
+                       description="Prepare the synthetic corpus, train a uniform and a prism model, compare. "
+                                   "The settings are the bundled quickstart run config (train's; --set any key); "
+                                   "the data cache is OUT/data-cache unless --cache-dir names one.")
+    add_dataclass_flags(p, RunConfig, aliases={"data.cache_dir": ("--cache-dir",)},  # --out and --cache-dir
+                        skip=[f.name for f in dataclasses.fields(RunConfig) if f.name not in ("out", "data")]
+                        + [f"data.{f.name}" for f in dataclasses.fields(DataSection) if f.name != "cache_dir"])
+    add_config_flags(p, RunConfig, "the quickstart's run config")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier quickstart in --out (without it such a folder is refused)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)

@@ -63,7 +63,7 @@ class DataSection:
     tokenizer: str = option("byte", help="byte, bpe:N, gpt2[:DIR], hf:NAME_OR_PATH, or model: the tokenizer "
                                          "saved with model.init")
     val_fraction: float = option(0.05, help="share of the tokens held out for validation")
-    cache_dir: str | None = option(None, help="cache directory (null: $HEADBUDGET_DATA_CACHE or "
+    cache_dir: str | None = option(None, metavar="DIR", help="cache directory (null: $HEADBUDGET_DATA_CACHE or "
                                               "~/.cache/headbudget/data)")
     max_chars: int | None = option(None, help="bound on characters read (required for streamed hf: sources)")
     seed: int = option(0, help="seed of the synthetic corpus (independent of the training seed, so every run "
