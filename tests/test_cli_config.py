@@ -346,3 +346,15 @@ def test_train_tokens_sets_the_steps_for_python_callers_too():
     assert (cfg.replace(train={"steps": 7}).train.steps, cfg.replace(train={"steps": 7}).train.tokens) == (7, None)
     with pytest.raises(ValueError, match=r"^train.tokens \(--tokens\) 'lots': expected a positive number"):
         RunConfig.from_dict({"train": {"tokens": "lots"}})
+
+
+def test_task_lm_defaults_to_no_recovery_fine_tuning_in_the_library_and_the_cli(tmp_path, capsys):
+    # the rule lives in PruneJob (was only in prune_cmd: a Python caller's lm job fine-tuned 3 epochs)
+    assert PruneJob("m", "lm", None, "o").finetune_epochs == 0
+    assert PruneJob("m", "sst5", "d", "o").finetune_epochs == 3
+    assert PruneJob("m", "lm", None, "o", finetune_epochs=2).finetune_epochs == 2
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model: m\ntask: lm\ndata: t.txt\nout: o\n")
+    for extra, epochs in (([], 0), (["--finetune-epochs", "2"], 2), (["--task", "sst5", "--data-dir", "d"], 3)):
+        d = yaml.safe_load(_print_config(["prune", "--config", str(cfg), *extra, "--print_config"], capsys))
+        assert d["finetune_epochs"] == epochs, extra

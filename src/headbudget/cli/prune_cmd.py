@@ -79,9 +79,8 @@ def _add_common(p: argparse.ArgumentParser, cls: type[PruneJob], skip: tuple[str
 
 
 def _job(args: argparse.Namespace, cls: type[PruneJob] = PruneJob) -> Any:
-    """The job of the flags, --config and --set (lm: no recovery fine-tuning unless asked for)."""
+    """The job of the flags, --config and --set."""
     d = settings_mapping(cls, args, base=LEGACY_SIGNATURES if args.legacy_signatures else None)
-    d.setdefault("finetune_epochs", 0 if d.get("task") == "lm" else 3)
     return build(cls, d, args, positional=("model",))
 
 

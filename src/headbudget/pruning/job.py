@@ -61,9 +61,9 @@ class PruneJob:
     importance_batches: int | None = option(
         None, help="baselines: training batches their gradient importance uses (default all)",
         group=BASELINES)
-    finetune_epochs: int = option(
-        3, help="recovery fine-tuning epochs (default 3; on the command line 0 for --task lm, where an epoch is "
-                "one pass over the calibration windows)", group=RECOVERY)
+    finetune_epochs: int | None = option(
+        None, help="recovery fine-tuning epochs (default: 3, and 0 for task lm, where an epoch is one pass over "
+                   "the calibration windows)", group=RECOVERY)
     lr: float = option(2e-5, help="recovery fine-tuning learning rate", group=RECOVERY)
     warmup_ratio: float = option(0.1, help="recovery fine-tuning: share of the steps with linear warmup",
                                  group=RECOVERY)
@@ -141,6 +141,20 @@ class PruneJob:
     extra: dict[str, Any] = option(help="free-form settings recorded with the run", cli=False,
                                    default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.finetune_epochs is None:  # resolved here, so Python callers, --config files and flags agree
+            self.finetune_epochs = default_finetune_epochs(self.task)
+
+
+def default_finetune_epochs(task: str) -> int:
+    """Recovery fine-tuning epochs when a job names none: 3 for a classifier, 0 for task ``lm`` (a pruned LM
+    is scored as it is unless recovery is asked for).
+
+    >>> default_finetune_epochs("sst5"), PruneJob("runs/lm", "lm", None, "runs/p").finetune_epochs
+    (3, 0)
+    """
+    return 0 if task == "lm" else 3
+
 
 @dataclass
 class FinetuneJob:
@@ -167,4 +181,4 @@ class FinetuneJob:
     progress: bool = option(True, help="no progress bars", flag="--no-progress")
 
 
-__all__ = ["FinetuneJob", "PruneJob"]
+__all__ = ["FinetuneJob", "PruneJob", "default_finetune_epochs"]
