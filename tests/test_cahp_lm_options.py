@@ -143,10 +143,11 @@ def test_cli_flags_reach_the_job_and_unset_ones_stay_out_of_the_fingerprint():
     import argparse
 
     from headbudget.cli.prune_cmd import _add_common, _job
+    from headbudget.pruning.job import PruneJob
     from headbudget.pruning.pipeline import _job_fingerprint
 
     p = argparse.ArgumentParser()
-    _add_common(p)
+    _add_common(p, PruneJob)
     base = ["m", "--task", "lm", "--data", "t.txt", "--out", "o"]
     job = _job(p.parse_args([*base, "--representative", "salience", "--allocation", "cluster", "--clusters", "7"]))
     assert (job.representative, job.allocation, job.n_clusters) == ("salience", "cluster", 7)
