@@ -12,13 +12,14 @@ from headbudget.pruning.signatures import MIN_WIDTH, _split_right_padded, collec
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cahp"
 
-# Reference and fast path feed the same float32 maps through the same interpolate call (73 ms of
-# checks on the AVX-512 CPU: bit for bit); only the Chan merges of the float64 means/variances group
-# the examples differently, a few ulps of float64 (the measured largest gap is 9e-16 on MiniLM's JM
-# features).  A CPU whose kernels round a shorter padded width differently may move the float32
-# maps by a few ulps (1.2e-7 relative each, maps <= 1): 1e-6 absolute on means and variances of
-# values in [0, 1] and on JM distances in [0, 2] holds both and still catches a wrong crop, a lost or
-# doubled example or a mixed-up label, which move them by 1e-3 or more.
+# On the CPU this was written on, reference and fast path give bit-equal float32 maps and resize them
+# with the same interpolate call; only the Chan merges of the float64 means/variances group the
+# examples differently, a few float64 ulps (largest gap measured: 7e-16 here, 1.6e-15 on MiniLM's JM
+# features over all SST-5 train).  A CPU whose kernels round another key width differently moves the
+# float32 maps by a few float32 ulps (1.2e-7 relative each, maps <= 1; 1.5e-8 on the means measured
+# with 9-token inputs cut to 9 columns).  1e-6 absolute on means and variances of values in [0, 1]
+# and on JM distances in [0, 2] allows both and still catches a wrong crop, a lost or doubled example
+# or a mixed-up label, which move them by 1e-3 or more.
 ATOL = 1e-6
 
 

@@ -44,11 +44,11 @@ __all__ = [
 
 DEFAULT_GRID = 32
 DEFAULT_EPS = 0.0
-#: the fewest key columns a regrouped forward of collect_signatures computes.  On AVX-512 CPUs attention
-#: over fewer than 16 keys (one vector of float32) reduces in another order than over 16 or more, so a
-#: sentence of 9 tokens cut to 9 columns got maps 1e-6 away from the same sentence in a padded batch, and
-#: CAHP's knee on MiniLM/SST-5 moves under 1e-7 relative changes of the JM features.  Keeping 16 columns
-#: (the batch's own padding) reproduces the padded batch's maps bit for bit there.
+#: the fewest key columns a regrouped forward of collect_signatures computes.  On the AVX-512 CPU this was
+#: measured on, attention over fewer than 16 keys (one vector of float32) rounds differently from attention
+#: over 16 or more: a sentence of 9 tokens cut to 9 columns got maps 1e-6 away from the same sentence in a
+#: padded batch, and CAHP's knee on MiniLM/SST-5 moves under 1e-7 relative changes of the JM features.
+#: Keeping 16 columns (the batch's own padding) gave the padded batch's maps bit for bit.
 MIN_WIDTH = 16
 DEFAULT_VAR_FLOOR = 1e-6  # the published code: max(var, 1e-6); var_floor=None, eps=1e-10 is the old var + 1e-10
 
