@@ -353,23 +353,14 @@ def collect_signatures(
         token_budget = max(token_budget, int(batch["attention_mask"].numel()))
         for key, part in split:
             by_length.setdefault(key, []).append(part)
-    chunks = []
-    for key in sorted(by_length, key=lambda k: k[:2]):
-        parts = by_length.pop(key)
-        joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        n, width = int(joined["attention_mask"].shape[0]), key[1]
-        step = max(1, token_budget // width)
-        chunks += [(key[0], {k: v[i : i + step] for k, v in joined.items()}) for i in range(0, n, step)]
+    chunks = _length_chunks(by_length, token_budget)
     for length, chunk in tqdm(chunks, desc="signatures (by length)", disable=not progress or not chunks, leave=False):
-        attn = forward(chunk)
-        n, width = (int(d) for d in chunk["attention_mask"].shape)
-        for a in attn:
-            if tuple(a.shape) != (n, a.shape[1], width, width):
-                raise ValueError(f"attention maps have shape {tuple(a.shape)} for a batch of {n} x {width} tokens")
-        # every row's `length` real tokens come first: one crop for all.  All heads go through one
-        # interpolate call, as in resize_maps: its float32 rounding depends on the channel count.
-        maps = torch.cat([a[:, :, :length, :length] for a in attn], dim=1).float()
-        add(F.interpolate(maps, size=(grid, grid), mode="bilinear", align_corners=False), chunk)
+        add(_prefix_grids(forward(chunk), chunk, length, grid), chunk)
+    _check_counts(acc, label_free)
+    return Signatures(acc.mean, acc.var, acc.count, heads, grid, label_free)
+
+
+def _check_counts(acc: ClassSignatureAccumulator, label_free: bool) -> None:
     if acc.count.sum() == 0:
         raise ValueError("collect_signatures: the data yielded no batches")
     if not label_free and acc.n_classes - len(acc.missing_classes()) < 2:
@@ -377,7 +368,32 @@ def collect_signatures(
             f"only classes {[c for c in range(acc.n_classes) if acc.count[c] > 0]} occur in the "
             "signature data; class-conditional signatures need at least two (use more data)"
         )
-    return Signatures(acc.mean, acc.var, acc.count, heads, grid, label_free)
+
+
+def _length_chunks(by_length: dict[tuple, list[dict[str, torch.Tensor]]],
+                   token_budget: int) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """``[(length, inputs)]``: the parts of each length joined, then cut to at most ``token_budget`` tokens."""
+    chunks = []
+    for key in sorted(by_length, key=lambda k: k[:2]):
+        parts = by_length[key]
+        joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        n, width = int(joined["attention_mask"].shape[0]), key[1]
+        step = max(1, token_budget // width)
+        chunks += [(key[0], {k: v[i : i + step] for k, v in joined.items()}) for i in range(0, n, step)]
+    return chunks
+
+
+def _prefix_grids(attn: Sequence[torch.Tensor], chunk: Mapping[str, torch.Tensor], length: int,
+                  grid: int) -> torch.Tensor:
+    """``(B, H_total, grid, grid)`` of maps whose ``length`` real tokens come first in every row."""
+    n, width = (int(d) for d in chunk["attention_mask"].shape)
+    for a in attn:
+        if tuple(a.shape) != (n, a.shape[1], width, width):
+            raise ValueError(f"attention maps have shape {tuple(a.shape)} for a batch of {n} x {width} tokens")
+    # one crop for all rows; all heads go through one interpolate call, as in resize_maps: its float32
+    # rounding depends on the channel count
+    maps = torch.cat([a[:, :, :length, :length] for a in attn], dim=1).float()
+    return F.interpolate(maps, size=(grid, grid), mode="bilinear", align_corners=False)
 
 
 def _split_right_padded(batch: Mapping[str, Any]) -> list[tuple[tuple, dict[str, torch.Tensor]]] | None:
