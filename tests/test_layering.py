@@ -1,4 +1,4 @@
-"""The package's import structure: no import circle, no upward import across layers, no file over 500 lines.
+"""The package's import structure: no import circle, no upward import across layers, no file over 500 lines, no function over 80.
 
 Reads every module of ``src/headbudget`` with :mod:`ast` (nothing is imported), so the checks see
 module-level imports *and* imports inside functions: a lazy import is still a dependency, it only
@@ -25,6 +25,9 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "headbudget"
 PACKAGE = "headbudget"
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 80
+#: functions allowed over MAX_FUNCTION_LINES because one screen really is one idea ({"path:name": why})
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
 
 # Layers, bottom (0) to top.  A module may import modules of its own layer or below, never above.
 # Keys are dotted names below ``headbudget`` (a package's submodules inherit its rank; the longest key
@@ -239,6 +242,25 @@ def long_files(src: Path = SRC, limit: int = MAX_LINES) -> dict[str, int]:
     return {k: v for k, v in sorted(counts.items()) if v > limit}
 
 
+def long_functions(src: Path = SRC, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """``{"path:qualified name": lines}`` of every function (or method) over ``limit`` lines, decorators
+    excluded, docstring included."""
+    found = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                n = child.end_lineno - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and n > limit:
+                    found[name] = n
+                visit(child, name + ".")
+
+    for path in sorted(src.rglob("*.py")):
+        visit(ast.parse(path.read_text(encoding="utf-8")), f"{path.relative_to(src)}:")
+    return found
+
+
 # ---------------------------------------------------------------------- the package
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
@@ -269,6 +291,10 @@ def test_every_module_has_a_layer(graph):
 
 def test_no_source_file_over_500_lines():
     assert long_files() == {}
+
+
+def test_no_function_over_80_lines():
+    assert {k: v for k, v in long_functions().items() if k not in LONG_FUNCTIONS_ALLOWED} == {}
 
 
 # ---------------------------------------------------------------------- the checks themselves
@@ -341,6 +367,15 @@ def test_long_files_counts_lines(tmp_path):
     (tmp_path / "pkg" / "big.py").write_text("x = 1\n" * 501)
     (tmp_path / "small.py").write_text("x = 1\n" * 500)
     assert long_files(tmp_path) == {"pkg/big.py": 501}
+
+
+def test_long_functions_counts_nested_functions_and_methods(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    (tmp_path / "m.py").write_text(f"def short():\n{body}\n"  # 81 lines: over
+                                   f"class C:\n    def method(self):\n    {body.replace(chr(10), chr(10) + '    ')}\n"
+                                   "def tiny():\n    return 1\n")
+    found = long_functions(tmp_path)
+    assert found == {"m.py:short": 81, "m.py:C.method": 81}
 
 
 def test_the_old_lazy_imports_put_back_into_a_copy_of_the_package_fail(tmp_path):
