@@ -135,6 +135,10 @@ def build_models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, di
 
     dense, tok = load_model_and_tokenizer(args.model, "causal", as_headbudget=True)
     dense = dense.float().eval()
+    limit = int(dense.config.n_positions)  # prompt + generated tokens must fit: refuse before any timing
+    if max(args.contexts) + args.new_tokens > limit:
+        raise SystemExit(f"decode.py: --contexts {max(args.contexts)} + --new-tokens {args.new_tokens} exceeds the "
+                         f"model's {limit} positions; use --contexts {limit - args.new_tokens} or fewer")
     adapter = get_adapter(dense)
     counts, groups = adapter.head_counts(), kv_groups_of(adapter)
     data = lm_data(tok, args.data, context=args.calib_context, calib_windows=args.calib_windows,
