@@ -166,7 +166,8 @@ def table(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SMOL, help="the dense teacher (SmolLM2 GGUF)")
-    ap.add_argument("--methods", default="fisher", help="comma list of pruning methods (fisher, cahp, ...)")
+    ap.add_argument("--methods", default="fisher",
+                    help="comma list of pruning methods (fisher, cahp, ...); empty: none (e.g. only --svd-keep)")
     ap.add_argument("--keep-ratios", default="0.7", help="comma list of head keep ratios, e.g. 0.7,0.5")
     ap.add_argument("--svd-keep", type=float, default=None, help="also recover an SVD-compressed model (keep ratio)")
     ap.add_argument("--tokens", type=parse_tokens, default=parse_tokens("1M"), help="training tokens per run (1M, 10k)")
@@ -221,7 +222,7 @@ def main() -> None:
     result["dense_ppl"] = dense
     log(f"dense ppl {dense}")
     students = [(f"{m}-{float(r):g}", lambda m=m, r=float(r): prune(m, r, texts, args, work))
-                for r in args.keep_ratios.split(",") for m in args.methods.split(",")]
+                for r in args.keep_ratios.split(",") if r.strip() for m in args.methods.split(",") if m.strip()]
     if args.svd_keep is not None:
         students.append((f"svd-{args.svd_keep:g}", lambda: compress(args.svd_keep, texts, args, work)))
     for name, make in students:
