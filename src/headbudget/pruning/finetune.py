@@ -124,6 +124,13 @@ def _train_epoch(loop: TrainLoop, loader: Any, step: int, steps: int, desc: str,
         bar.close()
 
 
+def _autocast(precision: str, device: torch.device) -> Any:
+    """The training forward's autocast context for ``precision`` (fp32: none; bf16: bf16 autocast)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16" else None
+
+
 def finetune(
     model: nn.Module,
     tokenizer: Any,
@@ -142,6 +149,7 @@ def finetune(
     train_limit: int | None = None,
     eval_limit: int | None = None,
     progress: bool = True,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Fine-tune a classifier on ``task_data["train"]``: AdamW (no decay on biases/LayerNorm), linear
     schedule with ``warmup_ratio`` warm-up, dynamic padding, a tqdm bar; accuracy on ``eval_splits``
@@ -149,6 +157,8 @@ def finetune(
 
     Reproducible from ``seed`` (shuffling and dropout) without changing the global RNG.
     ``max_steps`` stops early (smoke runs); ``train_limit``/``eval_limit`` subsample examples (seeded).
+    ``precision="bf16"`` runs the training forward passes under bf16 autocast (weights, optimizer and the
+    evaluations stay fp32); the default fp32 is the published recipe.
     Returns ``{"epochs": [{"epoch", "train_loss", "accuracy": {split: acc}, "seconds"}], "final": {...},
     "steps", "seconds", "config": {...}}``.
     """
@@ -156,6 +166,7 @@ def finetune(
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if not 0.0 <= warmup_ratio < 1.0:
         raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+    autocast = _autocast(precision, _device_of(model))
     train, evals = _finetune_examples(task_data, eval_splits, train_limit, eval_limit, seed)
     device = _device_of(model)
     steps_per_epoch = math.ceil(len(train) / batch_size)
@@ -164,13 +175,13 @@ def finetune(
         total = min(total, max_steps)
     loop = TrainLoop(model, build_adamw(model, lr=lr, weight_decay=weight_decay),
                      lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).loss,
-                     grad_clip=max_grad_norm,
+                     grad_clip=max_grad_norm, autocast=autocast,
                      lr_schedule=warmup_linear(lr, int(round(warmup_ratio * total)), max(total, 1)))
     history: dict[str, Any] = {
         "epochs": [],
         "config": dict(epochs=epochs, lr=lr, warmup_ratio=warmup_ratio, weight_decay=weight_decay,
                        batch_size=batch_size, seed=seed, max_length=max_length, train_examples=len(train),
-                       total_steps=total),
+                       total_steps=total, precision=precision),
     }
     start = time.perf_counter()
     step = 0
