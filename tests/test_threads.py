@@ -39,6 +39,10 @@ def test_configure_and_restore():
         torch.set_num_threads(old)
 
 
+#: commands whose --threads is their run config's train.threads (--train.threads: a hidden alias of it)
+TRAIN_LIKE = ("train", "compare", "distill")
+
+
 def test_every_command_has_the_same_threads_flag():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -51,7 +55,12 @@ def test_every_command_has_the_same_threads_flag():
             if name == "schedule":
                 assert not flags
                 continue
-            assert len(flags) == 1 and flags[0].help == THREADS_HELP and flags[0].default is None, name
+            assert len(flags) == 1, name
+            if name in TRAIN_LIKE:  # the run config's train.threads (0 = automatic), the one field it sets
+                assert flags[0].dest == "train.threads" and flags[0].default == 0, name
+                assert "0 = auto" in flags[0].help and "--train.threads" not in p.format_help(), name
+            else:
+                assert flags[0].help == THREADS_HELP and flags[0].default is None, name
             seen.append(name)
     for name in ("train", "compare", "quickstart", "eval", "perplexity", "attention", "compress",
                  "prune", "prune-compare", "finetune", "experiment"):
@@ -62,3 +71,14 @@ def test_the_experiments_use_the_one_thread_helper():
     from headbudget.experiments import _common
 
     assert _common.torch_threads is torch_threads
+
+
+@pytest.mark.parametrize("command", TRAIN_LIKE)
+@pytest.mark.parametrize("flag", ["--threads", "--train.threads"])
+def test_train_like_threads_spellings_write_one_field(command, flag):
+    """--threads (documented) and --train.threads (hidden, old command lines) set train.threads, and cli.main's
+    thread policy (args.threads) follows it: no two flags writing different places."""
+    argv = [command, "cpu-small"] + (["--teacher", "t"] if command == "distill" else []) + [flag, "3"]
+    args = build_parser(command).parse_args(argv)
+    args.validate(args)
+    assert args.cfg.train.threads == 3 and args.threads == 3

@@ -108,12 +108,15 @@ def _help(f: dataclasses.Field, show_bool: bool = False, optional: bool = False)
 
 def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = "", skip: Iterable[str] = (),
                         positional: Iterable[str] = (), choices: dict[str, tuple[Any, ...]] | None = None,
-                        aliases: dict[str, tuple[str, ...]] | None = None, group_title: str | None = None) -> list[str]:
+                        aliases: dict[str, tuple[str, ...]] | None = None, group_title: str | None = None,
+                        hidden: Iterable[str] = ()) -> list[str]:
     """One flag per field of dataclass ``cls`` with ``cli`` metadata true (nested dataclass fields: their
     fields as ``--section.key VALUE``); ``positional`` fields are optional positionals (a config file may give
     them); ``aliases`` maps a dest (``model.schedule``) to shorter spellings a command also accepts
-    (``--schedule``); ``skip`` names fields or whole sections.  Returns the dests added."""
-    skip, positional = set(skip), tuple(positional)
+    (``--schedule``); ``hidden`` names dests whose own ``--section.key`` spelling is left out of the help
+    (still accepted, same field): their alias is the one documented spelling (``--threads`` for
+    ``train.threads``); ``skip`` names fields or whole sections.  Returns the dests added."""
+    skip, positional, hidden = set(skip), tuple(positional), frozenset(hidden)
     target = p.add_argument_group(group_title) if group_title else p
     groups: dict[str, Any] = {}  # a field's ``group`` title -> its argument group, made at its first field
     dests: list[str] = []
@@ -122,7 +125,7 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
             continue
         tp, dest = field_types(cls)[f.name], prefix + f.name
         if dataclasses.is_dataclass(tp):
-            dests += add_dataclass_flags(p, tp, prefix=f"{dest}.", aliases=aliases,
+            dests += add_dataclass_flags(p, tp, prefix=f"{dest}.", aliases=aliases, hidden=hidden,
                                          skip={k[len(dest) + 1:] for k in skip if k.startswith(dest + ".")},
                                          group_title=f"{dest} section (or --set {dest}.KEY=VALUE)")
             continue
@@ -151,7 +154,12 @@ def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str = 
         title = f.metadata.get("group")
         if title and title not in groups:
             groups[title] = p.add_argument_group(title)
-        (groups[title] if title else target).add_argument(*(aliases or {}).get(dest, ()), flag, dest=dest, **kw)
+        group, names = (groups[title] if title else target), (aliases or {}).get(dest, ())
+        if dest in hidden and names:  # one documented spelling; the generated one still parses, into the same field
+            group.add_argument(*names, dest=dest, **kw)
+            group.add_argument(flag, dest=dest, **{**kw, "help": argparse.SUPPRESS})
+        else:
+            group.add_argument(*names, flag, dest=dest, **kw)
         dests.append(dest)
     return dests
 

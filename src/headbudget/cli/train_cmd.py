@@ -24,17 +24,39 @@ from headbudget.cli.dataclass_flags import add_dataclass_flags, deep_merge, flag
 from headbudget.train.config import CompareConfig, RunConfig, load_config, resolve_config_path
 from headbudget.train.config import parse_token_count as parse_token_count  # noqa: I001 (its old home: benchmarks/)
 
+#: ``train.threads`` is set by the one ``--threads`` every command takes (headbudget.threads); its generated
+#: ``--train.threads`` spelling still parses, into the same field, but is left out of the help
+THREADS = {"aliases": {"train.threads": ("--threads",)}, "hidden": ("train.threads",)}
+
 
 def _add_common(p: argparse.ArgumentParser, config_required: bool = True, skip: tuple[str, ...] = (),
                 aliases: dict[str, tuple[str, ...]] | None = None, cls: type[RunConfig] = RunConfig) -> None:
-    """CONFIG, one ``--section.key`` flag per field of ``cls`` (generated from its declaration), --set and
-    --print_config."""
-    if config_required:
-        p.add_argument("config", help="config file (YAML) or a bundled name: quickstart, cpu-small, gpt2-124m, ...")
-    else:
-        p.add_argument("config", nargs="?", help="config file (YAML) or bundled name (optional)")
-    add_dataclass_flags(p, cls, skip=skip, aliases=aliases)
+    """CONFIG (or ``--config FILE``, as every other command), one ``--section.key`` flag per field of ``cls``
+    (generated from its declaration), --set and --print_config."""
+    what = "config file (YAML) or a bundled name: quickstart, cpu-small, gpt2-124m, ..."
+    p.add_argument("config", nargs="?", metavar="CONFIG",
+                   help=f"{what}{'' if config_required else ' (optional)'}; or give it as --config FILE")
+    p.add_argument("--config", dest="config_file", metavar="FILE", default=None,
+                   help="the config as a flag, as the other commands take it (same as CONFIG; give one of the two)")
+    p.set_defaults(config_required=config_required)
+    if "train" not in skip:
+        aliases = {**THREADS["aliases"], **(aliases or {})}
+    add_dataclass_flags(p, cls, skip=skip, aliases=aliases, hidden=THREADS["hidden"])
     _add_set_flags(p)
+
+
+def _config_name(args: argparse.Namespace) -> str | None:
+    """The config CONFIG or ``--config FILE`` names (one of them; both is an error, and so is neither where the
+    command needs one)."""
+    positional, flag = getattr(args, "config", None), getattr(args, "config_file", None)
+    if positional and flag:
+        raise ValueError(f"the config is given twice ({positional!r} and --config {flag!r}): give CONFIG or "
+                         "--config FILE, not both")
+    name = positional or flag
+    if not name and getattr(args, "config_required", False):
+        raise ValueError("missing the config: give CONFIG or --config FILE (a YAML file or a bundled name: "
+                         "quickstart, cpu-small, gpt2-124m, ...)")
+    return name
 
 
 def _add_set_flags(p: argparse.ArgumentParser, example: str = "train.lr=3e-4") -> None:
@@ -45,24 +67,31 @@ def _add_set_flags(p: argparse.ArgumentParser, example: str = "train.lr=3e-4") -
 
 
 def _load(args: argparse.Namespace, defaults: list[str] | None = None, cls: type[RunConfig] = RunConfig) -> RunConfig:
-    """The config of ``args.config`` (or, with none, the built-in defaults changed by ``defaults``), its --set
+    """The config of CONFIG or ``--config`` (or, with none, the built-in defaults changed by ``defaults``), its --set
     overrides, then the ``--section.key`` flags given."""
-    path = resolve_config_path(args.config) if args.config else None
-    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over the config's train.threads,
-    # --threads 0 (auto) too
-    cfg = load_config(path, ([] if path else defaults or []) + args.overrides +
-                      ([f"train.threads={threads}"] if threads is not None else []), cls=cls)
+    name = _config_name(args)
+    path = resolve_config_path(name) if name else None
+    cfg = load_config(path, ([] if path else defaults or []) + args.overrides, cls=cls)
     given = flag_values(args)
     return cls.from_dict(deep_merge(cfg.to_dict(), given), "flags") if given else cfg
+
+
+def _threads_from(args: argparse.Namespace, cfg: RunConfig) -> None:
+    """cli.main's thread policy (applied before any work) follows the run's ``train.threads``, which --threads
+    sets (0: automatic)."""
+    args.threads = cfg.train.threads or None
 
 
 def _validate(args: argparse.Namespace) -> None:
     """Read the config and its --set overrides before torch is imported (cli.main calls it first)."""
     args.cfg = _load(args)
+    if "train.threads" in vars(args):  # prepare has no train section: cli.main's own --threads
+        _threads_from(args, args.cfg)
 
 
 def _validate_compare(args: argparse.Namespace) -> None:
     args.cfg = _load(args, cls=CompareConfig)
+    _threads_from(args, args.cfg)
 
 
 def _is_main() -> bool:
@@ -108,6 +137,7 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
 
 def _validate_train(args: argparse.Namespace) -> None:
     args.cfg = _train_config(args)
+    _threads_from(args, args.cfg)
 
 
 def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
@@ -155,6 +185,7 @@ def _distill_config(args: argparse.Namespace) -> RunConfig:
 
 def _validate_distill(args: argparse.Namespace) -> None:
     args.cfg = _distill_config(args)
+    _threads_from(args, args.cfg)
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
@@ -231,10 +262,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("student", help="the model to recover (model folder, run folder or GGUF); its tokenizer is used")
     p.add_argument("--config", help="run config (YAML or bundled name) for the training settings (default: the "
                    "built-in defaults with " + ", ".join(DISTILL_DEFAULTS) + ")")
-    add_dataclass_flags(p, RunConfig, skip=("model.init",),
+    add_dataclass_flags(p, RunConfig, skip=("model.init",), hidden=THREADS["hidden"],
                         aliases={"distill.teacher": ("--teacher",), "distill.temperature": ("--temperature",),
                                  "distill.alpha": ("--alpha",), "data.source": ("--data",),
-                                 "train.tokens": ("--tokens",)})
+                                 "train.tokens": ("--tokens",), **THREADS["aliases"]})
     _add_set_flags(p, "train.batch_size=8")
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
     p.add_argument("--overwrite", action="store_true",
