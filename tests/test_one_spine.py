@@ -50,3 +50,32 @@ def test_config_still_required_where_it_was(command, capsys):
 
 def test_prepare_needs_no_config(capsys):
     assert _printed(["prepare", "--print_config"], capsys)["data"]["source"] == "synthetic:1000000"
+
+
+# ------------------------------------------------------------------ experiment --out / --no-progress as fields
+_NGRAM_TINY = ["--budget", "8", "--heads", "1,2", "--offsets", "1", "--vocab", "4", "--seq-len", "8", "--d-model", "8",
+               "--steps", "2", "--batch", "4", "--eval-batch", "8", "--seeds", "0"]
+
+
+@pytest.mark.parametrize("name", ["saturation", "ngram"])
+def test_experiment_out_and_no_progress_round_trip_through_print_config(name, tmp_path, capsys):
+    d = _printed(["experiment", name, "--out", str(tmp_path / "o"), "--no-progress", "--print_config"], capsys)
+    assert (d["out"], d["progress"]) == (str(tmp_path / "o"), False)
+    f = tmp_path / "cfg.yaml"
+    f.write_text(yaml.safe_dump(d))
+    assert _printed(["experiment", name, "--config", str(f), "--print_config"], capsys) == d
+    defaults = _printed(["experiment", name, "--print_config"], capsys)
+    assert (defaults["out"], defaults["progress"]) == (f"results/{name}", True)
+
+
+def test_experiment_runs_into_the_out_of_its_config_file(tmp_path, capsys):
+    import json
+
+    f = tmp_path / "cfg.yaml"
+    f.write_text(f"out: {tmp_path / 'from_file'}\nprogress: false\n")
+    capsys.readouterr()
+    assert main(["experiment", "ngram", *_NGRAM_TINY, "--config", str(f), "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads((tmp_path / "from_file" / "ngram.json").read_text())
+    assert "out" not in result["config"] and "progress" not in result["config"]  # where it reports: not a result
+    assert "ngram:" not in captured.err  # progress: false in the file silenced the bar

@@ -41,14 +41,12 @@ def _check_positive(cfg: Any, cls: type) -> None:
 def _add_experiment(esub: Any, name: str, cls: type, help: str, description: str, quick: str, func: Any) -> None:
     p = esub.add_parser(name, help=help, description=description + " Defaults shown are the full run's; --quick "
                         "starts from smaller ones, and flags given override either.")
-    p.add_argument("--out", default=f"results/{name}", help=f"output folder ({name}.json, .png)")
     p.add_argument("--quick", action="store_true", help=quick)
     add_dataclass_flags(p, cls)
     add_config_flags(p, cls, f"the {name} experiment's settings")
     add_threads_flag(p)  # applied by cli.main (headbudget.threads); the experiment keeps it
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (without it such a folder is refused)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     def validate(args: argparse.Namespace) -> None:  # the config before any work: a bad value costs nothing
         base = cls.quick() if args.quick else cls()
@@ -93,9 +91,10 @@ def run_saturation_cmd(args: argparse.Namespace) -> int:
 
     if args.print_config:
         return print_config(args.cfg)
-    with claim_output_dir(args.out, command="headbudget experiment saturation", overwrite=args.overwrite):
-        result = run_saturation(args.cfg, progress=not args.no_progress)
-        json_path, png_path = write_saturation(result, args.out)
+    out = args.cfg.out  # --out, or the out: of --config
+    with claim_output_dir(out, command="headbudget experiment saturation", overwrite=args.overwrite):
+        result = run_saturation(args.cfg)
+        json_path, png_path = write_saturation(result, out)
     print(format_saturation(result))
     print(f"wrote {json_path} and {png_path}")
     return 0
@@ -106,9 +105,10 @@ def run_ngram_cmd(args: argparse.Namespace) -> int:
 
     if args.print_config:
         return print_config(args.cfg)
-    with claim_output_dir(args.out, command="headbudget experiment ngram", overwrite=args.overwrite):
-        result = run_ngram(args.cfg, progress=not args.no_progress)
-        json_path, png_path = write_ngram(result, args.out)
+    out = args.cfg.out  # --out, or the out: of --config
+    with claim_output_dir(out, command="headbudget experiment ngram", overwrite=args.overwrite):
+        result = run_ngram(args.cfg)
+        json_path, png_path = write_ngram(result, out)
     print(format_ngram(result))
     print(f"wrote {json_path} and {png_path}")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,18 @@ from headbudget.io import atomic_write_json, atomic_write_text, new_figure, save
 from headbudget.threads import torch_threads  # the one thread helper, re-exported for the experiments
 
 __all__ = [
-    "atomic_write_json", "atomic_write_text", "new_figure", "parse_int_list", "save_figure", "torch_threads",
-    "write_result",
+    "RUN_SETTINGS", "atomic_write_json", "atomic_write_text", "new_figure", "parse_int_list", "recorded_config",
+    "save_figure", "torch_threads", "write_result",
 ]
+
+#: config fields that say where and how a run reports (its --out folder, its progress bars), not what it
+#: measures: left out of the config recorded in the result JSON
+RUN_SETTINGS = ("out", "progress")
+
+
+def recorded_config(cfg: Any) -> dict[str, Any]:
+    """The experiment config as its result JSON records it (tuples as lists; :data:`RUN_SETTINGS` left out)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k not in RUN_SETTINGS}
 
 
 def parse_int_list(text: str | list[int] | tuple[int, ...], flag: str) -> list[int]:

@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
+from headbudget.experiments._common import (
+    new_figure,
+    recorded_config,
+    save_figure,
+    torch_threads,
+    write_result,
+)
 from headbudget.train.loop import TrainLoop
 from headbudget.typed_config import option
 
@@ -53,6 +59,9 @@ class NgramConfig:
     eval_batch: int = option(512, help="sequences the error is measured on")
     seeds: tuple[int, ...] = option((0, 1), help="comma list of seeds")
     threads: int = option(1, help="torch threads while running", cli=False)  # the CLI's --threads sets it
+    # where and how the command reports (_common.RUN_SETTINGS: not recorded in the result)
+    out: str = option("results/ngram", help="output folder (ngram.json, .png)")
+    progress: bool = option(True, flag="--no-progress", help="no progress bars")
 
     @classmethod
     def quick(cls) -> NgramConfig:
@@ -138,8 +147,10 @@ def _train_eval(cfg: NgramConfig, n_heads: int, seed: int) -> dict[str, float]:
     }
 
 
-def run_ngram(cfg: NgramConfig, progress: bool = True) -> dict[str, Any]:
-    """Run the sweep; returns a JSON-ready dict (config, per-split results, summary with a verdict)."""
+def run_ngram(cfg: NgramConfig, progress: bool | None = None) -> dict[str, Any]:
+    """Run the sweep; returns a JSON-ready dict (config, per-split results, summary with a verdict).
+    ``progress``: progress bar (default ``cfg.progress``)."""
+    progress = cfg.progress if progress is None else progress
     splits = cfg.splits()
     if min(cfg.offsets) <= 0 or max(cfg.offsets) >= cfg.seq_len:
         raise ValueError(f"ngram: --offsets must be in [1, {cfg.seq_len - 1}], got {list(cfg.offsets)}")
@@ -159,7 +170,7 @@ def run_ngram(cfg: NgramConfig, progress: bool = True) -> dict[str, Any]:
         entry["error_min"], entry["error_max"] = min(errs), max(errs)
     return {
         "experiment": "ngram",
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "config": recorded_config(cfg),
         "results": results,
         "summary": _summarise(cfg, results),
         "elapsed_s": round(time.perf_counter() - t0, 1),

@@ -26,13 +26,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from headbudget.experiments._common import new_figure, save_figure, torch_threads, write_result
+from headbudget.experiments._common import (
+    new_figure,
+    recorded_config,
+    save_figure,
+    torch_threads,
+    write_result,
+)
 from headbudget.train.loop import TrainLoop
 from headbudget.typed_config import option
 
@@ -57,6 +63,9 @@ class SaturationConfig:
     student_value_dim: int | None = option(None, help="student value width (default: the teacher's)")
     # torch intra-op threads while running (restored afterwards); the CLI's --threads sets it
     threads: int = option(1, help="torch threads while running", cli=False)
+    # where and how the command reports (_common.RUN_SETTINGS: not recorded in the result)
+    out: str = option("results/saturation", help="output folder (saturation.json, .png)")
+    progress: bool = option(True, flag="--no-progress", help="no progress bars")
     extra: dict[str, Any] = option(help="free-form notes recorded with the result", cli=False, default_factory=dict)
 
     @classmethod
@@ -138,10 +147,11 @@ def _saturation_dim(errors: dict[int, float], share: float = 0.9) -> int:
     return dims[-1]
 
 
-def run_saturation(cfg: SaturationConfig, progress: bool = True) -> dict[str, Any]:
-    """Run the experiment; returns a JSON-ready dict (config, per-L results, teacher stats, verdict)."""
+def run_saturation(cfg: SaturationConfig, progress: bool | None = None) -> dict[str, Any]:
+    """Run the experiment; returns a JSON-ready dict (config, per-L results, teacher stats, verdict).
+    ``progress``: progress bar (default ``cfg.progress``)."""
     with torch_threads(cfg.threads):
-        return _run_saturation(cfg, progress)
+        return _run_saturation(cfg, cfg.progress if progress is None else progress)
 
 
 def _run_saturation(cfg: SaturationConfig, progress: bool) -> dict[str, Any]:
@@ -186,7 +196,7 @@ def _run_saturation(cfg: SaturationConfig, progress: bool) -> dict[str, Any]:
     summary = _summarise(cfg, results)
     return {
         "experiment": "saturation",
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "config": recorded_config(cfg),
         "teacher_logits": stats,
         "results": results,
         "summary": summary,
