@@ -79,3 +79,60 @@ def test_experiment_runs_into_the_out_of_its_config_file(tmp_path, capsys):
     result = json.loads((tmp_path / "from_file" / "ngram.json").read_text())
     assert "out" not in result["config"] and "progress" not in result["config"]  # where it reports: not a result
     assert "ngram:" not in captured.err  # progress: false in the file silenced the bar
+
+
+# ------------------------------------------------------------------ the metrics logger uses the trainer's public surface
+class _PublicTrainer:
+    """Only what Trainer offers publicly to its logger: no underscore method exists here."""
+
+    def __init__(self, out):
+        from headbudget.train.config import RunConfig
+
+        self.cfg = RunConfig.from_dict({"train": {"steps": 4, "eval_every": 2, "progress": False}})
+        self.out, self.callbacks, self.stop_requested, self.evaluated = out, [], False, 0
+
+    def is_eval_step(self, done: int) -> bool:
+        return done % 2 == 0
+
+    def validation_loss(self, run) -> float:
+        self.evaluated += 1
+        return 1.5
+
+
+def test_metrics_logger_needs_only_the_trainers_public_methods(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from headbudget.train.loop import LogRecord
+    from headbudget.train.records import MetricsLogger
+
+    trainer = _PublicTrainer(tmp_path)
+    run = SimpleNamespace(is_main=True, teacher=None, metrics_path=tmp_path / "metrics.jsonl")
+    logger = MetricsLogger(trainer, run, 0)
+    try:
+        for step in (1, 2):
+            logger.after_step(step, logger.log(LogRecord(step, 2.0, 0.5, 1e-3, (), 0.1, 1)))
+    finally:
+        logger.close()
+    records = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
+    assert [r["val_loss"] for r in records] == [None, 1.5] and trainer.evaluated == 1
+
+
+def test_no_module_calls_a_trainers_private_methods():
+    """``trainer._x`` / ``self.trainer._x`` anywhere outside train/trainer.py is a reach into its privates."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "headbudget"
+    reaches = []
+    for path in src.rglob("*.py"):
+        if path.name == "trainer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) \
+                    else ""
+                if name == "trainer":
+                    reaches.append(f"{path.relative_to(src)}:{node.lineno} .{node.attr}")
+    assert reaches == []

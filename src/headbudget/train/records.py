@@ -50,8 +50,9 @@ class TrainResult:
 # ---------------------------------------------------------------------------- metrics
 class MetricsLogger:
     """The trainer's side of the loop's log steps (evaluation, ``metrics.jsonl``, TensorBoard, the progress bar)
-    and of every step (the callbacks).  ``trainer`` is a :class:`headbudget.train.trainer.Trainer`, ``run`` its
-    ``_Run``."""
+    and of every step (the callbacks).  ``trainer`` is a :class:`headbudget.train.trainer.Trainer` (what the
+    logger uses of it is public: ``cfg``, ``out``, ``callbacks``, ``stop_requested``, ``is_eval_step(step)``,
+    ``validation_loss(run)``), ``run`` what it trains with (``is_main``, ``teacher``, ``metrics_path``)."""
 
     def __init__(self, trainer: Any, run: Any, start_step: int) -> None:
         from tqdm.auto import tqdm
@@ -82,9 +83,9 @@ class MetricsLogger:
                   "tokens_per_s": rec.steps * self.tokens_per_step / max(rec.seconds, 1e-9)}
         if run.teacher is not None:  # train_loss is the mixed loss; both of its terms
             record["distill_kl"], record["lm_loss"] = rec.parts
-        is_eval = self.trainer._is_eval_step(done)
+        is_eval = self.trainer.is_eval_step(done)
         if is_eval:
-            self.last_val = record["val_loss"] = self.trainer._evaluate_run(run)
+            self.last_val = record["val_loss"] = self.trainer.validation_loss(run)
         if run.is_main:
             with open(run.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -223,7 +223,7 @@ class Trainer:
         with PeakMemory(device) as mem:
             steps_done, last_val, last_train = self._train_steps(run, start_step)
         if start_step >= self.cfg.train.steps:  # resumed from the final checkpoint (killed while exporting)
-            last_val = self._evaluate_run(run)
+            last_val = self.validation_loss(run)
             last_train = last_train_loss(run.metrics_path)
         return self._finish(run, steps_done, last_val, last_train, mem.peak_mb, time.perf_counter() - t_start)
 
@@ -250,7 +250,7 @@ class Trainer:
         decay_names = {n for n, p in raw_model.named_parameters() if p.dim() >= 2}
         model = shard_or_replicate(raw_model, device, self.world if distributed else 1, fsdp)
         optimizer = build_adamw(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
-                                decay_names=decay_names, fused=device.type == "cuda")
+                                decay_names=decay_names)  # fused kernel where torch has one (CPU too)
         val_set = val_batches(data.val, n_batches=t.eval_batches, batch_size=t.eval_batch_size or t.batch_size,
                               context=t.context, rank=self.rank, world_size=self.world)
         return _Run(device=device, distributed=distributed, fsdp=fsdp, is_main=self.rank == 0, data=data,
@@ -311,20 +311,16 @@ class Trainer:
         try:
             result = loop.run(
                 self._micro_batches(run, start_step), steps=t.steps, start_step=start_step,
-                log_at=lambda done: done % t.log_every == 0 or self._is_eval_step(done),
+                log_at=lambda done: done % t.log_every == 0 or self.is_eval_step(done),
                 checkpoint_at=lambda done: t.ckpt_every > 0 and (done % t.ckpt_every == 0 or done == t.steps),
                 on_log=logger.log, on_checkpoint=save, on_step=logger.after_step)
         finally:
             logger.close()
         last_val = logger.last_val
         if result.steps < t.steps and (logger.last_record is None or logger.last_record["val_loss"] is None):
-            last_val = self._evaluate_run(run)  # a callback's stopping rule ended the run between evaluations
+            last_val = self.validation_loss(run)  # a callback's stopping rule ended the run between evaluations
         last_train = result.losses[-1] if result.losses else None
         return (result.steps if result.steps < t.steps else t.steps), last_val, last_train
-
-    def _is_eval_step(self, done: int) -> bool:
-        t = self.cfg.train
-        return (t.eval_every > 0 and done % t.eval_every == 0) or done == t.steps
 
     def _micro_batches(self, run: _Run, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The micro-batches of steps ``start_step..``: a pure function of (seed, step, micro, rank)."""
@@ -339,7 +335,14 @@ class Trainer:
                     x, y = x.pin_memory(), y.pin_memory()
                 yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
-    def _evaluate_run(self, run: _Run) -> float:
+    # ------------------------------------------------------------------ what the metrics logger asks
+    def is_eval_step(self, done: int) -> bool:
+        """Is the validation loss measured after optimizer step ``done`` (every ``train.eval_every``, and the last)?"""
+        t = self.cfg.train
+        return (t.eval_every > 0 and done % t.eval_every == 0) or done == t.steps
+
+    def validation_loss(self, run: _Run) -> float:
+        """The validation loss of ``run``'s model now (a collective under DDP/FSDP: every rank calls it)."""
         return self.evaluate(run.model if run.fsdp else run.raw_model, run.val_set, run.device, run.autocast,
                              run.distributed)
 
