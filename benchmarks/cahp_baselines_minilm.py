@@ -25,7 +25,8 @@ on the one loaded workload (the evaluation subsets are the first seed's, identic
    model fine-tuned again with the same recovery recipe (``dense``).
 
 Resumable per cell: ``OUT/cells.json`` records every finished cell with the settings it ran under, and a
-rerun with the same settings runs only the cells not in it (a killed run loses the cell it was in); the
+rerun with the same settings runs only the cells not in it (a killed run loses the cell it was in; a rerun
+with other settings moves the old cells to ``OUT/cells_other_settings_<time>.json`` and starts over); the
 ``--results`` JSON (cells, per-row means and standard deviations, mean pairwise Jaccard similarity of the
 kept-head sets over the seeds, the curve, selection times) and the curve plot next to it are rewritten after
 every cell.  ``--recovery-precision bf16`` runs the recovery fine-tunes' training forwards under bf16
@@ -409,7 +410,12 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     path = out / "cells.json"
     state = json.loads(path.read_text()) if path.exists() else {"cells": {}}
-    state["cells"] = {k: v for k, v in state["cells"].items() if v.get("settings") == settings}
+    stale = {k: v for k, v in state["cells"].items() if v.get("settings") != settings}
+    if stale:  # cells of other settings are not this run's: kept aside, not mixed into its aggregates
+        from headbudget.pruning.report import write_json
+
+        write_json(out / f"cells_other_settings_{time.strftime('%Y%m%d_%H%M%S')}.json", {"cells": stale})
+        state["cells"] = {k: v for k, v in state["cells"].items() if k not in stale}
     n_heads = state.get("n_heads") or 72
     todo = pending(plan(knee_counts(state["cells"], args.degrees, args.seeds[0]), args.degrees, args.seeds,
                         args.seed_methods, args.one_seed_methods, args.curve_methods, args.curve_counts, n_heads),

@@ -195,7 +195,8 @@ def test_run_resumes_only_unfinished_cells(tmp_path, monkeypatch) -> None:
     assert cahp14["seeds"] == [1, 2] and cahp14["finetuned_mean"] == pytest.approx(0.4015)
     assert cb.main(["--table", "--results", str(tmp_path / "r.json")]) == 0
     assert cb.run(cb.parse_args([*argv, "--recovery-precision", "bf16", "--max-cells", "1"])) == 1
-    assert ran == ["cahp/knee-d6/s1"]  # other settings: everything reruns
+    assert ran == ["cahp/knee-d6/s1"]  # other settings: everything reruns, the old cells are kept aside
+    assert len(list((tmp_path / "out").glob("cells_other_settings_*.json"))) == 1
 
 
 def test_bad_input_is_one_line(tmp_path, capsys) -> None:
