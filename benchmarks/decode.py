@@ -130,8 +130,9 @@ def build_models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, di
     from headbudget.loading import load_model_and_tokenizer
     from headbudget.pruning.adapters import get_adapter
     from headbudget.pruning.granularity import apply_granularity, kv_groups_of
-    from headbudget.pruning.importance import IMPORTANCES, ImportanceContext, prune_spec, select_top
+    from headbudget.pruning.importance import ImportanceContext, prune_spec, select_top
     from headbudget.pruning.lm import lm_batches, lm_data
+    from headbudget.pruning.methods import score_heads
 
     dense, tok = load_model_and_tokenizer(args.model, "causal", as_headbudget=True)
     dense = dense.float().eval()
@@ -145,7 +146,7 @@ def build_models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, di
                    vocab_size=dense.config.vocab_size)
     ctx = ImportanceContext(adapter, dense, lm_batches(data, 1), seed=0, progress=False)
     t = time.perf_counter()
-    scores = IMPORTANCES[args.importance](ctx)
+    scores = score_heads(args.importance, ctx)  # the registry's scorer of that name
     score_s = time.perf_counter() - t
     dense.eval()
     models, info = {"dense": dense}, {"dense": {"granularity": None, "keep_ratio": 1.0}}

@@ -74,11 +74,12 @@ def test_gate_gradients_abs_and_square_and_salience():
 
 def test_fisher_and_random_through_registry():
     from headbudget.pruning.adapters import get_adapter
-    from headbudget.pruning.importance import IMPORTANCES, ImportanceContext, select_by_method
+    from headbudget.pruning.importance import ImportanceContext
+    from headbudget.pruning.methods import importance_table, select_by_method
 
     model = _bert()
     ctx = ImportanceContext(get_adapter(model), model, _batches(2), seed=5, progress=False)
-    assert set(IMPORTANCES) == {"michel", "fisher", "magnitude", "random"}
+    assert set(importance_table()) == {"michel", "fisher", "magnitude", "random"}
     kept, scores = select_by_method("random", ctx, 3)
     assert kept == select_by_method("random", ctx, 3)[0] and len(kept) == 3
     kept_f, scores_f = select_by_method("fisher", ctx, 5)

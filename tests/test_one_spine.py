@@ -136,3 +136,52 @@ def test_no_module_calls_a_trainers_private_methods():
                 if name == "trainer":
                     reaches.append(f"{path.relative_to(src)}:{node.lineno} .{node.attr}")
     assert reaches == []
+
+
+# ------------------------------------------------------------------ the registry is the one table of importances
+def test_importances_old_table_is_a_deprecated_live_view_of_the_registry():
+    import numpy as np
+
+    from headbudget.pruning import importance, methods
+
+    @methods.register_importance("spine-test-scorer")
+    def scorer(ctx):
+        return [np.arange(n, dtype=float) for n in ctx.head_counts]
+
+    try:
+        with pytest.warns(DeprecationWarning, match="pruning.methods.importance_table"):
+            table = importance.IMPORTANCES
+        assert table["spine-test-scorer"] is scorer  # registered after import: the registry is the table
+        assert set(table) == set(methods.importance_table()) >= {"michel", "fisher", "magnitude", "random"}
+        assert "cahp" not in table  # a selector without per-head scores
+        with pytest.raises(TypeError):
+            table["other"] = scorer  # read-only
+    finally:
+        methods.unregister("spine-test-scorer")
+    assert "spine-test-scorer" not in table
+
+
+def test_select_by_method_and_score_heads_read_the_registry():
+    import numpy as np
+
+    from headbudget.pruning import importance, methods
+
+    ctx = type("Ctx", (), {"head_counts": [3, 2]})()
+    methods.register_importance("spine-last", lambda c: [np.arange(n, dtype=float) for n in c.head_counts])
+    try:
+        assert [list(s) for s in methods.score_heads("spine-last", ctx)] == [[0, 1, 2], [0, 1]]
+        kept, flat = methods.select_by_method("spine-last", ctx, 3)
+        assert kept == [1, 2, 4] and list(flat) == [0, 1, 2, 0, 1]
+        with pytest.warns(DeprecationWarning, match="select_by_method"):
+            assert importance.select_by_method("spine-last", ctx, 3)[0] == kept
+    finally:
+        methods.unregister("spine-last")
+    with pytest.raises(ValueError, match="unknown importance 'cahp'; choose from michel, fisher, magnitude, random"):
+        methods.score_heads("cahp", ctx)
+
+
+def test_decode_benchmark_scores_through_the_registry():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py").read_text()
+    assert "IMPORTANCES" not in text and "score_heads(args.importance, ctx)" in text

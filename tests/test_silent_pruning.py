@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from headbudget.pruning.adapters import get_adapter
 from headbudget.pruning.cahp import allocate_by_importance, select_heads
-from headbudget.pruning.importance import ImportanceContext, flatten, prune_spec, select_by_method
+from headbudget.pruning.importance import ImportanceContext, flatten, prune_spec
+from headbudget.pruning.methods import select_by_method
 
 
 # ---------------------------------------------------------------------------- CAHP allocation, balanced

@@ -7,8 +7,9 @@ adapter then removes the rest.  Michel et al.'s method is iterative, so it is a 
 (:func:`michel_iterative`) built from its importance.
 
 The methods ``run_prune`` and the CLI know -- these scorers among them -- are plug-ins in the registry of
-:mod:`headbudget.pruning.methods` (``register_importance`` adds one); ``IMPORTANCES`` is the table of the
-built-in scorers it registers, and :func:`select_by_method` runs one of them (or ``michel``) on a context:
+:mod:`headbudget.pruning.methods`, the one table of methods (``register_importance`` adds one;
+``methods.score_heads(name, ctx)`` scores heads with one, ``methods.select_by_method`` selects with one).
+The scorers defined here, which it registers:
 
 * ``michel``    -- mean ``|dL/dgate|`` with per-layer L2 normalisation (Michel et al., 2019);
 * ``fisher``    -- mean over examples of squared per-example gate gradients (empirical Fisher);
@@ -33,7 +34,6 @@ import numpy as np
 import torch
 
 __all__ = [
-    "IMPORTANCES",
     "ImportanceContext",
     "default_loss",
     "flatten",
@@ -41,7 +41,6 @@ __all__ = [
     "head_list",
     "michel_iterative",
     "salience",
-    "select_by_method",
     "select_top",
 ]
 
@@ -284,12 +283,22 @@ def random_importance(ctx: ImportanceContext) -> list[np.ndarray]:
     return [rng.random(n) for n in ctx.head_counts]
 
 
-IMPORTANCES: dict[str, Importance] = {
-    "michel": michel_importance,
-    "fisher": fisher_importance,
-    "magnitude": magnitude_importance,
-    "random": random_importance,
-}
+#: old names served from the registry of :mod:`headbudget.pruning.methods` (see :func:`__getattr__`)
+_MOVED = {"IMPORTANCES": "importance_table()", "select_by_method": "select_by_method"}
+
+
+def __getattr__(name: str) -> Any:
+    """``IMPORTANCES`` (a read-only view of the registry's scorers) and ``select_by_method``, deprecated here:
+    the registry of :mod:`headbudget.pruning.methods` is the one table of methods."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    warnings.warn(f"headbudget.pruning.importance.{name} is deprecated: use headbudget.pruning.methods."
+                  f"{_MOVED[name]} (the registry is the one table of methods)", DeprecationWarning, stacklevel=2)
+    from headbudget.pruning import methods
+
+    return methods.importance_table() if name == "IMPORTANCES" else methods.select_by_method
 
 
 # --------------------------------------------------------------------------- selection
@@ -342,16 +351,6 @@ def michel_iterative(ctx: ImportanceContext, n_keep: int, step_fraction: float =
             alive[i] = False
             n_remove -= 1
     return sorted(int(i) for i in np.flatnonzero(alive))
-
-
-def select_by_method(method: str, ctx: ImportanceContext, n_keep: int) -> tuple[list[int], np.ndarray | None]:
-    """Kept flat indices (and the flat scores, when the method has one final score) for a baseline."""
-    if method == "michel":
-        return michel_iterative(ctx, n_keep), None
-    if method not in IMPORTANCES:
-        raise ValueError(f"unknown importance {method!r}; choose from {', '.join(IMPORTANCES)}")
-    scores = IMPORTANCES[method](ctx)
-    return select_top(scores, n_keep), flatten(scores)
 
 
 def gate_mask(kept: Iterable[int], head_counts: Sequence[int]) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ as soon as it is registered:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,13 +40,16 @@ import torch
 
 from headbudget.pruning import attattr, cahp, gated
 from headbudget.pruning.importance import (
-    IMPORTANCES,
     Batch,
     Importance,
     ImportanceContext,
+    fisher_importance,
     flatten,
     gate_mask,
+    magnitude_importance,
+    michel_importance,
     michel_iterative,
+    random_importance,
     select_top,
 )
 
@@ -57,8 +60,11 @@ __all__ = [
     "UnknownMethodError",
     "available_importances",
     "get_importance",
+    "importance_table",
     "register_importance",
     "register_selector",
+    "score_heads",
+    "select_by_method",
     "unregister",
 ]
 
@@ -115,7 +121,9 @@ Selector = Callable[[MethodRun], Selection]
 
 @dataclass(frozen=True)
 class PruningMethod:
-    """One registered method: an ``importance`` or a ``selector`` (exactly one).
+    """One registered method: an ``importance`` or a ``selector`` (at least one).  A selector may also carry the
+    importance it is built from (``michel``: the scores of its first round), so every method with one score per
+    head can give it (:func:`score_heads`); ``select`` runs the selector when there is one.
 
     ``job_fields``: :class:`~headbudget.pruning.job.PruneJob` fields only this method reads (a resumed
     comparison reruns it when they change); ``check(job)``: raises a one-line ``ValueError`` for a job
@@ -192,15 +200,17 @@ def register_importance(name: str, fn: Importance | None = None, *, replace: boo
 
 
 def register_selector(name: str, fn: Selector | None = None, *, finds_count: bool = False, replace: bool = False,
-                      job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None) -> Any:
+                      job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None,
+                      importance: Importance | None = None) -> Any:
     """Register ``fn(run: MethodRun) -> Selection`` as method ``name`` (as a decorator without ``fn``):
     a method that picks the kept heads itself, e.g. ``lambda run: Selection(kept=my_heads(run.model,
-    run.target))``.  ``finds_count``: it may be called with ``run.target=None`` and choose the count."""
+    run.target))``.  ``finds_count``: it may be called with ``run.target=None`` and choose the count;
+    ``importance``: one-shot scores the selector is built from, if any (:func:`score_heads` gives them)."""
     def add(f: Any) -> Any:
         if not callable(f):
             raise TypeError(f"register_selector({name!r}): {f!r} is not callable")
-        _register(PruningMethod(name, selector=_instance(f), finds_count=finds_count, job_fields=tuple(job_fields),
-                                check=check), replace)
+        _register(PruningMethod(name, importance=importance, selector=_instance(f), finds_count=finds_count,
+                                job_fields=tuple(job_fields), check=check), replace)
         return f
 
     return add if fn is None else add(fn)
@@ -224,6 +234,50 @@ def get_importance(name: str) -> PruningMethod:
     except (KeyError, TypeError):
         raise UnknownMethodError(f"unknown pruning method {name!r}; choose from "
                                  f"{', '.join(_REGISTRY)}") from None
+
+
+class _ImportanceView(Mapping[str, Importance]):
+    """The registered methods that score heads, ``{name: importance}``: read-only, live (a method registered
+    later is in it)."""
+
+    def __getitem__(self, name: str) -> Importance:
+        method = _REGISTRY.get(name) if isinstance(name, str) else None
+        if method is None or method.importance is None:
+            raise KeyError(name)
+        return method.importance
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, m in _REGISTRY.items() if m.importance is not None])
+
+    def __len__(self) -> int:
+        return sum(m.importance is not None for m in _REGISTRY.values())
+
+    def __repr__(self) -> str:
+        return f"importance_table({list(self)})"
+
+
+def importance_table() -> Mapping[str, Importance]:
+    """``{name: importance}`` of every registered method with one score per head (the importances, and ``michel``
+    whose selector iterates its importance): a read-only, live view of the registry."""
+    return _ImportanceView()
+
+
+def score_heads(name: str, ctx: ImportanceContext) -> list[np.ndarray]:
+    """One array of scores per layer from the registered method ``name`` (higher = more important); a one-line
+    ``ValueError`` for a name that has no per-head scores (a selector such as ``cahp``) or is not registered."""
+    table = importance_table()
+    if name not in table:
+        raise UnknownMethodError(f"unknown importance {name!r}; choose from {', '.join(table)}")
+    return table[name](ctx)
+
+
+def select_by_method(method: str, ctx: ImportanceContext, n_keep: int) -> tuple[list[int], np.ndarray | None]:
+    """Kept flat indices (and the flat scores, when the method has one final score) of a scoring method:
+    ``michel`` iterates (no final score); any other registered importance keeps its ``n_keep`` best heads."""
+    if method == "michel":
+        return michel_iterative(ctx, n_keep), None
+    scores = score_heads(method, ctx)
+    return select_top(scores, n_keep), flatten(scores)
 
 
 def method_job_fields() -> dict[str, tuple[str, ...]]:
@@ -318,9 +372,10 @@ def _classification_only(job: Any) -> None:
 def _register_builtins() -> None:
     # the order of METHODS before the registry: the CLI's choices and error messages list them so
     register_selector("cahp", _cahp, finds_count=True)
-    register_selector("michel", _michel)
-    for name in ("fisher", "magnitude", "random"):
-        register_importance(name, IMPORTANCES[name])
+    register_selector("michel", _michel, importance=michel_importance)
+    for name, fn in (("fisher", fisher_importance), ("magnitude", magnitude_importance),
+                     ("random", random_importance)):
+        register_importance(name, fn)
     register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
     register_selector("joint-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
     register_selector("pass", _gated, job_fields=("gate_lr", "gate_epochs"))
