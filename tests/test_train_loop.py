@@ -13,7 +13,14 @@ import torch
 
 from headbudget.train import Trainer, TrainingDivergedError, train
 from headbudget.train.checkpoint import list_checkpoints
-from headbudget.train.loop import TrainLoop, build_adamw, param_groups, warmup_cosine, warmup_linear
+from headbudget.train.loop import (
+    TrainLoop,
+    build_adamw,
+    fused_adamw_available,
+    param_groups,
+    warmup_cosine,
+    warmup_linear,
+)
 from test_train_trainer import tiny_config
 
 
@@ -191,3 +198,55 @@ def test_stop_requested_between_log_steps_reads_the_last_loss(tmp_path):
     assert result.steps == 3 and result.history == []
     assert result.final_train_loss == straight.history[2]["train_loss"]  # step 3's loss, read at the stop
     assert result.final_val_loss is not None and Path(tmp_path / "r" / "summary.json").is_file()
+
+
+# ---------------------------------------------------------------------------- the optimizer build_adamw picks
+def _adamw_run(fused, steps=12):
+    model = _linear()
+    opt = build_adamw(model, lr=3e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
+    TrainLoop(model, opt, lambda x: model(x).pow(2).mean(), grad_clip=0.5).run(iter(_data(steps)), steps=steps)
+    return model, opt
+
+
+def test_build_adamw_takes_the_fused_kernel_on_cpu_with_the_same_update_rule():
+    fused, opt_f = _adamw_run(None)
+    loop, opt_l = _adamw_run(False)
+    assert all(g["fused"] is True for g in opt_f.param_groups)  # torch >= 2.4 has it on CPU
+    assert all(not g["fused"] for g in opt_l.param_groups)
+    assert [g["weight_decay"] for g in opt_f.param_groups] == [0.1, 0.0]
+    assert [g["betas"] for g in opt_f.param_groups] == [(0.9, 0.95)] * 2
+    start = _linear()
+    assert (fused.weight - start.weight).abs().min() > 1e-3  # the weights moved: the comparison is not trivial
+    torch.testing.assert_close(fused.weight, loop.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.bias, loop.bias, rtol=1e-5, atol=1e-6)
+
+
+def test_build_adamw_falls_back_where_torch_has_no_fused_kernel():
+    meta = torch.nn.Linear(4, 3, device="meta")  # no fused kernel for the meta device
+    assert fused_adamw_available(meta.parameters()) is False
+    assert all(not g["fused"] for g in build_adamw(meta, lr=1e-3, weight_decay=0.1).param_groups)
+    with pytest.raises(ValueError, match="no fused kernel"):
+        build_adamw(meta, lr=1e-3, weight_decay=0.1, fused=True)
+    assert fused_adamw_available(_linear().parameters()) is True
+
+
+def _train(model, opt, data, steps, start_step=0):
+    TrainLoop(model, opt, lambda x: model(x).pow(2).mean(), grad_clip=0.5).run(
+        iter(data), steps=steps, start_step=start_step)
+
+
+@pytest.mark.parametrize("saved_fused", [False, None])  # a checkpoint of the for-loop AdamW (older runs), of the fused
+def test_a_resumed_optimizer_keeps_the_kind_of_its_checkpoint_and_resumes_bit_for_bit(saved_fused):
+    data = _data(8)
+    whole = _linear()
+    _train(whole, build_adamw(whole, lr=3e-2, weight_decay=0.1, fused=saved_fused), data, 8)
+    first = _linear()
+    opt = build_adamw(first, lr=3e-2, weight_decay=0.1, fused=saved_fused)
+    _train(first, opt, data[:4], 4)
+    resumed = _linear(seed=5)
+    resumed.load_state_dict(first.state_dict())
+    opt2 = build_adamw(resumed, lr=3e-2, weight_decay=0.1)  # today's default: fused
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["fused"] == opt.param_groups[0]["fused"]
+    _train(resumed, opt2, data[4:], 8, start_step=4)
+    assert torch.equal(resumed.weight, whole.weight) and torch.equal(resumed.bias, whole.bias)
