@@ -229,7 +229,7 @@ SMALL: dict[str, dict[str, str | None]] = {
     "quickstart": {"--tiny": None},
     "distill": {"--tokens": "256"},  # 2 steps of 2 x 64 tokens
     "compare": {"--seeds": "1"},
-    "eval": {"--limit": "2", "--quiet": None},
+    "eval": {"--limit": "2"},  # not --quiet: the printed accuracies are checked
     "perplexity": {"--max-windows": "2", "--quiet": None},
     "attention": {"--seq-len": "32", "--n-seqs": "1"},
     "finetune": {"--epochs": "1", "--max-steps": "2", "--limit-train": "16", "--limit-eval": "8",

@@ -33,8 +33,7 @@ def model_dir(tmp_path_factory) -> Path:
 def test_eval_json_schema(model_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = main(["eval", str(model_dir), "--tasks", "piqa,hellaswag,arc_easy,winogrande",
-               "--data-dir", str(FIXTURES), "--limit", "2", "--batch-size", "3", "--json", str(out),
-               "--quiet"])
+               "--data-dir", str(FIXTURES), "--limit", "2", "--batch-size", "3", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     # lm-eval's table (the built-in tasks run as its YAML tasks when it is installed)

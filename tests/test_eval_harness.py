@@ -206,8 +206,8 @@ def test_acc_norm_divides_by_characters_through_the_cli(model_dir, tmp_path, cap
     log-likelihood / len(choice) in characters (not bytes, not tokens), as lm-eval computes it."""
     out = tmp_path / "r.json"
     assert main(["eval", str(model_dir), "--tasks", "hb_mc", "--include-path", str(TASKS_DIR),
-                 "--batch-size", "7", "--log-samples", "--bootstrap-iters", "0", "--quiet",
-                 "--json", str(out), "--threads", "1"]) == 0
+                 "--batch-size", "7", "--log-samples", "--bootstrap-iters", "0",
+                 "--json", str(out), "--threads", "1"]) == 0  # not --quiet: the table is read below
     r = json.loads(out.read_text())
     docs = [json.loads(line) for line in (TASKS_DIR / "mc.jsonl").read_text(encoding="utf-8").splitlines()]
     (samples_file,) = tmp_path.glob("samples_hb_mc_*.jsonl")  # lm-eval's samples file, next to the JSON

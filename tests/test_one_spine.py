@@ -185,3 +185,35 @@ def test_decode_benchmark_scores_through_the_registry():
 
     text = (Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py").read_text()
     assert "IMPORTANCES" not in text and "score_heads(args.importance, ctx)" in text
+
+
+# ------------------------------------------------------------------ eval --quiet: no progress bars and no table
+def test_eval_quiet_prints_no_table_and_still_writes_the_results(tmp_path, capsys):
+    import json
+
+    import torch
+    from tests.test_eval_zeroshot import FIXTURES, byte_tokenizer, tiny_gpt2
+
+    model_dir = tmp_path / "m"
+    tiny_gpt2().save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "r.json"
+    from transformers.utils import logging as hf_logging
+
+    bars_before = hf_logging.is_progress_bar_enabled()
+    n = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        assert main(["eval", str(model_dir), "--tasks", "piqa", "--data-dir", str(FIXTURES), "--limit", "2",
+                     "--json", str(out), "--quiet", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    captured = capsys.readouterr()
+    assert captured.out == f"wrote {out}\n"  # no table, no timing lines
+    assert "it/s" not in captured.err and "%|" not in captured.err  # no progress bar
+    assert json.loads(out.read_text())["n-samples"]["piqa"]["effective"] == 2
+    assert hf_logging.is_progress_bar_enabled() == bars_before  # the libraries' settings are restored
+    from headbudget.cli.main import build_parser
+
+    help_text = " ".join(build_parser("eval")._subparsers._group_actions[0].choices["eval"].format_help().split())
+    assert "--quiet no progress bars and no results table" in help_text

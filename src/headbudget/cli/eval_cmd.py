@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,8 @@ class EvalSettings(ModelSettings):
                    "\"headbudget\"")
     json: str | None = option(None, help="write lm-eval's results dict to exactly this file (samples files, with "
                                          "--log-samples, in its folder)")
-    quiet: bool = option(False, help="no progress bars")
+    quiet: bool = option(False, help="no progress bars and no results table (the --json / --output-path files are "
+                                     "still written, and their 'wrote FILE' lines printed)")
 
 
 @dataclass(kw_only=True)
@@ -123,25 +126,18 @@ def run_eval(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")
     _check_model_flags(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
-                                  num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
-                                  log_samples=args.log_samples)
-    model, tok = _load(args)
-    report = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, include_path=args.include_path,
-                            num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
-                            batch_size=args.batch_size, strategy=args.strategy, device=args.device,
-                            log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
-                            progress=not args.quiet, harness_tasks=harness_tasks)
-    print(format_report(report))
-    d = report["details"]
-    for t, s in d["task_seconds"].items():
-        print(f"{t}: {report['n-samples'][t]['effective']} examples, {d['forward_passes'][t]} forward "
-              f"passes, {s:.1f}s")
-    if "lm_eval" in d:
-        h = d["lm_eval"]
-        print(f"lm-eval tasks {','.join(h['tasks'])}: {h['forward_passes']} forward passes, "
-              f"{h['seconds']:.1f}s ({h['model_seconds']:.1f}s scoring)")
-    print(f"total: {report['seconds']:.1f}s")
+    with _library_bars(not args.quiet):
+        harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
+                                      num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
+                                      log_samples=args.log_samples)
+        model, tok = _load(args)
+        report = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, include_path=args.include_path,
+                                num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
+                                batch_size=args.batch_size, strategy=args.strategy, device=args.device,
+                                log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
+                                progress=not args.quiet, harness_tasks=harness_tasks)
+    if not args.quiet:
+        _print_report(report, format_report)
     report["details"]["model"] = str(args.model)
     model_args = ",".join(f"{k}={v}" for k, v in (("pretrained", args.model), ("gguf_file", args.gguf_file),
                                                   ("tokenizer", args.tokenizer)) if v)
@@ -155,6 +151,46 @@ def run_eval(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+@contextlib.contextmanager
+def _library_bars(enabled: bool) -> Iterator[None]:
+    """transformers' and datasets' progress bars (loading weights, reading data files) off unless ``enabled``."""
+    if enabled:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import datasets  # an optional dependency (lm-eval's, the hub's)
+    except ImportError:
+        datasets = None
+    hf_on = hf_logging.is_progress_bar_enabled()
+    ds_on = datasets is not None and datasets.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if ds_on:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if hf_on:
+            hf_logging.enable_progress_bar()
+        if ds_on:
+            datasets.enable_progress_bars()
+
+
+def _print_report(report: dict[str, Any], format_report: Any) -> None:
+    """lm-eval's results table, then the examples, forward passes and seconds of every task."""
+    print(format_report(report))
+    d = report["details"]
+    for t, s in d["task_seconds"].items():
+        print(f"{t}: {report['n-samples'][t]['effective']} examples, {d['forward_passes'][t]} forward "
+              f"passes, {s:.1f}s")
+    if "lm_eval" in d:
+        h = d["lm_eval"]
+        print(f"lm-eval tasks {','.join(h['tasks'])}: {h['forward_passes']} forward passes, "
+              f"{h['seconds']:.1f}s ({h['model_seconds']:.1f}s scoring)")
+    print(f"total: {report['seconds']:.1f}s")
 
 
 def run_perplexity(args: argparse.Namespace) -> int:

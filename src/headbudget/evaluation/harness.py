@@ -28,10 +28,11 @@ truncation, same rolling windows) and do not depend on the batch size beyond flo
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -381,6 +382,29 @@ def load_harness_tasks(tasks: Sequence[str], include_path: Any = None, data_dir:
     return tm, loaded
 
 
+@contextlib.contextmanager
+def lm_eval_bars(enabled: bool) -> Iterator[None]:
+    """lm-eval's own progress bars (building each task's requests, bootstrapping stderrs) off unless ``enabled``:
+    lm-eval has no switch for them, so its ``tqdm`` is a silent one inside the block."""
+    if enabled:
+        yield
+        return
+    import lm_eval.api.task as lm_task
+    import tqdm as tqdm_module
+
+    base, saved = tqdm_module.tqdm, lm_task.tqdm
+
+    class Silent(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    tqdm_module.tqdm = lm_task.tqdm = Silent  # module-level (api/task.py) and in-function (api/metrics.py) imports
+    try:
+        yield
+    finally:
+        tqdm_module.tqdm, lm_task.tqdm = base, saved
+
+
 def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
                      include_path: str | Sequence[str] | None = None, data_dir: str | None = None,
                      num_fewshot: int | None = None, seed: str | int | Sequence[int | None] | None = None,
@@ -426,8 +450,9 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
         task.set_fewshot_seed(seed=seeds[3])
     model_s0, passes0 = lm.seconds, lm.scorer.stats.forward_passes
     lm.records.clear()  # predictions of this run only
-    res = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
-                             log_samples=log_samples, fewshot_as_multiturn=True)
+    with lm_eval_bars(progress):
+        res = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
+                                 log_samples=log_samples, fewshot_as_multiturn=True)
     out = dict(res)
     if not log_samples:
         out.pop("samples", None)
