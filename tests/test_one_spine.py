@@ -217,3 +217,61 @@ def test_eval_quiet_prints_no_table_and_still_writes_the_results(tmp_path, capsy
 
     help_text = " ".join(build_parser("eval")._subparsers._group_actions[0].choices["eval"].format_help().split())
     assert "--quiet no progress bars and no results table" in help_text
+
+
+# ------------------------------------------------------------------ DSP / PASS gate training on the one loop
+#: train_gates on the tiny BERT below, computed by the gate-training loop before it moved onto TrainLoop (the move
+#: was checked bit for bit on 12 runs: 3 methods x eager/sdpa x default/toy loss, 20 steps, PASS reopening)
+_OLD_LOOP = {
+    ("pass", True): ([0, 1, 6, 10, 11], 5, [4.9387526512146, 4.938931941986084, 2.26098895072937, 0.7539010643959045,
+                                            2.549811363220215, 2.1413540840148926, 4.93870735168457,
+                                            -0.8531513214111328, 1.6700572967529297, 1.6442286968231201,
+                                            4.264365196228027, 4.264598846435547]),
+    ("joint-dsp", False): ([1, 2, 6, 7, 9], None, [-1.963037989096056, 1.1726358628779683, 2.207736550940807,
+                                                   -1.0696549889708502, -1.0635291077462852, -0.9199879961804793,
+                                                   1.1370334255837407, 2.1640592786040407, -0.5871153784841945,
+                                                   2.337302589111245, 1.0336867476636153, -2.3297264565108575]),
+}
+
+
+def _train_gates(method: str, toy_loss: bool):
+    import torch
+    from tests.test_baselines import _batches, _head_loss, _tiny_bert
+
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.gated import GateSettings, train_gates
+
+    model = _tiny_bert(eager=True, seed=2)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_gates(method, get_adapter(model), model, _batches(n=10, seed=4), 5,
+                           GateSettings(cooldown=5, seed=7, epochs=2, weight_lr=1e-2), progress=False,
+                           **({"loss_fn": _head_loss(1, [2])} if toy_loss else {}))
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_gate_training_runs_on_the_one_train_loop(monkeypatch):
+    from headbudget.train.loop import TrainLoop
+
+    runs = []
+    original = TrainLoop.run
+
+    def counting(self, *args, **kwargs):
+        runs.append(kwargs.get("steps"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainLoop, "run", counting)
+    res = _train_gates("pipelined-dsp", toy_loss=False)
+    assert runs == [20] and res.steps == 20 and len(res.history) == 20
+
+
+@pytest.mark.parametrize(("method", "toy_loss"), list(_OLD_LOOP))
+def test_gate_training_gives_what_the_old_loop_gave(method, toy_loss):
+    import numpy as np
+
+    kept, reopened, logits = _OLD_LOOP[(method, toy_loss)]
+    res = _train_gates(method, toy_loss)
+    assert res.kept == kept and res.info.get("reopened") == reopened
+    np.testing.assert_allclose(res.logits, logits, rtol=1e-5, atol=1e-6)

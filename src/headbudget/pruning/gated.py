@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from headbudget.pruning.importance import Batch, LossFn, _to_device, default_loss, select_top, unflatten
+from headbudget.train.loop import LogRecord, TrainLoop
 
 __all__ = [
     "DSP_COOLDOWN",
@@ -78,7 +79,8 @@ _TINY = torch.finfo(torch.double).tiny
 
 @dataclass
 class GateSettings:
-    """Gate-training settings (defaults: the published SST-5 ones; ``cooldown=None`` takes the variant's)."""
+    """Gate-training settings (defaults: the published SST-5 ones; ``cooldown=None`` takes the variant's;
+    ``max_grad_norm``: the clip of the logits' (and joint DSP's weights') gradient norm, 0 for none)."""
 
     lr: float = 0.5
     epochs: int = 1
@@ -206,8 +208,10 @@ def train_gates(
     """Train head logits with ``method`` (``pipelined-dsp``, ``joint-dsp``, ``pass``) on ``batches`` for
     ``settings.epochs`` passes and keep exactly ``n_keep`` heads by logit rank (at least one per layer).
 
-    Pipelined DSP and PASS leave every model weight untouched (their ``requires_grad`` is switched off
-    during training and restored afterwards); joint DSP updates the weights in place."""
+    The steps run on :class:`headbudget.train.loop.TrainLoop` (one optimizer step per batch, the gradient norm
+    clipped to ``settings.max_grad_norm``, the learning rate decayed linearly).  Pipelined DSP and PASS leave
+    every model weight untouched (their ``requires_grad`` is switched off during training and restored
+    afterwards); joint DSP updates the weights in place."""
     from tqdm.auto import tqdm
 
     s = settings or GateSettings()
@@ -221,29 +225,40 @@ def train_gates(
         logits = torch.nn.Parameter(logits.data.float())
     total_steps = s.epochs * len(batches)
     flags = [(p, p.requires_grad) for p in model.parameters()]
-    weights = [p for p, f in flags if f] if joint else []
-    opt, sched = _gate_optimizer(logits, weights, s, total_steps)
+    trained = _GateParams(logits, [p for p, f in flags if f] if joint else [])
+    opt, sched = _gate_optimizer(logits, list(trained.weights), s, total_steps)
     pas = _PassState.start(adapter, counts, n_keep, total_steps, s) if method == "pass" else None
-    step_of = _GateStep(method, adapter, model, logits, counts, n_keep, cooldown, s, gen, loss_fn, device, pas,
-                        total_steps)
+    step_of = _GateStep(method, adapter, model, logits, counts, n_keep, cooldown, s, gen, loss_fn, device, pas)
     history: list[dict[str, float]] = []
+    pending: list[tuple[dict[str, float], torch.Tensor]] = []  # the step being trained: its record, its task loss
+
+    def gate_loss(batch: Batch) -> torch.Tensor:
+        loss, task_loss, rec = step_of(len(history), batch)
+        pending.append((rec, task_loss.detach()))
+        return loss
+
+    def log(_: LogRecord) -> None:  # every step: the task loss (without PASS's penalty), read as the old loop did
+        rec, task_loss = pending.pop()
+        history.append({**rec, "loss": float(task_loss)})
+
+    # PASS's bookkeeping reads and resets the logits after backward, before the optimizer step (it commutes with
+    # the gradient clipping, which reads and scales only the gradients)
+    hook = opt.register_step_pre_hook(lambda *_: pas.after_backward(logits, len(history), total_steps)) \
+        if pas is not None else None
+    loop = TrainLoop(trained, opt, gate_loss, grad_clip=s.max_grad_norm, lr_schedule=sched, nonfinite="ignore")
+    bar = tqdm(total=total_steps, desc=f"{method} gates", disable=not progress, leave=False)
     was_training = model.training
     try:
         if not joint:
             for p, _ in flags:
                 p.requires_grad_(False)
         model.train()
-        bar = tqdm(total=total_steps, desc=f"{method} gates", disable=not progress, leave=False)
-        for _epoch in range(s.epochs):
-            for batch in batches:
-                history.append(step_of(len(history), batch))
-                torch.nn.utils.clip_grad_norm_([logits, *weights], s.max_grad_norm)
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                bar.update(1)
-        bar.close()
+        loop.run((batch for _epoch in range(s.epochs) for batch in batches), steps=total_steps,
+                 log_at=lambda done: True, on_log=log, on_step=lambda done, _rec: bar.update(1))
     finally:
+        bar.close()
+        if hook is not None:
+            hook.remove()
         for p, f in flags:
             p.requires_grad_(f)
         model.train(was_training)
@@ -251,6 +266,16 @@ def train_gates(
     kept = select_top(unflatten(final, counts), n_keep)
     return GateResult(kept=kept, logits=final, steps=len(history), history=history,
                       info=_gate_info(method, s, len(history), n_keep, cooldown, pas))
+
+
+class _GateParams(torch.nn.Module):
+    """What gate training updates, for :class:`~headbudget.train.loop.TrainLoop`: the logits, then (joint DSP)
+    the model's trainable weights, in the order their gradient norm is taken; frozen weights are not seen."""
+
+    def __init__(self, logits: torch.nn.Parameter, weights: list[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.logits = logits
+        self.weights = torch.nn.ParameterList(weights)
 
 
 def _check_gate_training(method: str, counts: list[int], n_keep: int, batches: Sequence[Batch],
@@ -321,8 +346,8 @@ class _PassState:
 
 @dataclass
 class _GateStep:
-    """One gate-training step up to the gradients: sample the relaxed mask, forward with it, backward the task
-    loss (PASS: plus its sparsity penalty and schedule); returns the step's log record."""
+    """One gate-training step up to the loss: sample the relaxed mask and forward with it; returns (the loss to
+    backward: the task loss, plus PASS's sparsity penalty; the task loss; the step's log record)."""
 
     method: str
     adapter: Any
@@ -336,9 +361,8 @@ class _GateStep:
     loss_fn: LossFn
     device: torch.device
     pas: _PassState | None
-    total_steps: int
 
-    def __call__(self, step: int, batch: Batch) -> dict[str, float]:
+    def __call__(self, step: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         import contextlib
 
         rec: dict[str, float] = {"step": float(step)}
@@ -356,11 +380,7 @@ class _GateStep:
         if pas is not None:
             loss = loss + pas.coeff * pass_sparsity_penalty(self.logits, pas.target_sparsity)
             rec["reg_coeff"] = pas.coeff
-        loss.backward()
-        rec["loss"] = float(task_loss.detach())
-        if pas is not None:
-            pas.after_backward(self.logits, step, self.total_steps)
-        return rec
+        return loss, task_loss, rec
 
 
 def _gate_info(method: str, s: GateSettings, steps: int, n_keep: int, cooldown: int,
