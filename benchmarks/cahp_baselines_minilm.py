@@ -33,14 +33,27 @@ every cell.  ``--recovery-precision bf16`` runs the recovery fine-tunes' trainin
 autocast (:func:`headbudget.pruning.finetune.finetune`; the published recipe, and the default, is fp32;
 evaluations stay fp32); it is part of the settings, so switching it reruns every cell.
 
-Selection cost, measured earlier with the old single-comparison wrapper (the unpacked all-MiniLM-L6-v2 with a
-fresh 5-class head; 256 training examples = 8 batches of 32, 200 examples per evaluation split, max length 64,
-``--threads 1`` on a 2-core machine shared with other jobs, load average about 5): seconds.select
-pipelined-dsp 6.7 (0.84 s / step), joint-dsp 15.9 (2.0 s / step), pass 10.3 (1.3 s / step), attattr 467.4
-(200 examples x 6 layers x 20 steps: 2.3 s per example).  On full SST-5 (267 steps per gate-training epoch)
-that is about 4 min (pipelined DSP), 9 min (joint DSP) and 6 min (PASS) per epoch; AttAttr about 8 min;
-the recovery fine-tuning (3 epochs, 10-17 min per method in benchmarks/results/cahp_minilm_sst5_full.json)
-dominates every cell.
+Measured on this machine (AMD EPYC, 2 cores, AVX2 only: no AVX-512 and no AMX, shared with other jobs, load
+average 5-7; ``--threads 1``):
+
+* ``--recovery-precision bf16`` is **not** faster here: a 2048x384 @ 384x1536 matmul takes 70-79 ms in fp32 and
+  3.8-3.9 s in bf16; one MiniLM training step (batch 32, length 64) 4.6-5.2 s fp32 vs 66-76 s under bf16
+  autocast; a smoke cell's 2-step recovery 3.4 s fp32 vs 57 s bf16.  Keep fp32 (the default) on this CPU;
+  the flag is for a CPU with AMX or a GPU.
+* fp32 training step at length 64, batch 32: 5.3 s with 72 heads, 4.2 s with 36; evaluation 41-48 ms per
+  sentence.  A full-data cell (267 steps x 3 recovery epochs + 3 x 3,311 dev/test sentences + the pruned
+  evaluation) is therefore about 1 h of recovery plus its selection (CAHP 3-5 min, Fisher ~6-12 min, joint DSP
+  9-15 min, pipelined DSP 4-8, PASS 6-11, AttAttr 8-18 min for its 200 examples x 20 steps, random 0);
+  the dense-with-recovery cell about 1.3 h.  The default plan is 45 cells (2 knees, 10 first-seed comparison
+  cells, 12 more-seed cells, 1 dense, 20 curve cells when the knees miss the curve counts) after the dense
+  fine-tune (~1.3 h): about 50-55 h at one thread under that load (the 2-thread run of
+  benchmarks/cahp_minilm.py, benchmarks/results/cahp_minilm_sst5_full.json, took ~18 min per method).
+* Smoke (``--limit-train 64 --limit-eval 32 --max-length 32 --epochs 1 --finetune-epochs 1 --seeds 42,43
+  --curve-counts 72,24,8``): 27 cells in 636 s of cell time (AttAttr 145-186 s per cell for its 32 examples,
+  every other cell 5-20 s); a second run with the same flags runs nothing (8 s), and a run killed inside a
+  cell reruns that cell and the ones after it only.  Two dense fine-tunes with identical flags differed by one
+  float32 ulp (1.2e-7) and moved that smoke's CAHP-d6 knee from 15 to 14 heads: the dense model is fine-tuned
+  once per OUT and shared, so every cell of a run sees the same one.
 """
 
 from __future__ import annotations
