@@ -239,10 +239,12 @@ def render_tables(res: Mapping[str, Any]) -> str:
     for knee, count in ((f"cahp-d{d}", k) for d, k in sorted(res["knees"].items(), key=lambda kv: -int(kv[0]))):
         out += [f"At the CAHP knee {knee} ({count} heads kept of {res['n_heads']}); mean ± sample std over the "
                 "seeds where there are several:\n",
-                "| method | seeds | test after pruning | test after recovery | Jaccard (kept heads) | mean depth "
-                "| middle third | selection s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                "| method | seeds | heads | test after pruning | test after recovery | Jaccard (kept heads) "
+                "| mean depth | middle third | selection s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in (r for r in res["comparison"] if r["knee"] == knee):
-            out.append(f"| {r['method']} | {len(r['seeds'])} | {_pm(r['pruned_mean'], r['pruned_std'])} | "
+            lo, hi = min(r["heads_kept"]), max(r["heads_kept"])
+            out.append(f"| {r['method']} | {len(r['seeds'])} | {lo if lo == hi else f'{lo}-{hi}'} | "
+                       f"{_pm(r['pruned_mean'], r['pruned_std'])} | "
                        f"{_pm(r['finetuned_mean'], r['finetuned_std'])} | {_f(r['jaccard'], 3)} | "
                        f"{_f(r['mean_depth'], 3)} | {_f(r['middle_third_share'], 3)} | {_f(r['select_seconds'], 1)} |")
         out.append("")

@@ -147,8 +147,10 @@ def test_render_tables() -> None:
            "published_table_iii": "n/a"}
     md = cb.render_tables(res)
     assert "At the CAHP knee cahp-d6 (3 heads kept of 24)" in md
-    assert "| cahp | 3 | 0.4000 ± 0.1000 | 0.5000 ± 0.1000 | 0.667 | 0.500 | 0.250 | 20.0 |" in md
-    assert "| fisher | 1 | 0.2000 | 0.4500 | – | 0.500 | 0.250 | 5.0 |" in md
+    assert "| cahp | 3 | 3 | 0.4000 ± 0.1000 | 0.5000 ± 0.1000 | 0.667 | 0.500 | 0.250 | 20.0 |" in md
+    assert "| fisher | 1 | 3 | 0.2000 | 0.4500 | – | 0.500 | 0.250 | 5.0 |" in md
+    rows[0]["heads_kept"] = [3, 2, 3]  # a forced CAHP that could not keep exactly the count
+    assert "| cahp | 3 | 2-3 | 0.4000 ± 0.1000 |" in cb.render_tables(res)
     assert "| 24 | 0.5200 |\n| 8 | 0.3000 |\n| 3 | 0.4500 |" in md
     assert "| fisher | 5.0 | 0.25 |\n| cahp | 20.0 | 1.00 |" in md
     assert "Published Table III (relative costs): n/a." in md
