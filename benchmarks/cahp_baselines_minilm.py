@@ -29,7 +29,8 @@ rerun with the same settings runs only the cells not in it (a killed run loses t
 with other settings moves the old cells to ``OUT/cells_other_settings_<time>.json`` and starts over); the
 ``--results`` JSON (cells, per-row means and standard deviations, mean pairwise Jaccard similarity of the
 kept-head sets over the seeds, the curve, selection times) and the curve plot next to it are rewritten after
-every cell.  ``--recovery-precision bf16`` runs the recovery fine-tunes' training forwards under bf16
+every cell.  A cell that raises is reported and skipped (listed under ``failed``, exit status 1) and retried
+by the next run.  ``--recovery-precision bf16`` runs the recovery fine-tunes' training forwards under bf16
 autocast (:func:`headbudget.pruning.finetune.finetune`; the published recipe, and the default, is fp32;
 evaluations stay fp32); it is part of the settings, so switching it reruns every cell.
 
@@ -387,7 +388,7 @@ def results_of(state: Mapping[str, Any], args: argparse.Namespace) -> dict[str, 
         "n_test": state.get("n_test"), "n_heads": state.get("n_heads"), "dense": dense, "seeds": seeds,
         "degrees": degrees, "knees": knees, "comparison": rows, "curve": curve(done, args.curve_methods, seeds[0]),
         "selection_time": selection_times(rows), "published_table_iii": PUBLISHED_TABLE_III,
-        "seconds": state.get("seconds", {}), "cells": done,
+        "seconds": state.get("seconds", {}), "failed": state.get("failed", {}), "cells": done,
         "command": "python benchmarks/cahp_baselines_minilm.py " + " ".join(sys.argv[1:]),
     }
 
@@ -425,6 +426,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     path = out / "cells.json"
     state = json.loads(path.read_text()) if path.exists() else {"cells": {}}
+    state["failed"] = {}  # the cells that raise in this run (a failed cell is unfinished: it is retried)
     stale = {k: v for k, v in state["cells"].items() if v.get("settings") != settings}
     if stale:  # cells of other settings are not this run's: kept aside, not mixed into its aggregates
         from headbudget.pruning.report import write_json
@@ -451,18 +453,24 @@ def run(args: argparse.Namespace) -> int:
     ran = 0
     while True:
         knees = knee_counts(state["cells"], args.degrees, args.seeds[0])
-        todo = pending(plan(knees, args.degrees, args.seeds, args.seed_methods, args.one_seed_methods,
-                            args.curve_methods, args.curve_counts, loaded.heads_total), state["cells"], settings)
+        todo = [c for c in pending(plan(knees, args.degrees, args.seeds, args.seed_methods, args.one_seed_methods,
+                                        args.curve_methods, args.curve_counts, loaded.heads_total),
+                                   state["cells"], settings) if c.key not in state["failed"]]
         if not todo or (args.max_cells is not None and ran >= args.max_cells):
             break
         cell = todo[0]
         print(f"[{time.strftime('%H:%M:%S')}] cell {cell.key} ({len(todo)} left)", flush=True)
         t = time.perf_counter()
-        state["cells"][cell.key] = _record(cell, run_cell(cell, loaded, base, out), settings,
-                                           time.perf_counter() - t)
-        ran += 1
+        try:
+            res = run_cell(cell, loaded, base, out)
+        except Exception as e:  # one bad cell must not stop a long unattended run; the next run retries it
+            state["failed"][cell.key] = f"{type(e).__name__}: {e}"
+            print(f"cell {cell.key} failed: {state['failed'][cell.key]}", file=sys.stderr, flush=True)
+        else:
+            state["cells"][cell.key] = _record(cell, res, settings, time.perf_counter() - t)
+            ran += 1
         _save(state, args, out)
-    print(f"ran {ran} cells; {len(todo)} left")
+    print(f"ran {ran} cells; {len(state['failed'])} failed (rerun to retry); {len(todo)} left")
     return ran
 
 
@@ -544,10 +552,11 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.set_num_threads(args.threads)
         run(args)
+        failed = json.loads((Path(args.out) / "cells.json").read_text()).get("failed")
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -207,3 +207,36 @@ def test_bad_input_is_one_line(tmp_path, capsys) -> None:
     assert capsys.readouterr().err == "error: --curve-counts must lie in 6..72 (all-MiniLM-L6-v2: 6 layers x 12 " \
                                       "heads), got [72, 4]\n"
     assert cb.main(["--table", "--results", str(tmp_path / "none.json")]) == 2
+
+
+def test_a_failing_cell_is_skipped_then_retried(tmp_path, monkeypatch, capsys) -> None:
+    import headbudget.pruning.workloads as workloads
+
+    ran: list[str] = []
+    broken = {"fisher/k14/s1"}
+
+    def fake_cell(cell, loaded, base_job, out):
+        ran.append(cell.key)
+        if cell.key in broken:
+            raise RuntimeError("gates never cooled")
+        count = 14 if isinstance(cell.count, str) else cell.count
+        kept = {str(layer): list(range(count // 6 + (layer < count % 6))) for layer in range(6)}
+        return {"report": {"heads_kept": count, "kept": kept, "knee_k": None, "mean_depth": 0.5,
+                           "middle_third_share": 0.3, "seconds": {"select": 1.0}},
+                "details": {"accuracy": {"test": {"dense": 0.5, "pruned": 0.3, "finetuned": 0.4}}}}
+
+    monkeypatch.setattr(cb, "run_cell", fake_cell)
+    monkeypatch.setattr(cb, "_dense_finetune", lambda args, out, state: tmp_path / "ft")
+    monkeypatch.setattr(workloads, "ClassificationWorkload", _FakeWorkload)
+    argv = ["--model", "m", "--out", str(tmp_path / "out"), "--results", str(tmp_path / "r.json"), "--data-dir",
+            str(tmp_path), "--seeds", "1", "--degrees", "6", "--seed-methods", "cahp,fisher", "--one-seed-methods",
+            "pass", "--curve-methods", "cahp", "--curve-counts", "8", "--no-progress"]
+    assert cb.main(argv) == 1
+    assert ran == ["cahp/knee-d6/s1", "fisher/k14/s1", "pass/k14/s1", "cahp/k8/s1"]  # went on after the failure
+    assert "cell fisher/k14/s1 failed: RuntimeError: gates never cooled" in capsys.readouterr().err
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["failed"] == {"fisher/k14/s1": "RuntimeError: gates never cooled"} and len(res["cells"]) == 3
+    ran.clear()
+    broken.clear()
+    assert cb.main(argv) == 0 and ran == ["fisher/k14/s1"]  # retried, nothing else rerun
+    assert json.loads((tmp_path / "r.json").read_text())["failed"] == {}
