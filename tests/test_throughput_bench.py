@@ -1,0 +1,44 @@
+"""benchmarks/throughput.py: the ratios it reports (wall and CPU seconds, medians and paired) and one tiny
+``--loop`` run through headbudget's training loop with either AdamW."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+
+
+@pytest.fixture(scope="module")
+def tp():
+    spec = importlib.util.spec_from_file_location("throughput_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ratios_of_medians_and_of_the_paired_rounds(tp):
+    wall = {"uniform": [1.0, 2.0, 1.0], "nanogpt": [2.0, 2.0, 3.0]}
+    cpu = {"uniform": [1.0, 1.0, 4.0], "nanogpt": [1.5, 3.0, 4.0]}
+    r = tp.ratios(wall, cpu)
+    assert r["nanogpt/uniform"] == 0.5  # throughput of nanoGPT over ours (the key RESULTS used before)
+    assert r["uniform/nanogpt"] == 2.0  # median 2 s over median 1 s: ours twice as fast
+    assert r["uniform/nanogpt paired"] == 2.0  # rounds' own ratios 2, 1, 3
+    assert r["uniform/nanogpt cpu"] == 3.0  # medians 3 over 1
+    assert r["uniform/nanogpt cpu paired"] == 1.5  # rounds 1.5, 3, 1
+
+
+@pytest.mark.parametrize("adamw", ["auto", "loop"])
+def test_a_tiny_loop_run_times_wall_and_cpu_seconds(tp, adamw):
+    torch.set_num_threads(1)
+    out = tp.run_config("cpu-tiny", 2, 16, ["uniform", "prism"], steps=2, warmup=1, device="cpu",
+                        dtype=torch.float32, log_every=2, adamw=adamw)
+    assert out["loop"] is True and out["log_every"] == 2
+    for res in out["results"].values():
+        assert len(res["step_s"]) == len(res["cpu_step_s"]) == 2
+        assert res["median_step_s"] > 0 and res["median_cpu_step_s"] > 0
+    assert set(out["ratios"]) == {"prism/uniform", "uniform/prism", "uniform/prism paired", "uniform/prism cpu",
+                                  "uniform/prism cpu paired"}
