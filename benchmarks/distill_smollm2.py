@@ -187,9 +187,10 @@ def main() -> None:
     ap.add_argument("--max-windows", type=int, default=16)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "auto"),
-                    help="training precision: bf16 autocast runs ~2x faster on CPUs with AMX (measured 370 vs 170 "
-                         "tokens/s distilling SmolLM2 on this machine); scoring is always float32")
+    ap.add_argument("--precision", default="auto", choices=("bf16", "fp32", "auto"),
+                    help="training precision; auto: bf16 autocast on CPUs with AMX/AVX-512 BF16 (measured 370 vs 170 "
+                         "tokens/s distilling SmolLM2 on such a CPU), fp32 elsewhere (emulated bf16 was ~14x slower "
+                         "on an AVX2-only CPU); scoring is always float32")
     ap.add_argument("--skip-lm", action="store_true", help="distil only (no plain LM baseline)")
     ap.add_argument("--work", default=str(REPO / "runs" / "distill_smollm2"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distill_smollm2.json"))

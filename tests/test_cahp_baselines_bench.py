@@ -48,7 +48,7 @@ def test_finetune_bf16_autocasts_training_forward_only() -> None:
     seen.clear()
     finetune(model, tok, data, epochs=1, batch_size=4, progress=False)
     assert {d for _, d in seen} == {torch.float32}                         # default: fp32 throughout
-    with pytest.raises(ValueError, match="precision must be fp32 or bf16, got 'fp16'"):
+    with pytest.raises(ValueError, match="precision must be fp32, bf16 or auto, got .fp16."):
         finetune(model, tok, data, epochs=1, progress=False, precision="fp16")
 
 

@@ -57,3 +57,36 @@ def resolve_device(device: str | torch.device | None, flag: str = "--device") ->
 
 
 __all__ = ["DTYPES", "resolve_device", "resolve_dtype"]
+
+
+# --------------------------------------------------------------------------- training precision
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX-512 BF16). Without it torch
+    emulates bf16: measured here on an AVX2-only EPYC, a bf16-autocast MiniLM training step took
+    66-76 s against 4.6-5.2 s in fp32; on an AMX CPU the same autocast ran SmolLM2 distillation 2.2x
+    faster than fp32."""
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(bool(p()) for p in probes if p is not None)
+
+
+def use_bf16_autocast(precision: str, device: torch.device, flag: str = "train.precision") -> bool:
+    """Whether a training forward runs under bf16 autocast: ``bf16`` yes, ``fp32`` no, ``auto`` on
+    CUDA and on CPUs with native bf16 (:func:`cpu_has_native_bf16`). An explicit ``bf16`` on a CPU
+    without it warns once (it is emulated, often 10x slower), and is still honoured.
+
+        >>> use_bf16_autocast("fp32", torch.device("cpu")), use_bf16_autocast("auto", torch.device("cuda"))
+        (False, True)
+    """
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"{flag} must be auto, fp32 or bf16, got {precision!r}")
+    if precision == "fp32":
+        return False
+    if device.type != "cpu":
+        return precision == "bf16" or device.type == "cuda"
+    native = cpu_has_native_bf16()
+    if precision == "bf16" and not native:
+        import warnings
+
+        warnings.warn(f"{flag}=bf16 on a CPU without AMX or AVX-512 BF16: bf16 is emulated there and "
+                      "usually several times slower than fp32 (auto picks fp32 on such CPUs)", stacklevel=2)
+    return precision == "bf16" or native

@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from headbudget.data.classification import Example, TaskData, get_task, load_task, make_loader, subsample
+from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_json, follow_umask, save_figure
 from headbudget.pruning.adapters import get_adapter, save_pruned
 from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
@@ -125,10 +126,12 @@ def _train_epoch(loop: TrainLoop, loader: Any, step: int, steps: int, desc: str,
 
 
 def _autocast(precision: str, device: torch.device) -> Any:
-    """The training forward's autocast context for ``precision`` (fp32: none; bf16: bf16 autocast)."""
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16" else None
+    """The training forward's autocast context for ``precision`` (fp32: none; bf16: bf16 autocast;
+    auto: bf16 where the device has it natively, :func:`headbudget.devices.use_bf16_autocast`)."""
+    if precision not in ("fp32", "bf16", "auto"):
+        raise ValueError(f"precision must be fp32, bf16 or auto, got {precision!r}")
+    use = use_bf16_autocast(precision, device, flag="precision")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if use else None
 
 
 def finetune(

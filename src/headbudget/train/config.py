@@ -94,7 +94,7 @@ class TrainSection:
     ckpt_every: int = option(0, help="steps between checkpoints (0: only at the end)")
     keep_last: int = option(2, help="checkpoints kept")
     device: str = option("auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    precision: str = option("auto", help="auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
+    precision: str = option("auto", help="auto (bf16 autocast on CUDA and on CPUs with AMX/AVX-512 BF16, else fp32), fp32 or bf16")
     compile: bool = option(False, help="torch.compile the model")
     tensorboard: bool = option(False, help="also write TensorBoard logs")
     fsdp: bool = option(False, help="fully-sharded data parallel instead of DDP under torchrun (large presets; "

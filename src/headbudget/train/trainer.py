@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from headbudget.data.loader import train_batch, val_batches
 from headbudget.data.prepare import PreparedData, prepare_data
+from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_dir, atomic_write_text
 from headbudget.threads import configure_threads
 from headbudget.train.checkpoint import (
@@ -236,7 +237,7 @@ class Trainer:
         vocab = resolve_vocab_size(cfg, data.tokenizer.vocab_size)
         torch.manual_seed(cfg.seed)
         raw_model = build_model(cfg, vocab).to(device)
-        use_bf16 = (t.precision == "bf16") or (t.precision == "auto" and device.type == "cuda")
+        use_bf16 = use_bf16_autocast(t.precision, device)
         autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if use_bf16
                     else contextlib.nullcontext())
         teacher, n_tokens = None, 0

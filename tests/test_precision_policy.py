@@ -1,0 +1,53 @@
+"""train.precision=auto picks bf16 autocast only where the hardware runs bf16 natively."""
+
+import pytest
+import torch
+
+from headbudget import devices
+from headbudget.devices import use_bf16_autocast
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_on_cpu_follows_native_bf16(monkeypatch, native):
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
+    assert use_bf16_autocast("auto", CPU) is native
+
+
+def test_explicit_settings_are_honoured_and_emulated_bf16_warns(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: False)
+    assert use_bf16_autocast("fp32", CPU) is False
+    with pytest.warns(UserWarning, match="train.precision=bf16 on a CPU without AMX"):
+        assert use_bf16_autocast("bf16", CPU) is True
+    assert use_bf16_autocast("auto", torch.device("cuda")) is True
+    assert use_bf16_autocast("auto", torch.device("meta")) is False
+
+
+def test_a_bad_precision_names_the_flag():
+    with pytest.raises(ValueError, match="train.precision must be auto, fp32 or bf16, got 'fp16'"):
+        use_bf16_autocast("fp16", CPU)
+
+
+def test_native_probe_reads_torch_cpu_capabilities(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert devices.cpu_has_native_bf16() is True
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert devices.cpu_has_native_bf16() is False
+
+
+def test_the_trainer_autocasts_under_auto_on_a_native_bf16_cpu(monkeypatch, tmp_path):
+    """The trainer's forward dtype follows the policy (before: auto meant fp32 on every CPU)."""
+    from headbudget.train import trainer as trainer_mod
+
+    seen = []
+    monkeypatch.setattr(trainer_mod, "use_bf16_autocast", lambda p, d: seen.append((p, d.type)) or False)
+    from headbudget.train.config import RunConfig
+
+    cfg = RunConfig.from_dict({"model": {"preset": "cpu-tiny", "schedule": "uniform"},
+                               "data": {"source": "synthetic:20000", "tokenizer": "byte"},
+                               "train": {"steps": 1, "batch_size": 2, "context": 16, "eval_every": 0,
+                                         "device": "cpu", "threads": 1}})
+    trainer_mod.Trainer(cfg, tmp_path / "run").run()
+    assert seen == [("auto", "cpu")]
