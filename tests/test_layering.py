@@ -392,3 +392,29 @@ def test_the_old_lazy_imports_put_back_into_a_copy_of_the_package_fail(tmp_path)
             "headbudget.accounting"] in import_cycles(g)
     assert "headbudget.loading (models) -> headbudget.pruning.adapters (pruning/compression/experiments)" in (
         upward_imports(g))
+
+
+def private_imports_across_rooms(sources: Mapping[str, tuple[str, bool]]) -> list[str]:
+    """``from headbudget.<room>.x import _name`` where the importer is in another room (subpackage):
+    a private helper shared inside one room is that room's business, across rooms it is an API."""
+    found = []
+    for mod, (text, _) in sources.items():
+        room = mod.split(".")[1] if mod.count(".") else mod
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("headbudget."):
+                continue
+            target_room = node.module.split(".")[1]
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") and target_room != room:
+                    found.append(f"{mod} imports {node.module}.{alias.name}")
+    return found
+
+
+def test_no_private_name_is_imported_across_rooms():
+    assert private_imports_across_rooms(read_sources()) == []
+
+
+def test_a_private_import_across_rooms_is_found():
+    sources = {"headbudget.pruning.gated": ("from headbudget.pruning.importance import _ok\n"
+                                            "from headbudget.models.surgery.base import _bad\n", False)}
+    assert private_imports_across_rooms(sources) == ["headbudget.pruning.gated imports headbudget.models.surgery.base._bad"]

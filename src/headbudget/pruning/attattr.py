@@ -99,7 +99,7 @@ def attattr_scores(
     from tqdm.auto import tqdm
 
     from headbudget.data.classification import ClassificationCollator
-    from headbudget.pruning.importance import _frozen_params
+    from headbudget.pruning.importance import frozen_params
 
     if steps < 1:
         raise ValueError(f"attattr steps must be >= 1, got {steps}")
@@ -124,7 +124,7 @@ def attattr_scores(
         return out.transpose(1, 2).contiguous(), scaled
 
     try:
-        with _frozen_params(model):
+        with frozen_params(model):
             for ex in tqdm(examples, desc="attattr", disable=not progress, leave=False):
                 batch = collate([ex])
                 label = int(batch.pop("labels")[0])

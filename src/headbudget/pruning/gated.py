@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headbudget.pruning.importance import Batch, LossFn, _to_device, default_loss, select_top, unflatten
+from headbudget.pruning.importance import Batch, LossFn, batch_to_device, default_loss, select_top, unflatten
 from headbudget.train.loop import LogRecord, TrainLoop
 
 __all__ = [
@@ -374,8 +374,8 @@ class _GateStep:
             mask = gumbel_soft_top_k(self.logits, self.n_keep, t, self.gen).float()
             rec["temperature"] = t
         confidence = pas.patch() if pas is not None and pas.patch else contextlib.nullcontext()
-        with self.adapter._gate_hooks(list(torch.split(mask, self.counts))), confidence:
-            task_loss = self.loss_fn(self.model, _to_device(batch, self.device))
+        with self.adapter.gate_hooks(list(torch.split(mask, self.counts))), confidence:
+            task_loss = self.loss_fn(self.model, batch_to_device(batch, self.device))
         loss = task_loss
         if pas is not None:
             loss = loss + pas.coeff * pass_sparsity_penalty(self.logits, pas.target_sparsity)

@@ -75,7 +75,7 @@ def unflatten(flat: np.ndarray, head_counts: Sequence[int]) -> list[np.ndarray]:
 
 
 @contextlib.contextmanager
-def _frozen_params(model: torch.nn.Module) -> Iterator[None]:
+def frozen_params(model: torch.nn.Module) -> Iterator[None]:
     """Disable parameter gradients (gate gradients only need activations) and restore them."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
@@ -87,7 +87,7 @@ def _frozen_params(model: torch.nn.Module) -> Iterator[None]:
             p.requires_grad_(f)
 
 
-def _to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
+def batch_to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
@@ -122,7 +122,7 @@ def gate_gradients(
     totals: list[torch.Tensor] | None = None
     n = n_examples = 0
     try:
-        with _frozen_params(model), adapter.gates() as gates:
+        with frozen_params(model), adapter.gates() as gates:
             if gate_values is not None:
                 for g, v in zip(gates, gate_values):
                     g.data.copy_(torch.as_tensor(v, dtype=g.dtype, device=g.device))
@@ -135,7 +135,7 @@ def gate_gradients(
                 for part in parts:
                     for g in gates:
                         g.grad = None
-                    loss = loss_fn(model, _to_device(part, device))
+                    loss = loss_fn(model, batch_to_device(part, device))
                     loss.backward()
                     for t, g in zip(totals, gates):
                         grad = g.grad.detach().to("cpu", torch.float64) if g.grad is not None else torch.zeros_like(t)

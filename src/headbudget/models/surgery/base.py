@@ -102,7 +102,11 @@ class HeadAdapter:
         return next(self.model.parameters())
 
     @contextlib.contextmanager
-    def _gate_hooks(self, gates: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    def gate_hooks(self, gates: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        """Multiply each head's output by the caller's ``gates[layer][head]`` inside the block.
+
+        ``gates`` are the caller's own tensors (gate training passes trainable logits' gates);
+        :meth:`gates` and :meth:`set_gate_values` build them for the common cases."""
         counts = self.head_counts()
         if len(gates) != self.num_layers:
             raise ValueError(f"expected gate values for {self.num_layers} layers, got {len(gates)}")
@@ -139,7 +143,7 @@ class HeadAdapter:
             torch.ones(n, dtype=torch.float32, device=ref.device, requires_grad=True)
             for n in self.head_counts()
         ]
-        with self._gate_hooks(gates) as g:
+        with self.gate_hooks(gates) as g:
             yield g
 
     @contextlib.contextmanager
@@ -157,7 +161,7 @@ class HeadAdapter:
                 ).detach()
         else:
             gates = [torch.as_tensor(v, dtype=torch.float32, device=ref.device).detach() for v in values]
-        with self._gate_hooks(gates) as g:
+        with self.gate_hooks(gates) as g:
             yield g
 
     # ----------------------------------------------------------------- attention probabilities
