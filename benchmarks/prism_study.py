@@ -16,7 +16,9 @@ reviews are held out.  Each run is trained by the library's :class:`~headbudget.
 * whether the run's own val loss was flat at its end (:func:`headbudget.train.compare.is_flat`).
 
 Resumable: one folder per (size, schedule, seed) under ``--out``; a run whose ``run.json`` exists is
-read back, not retrained; a killed run continues from its newest checkpoint.  After the runs it writes
+read back, not retrained; a killed run continues from its newest checkpoint.  The results file is
+rewritten after every finished run, and a new machine (no run folders) restores the finished runs from it,
+so the study continues across sessions from what was committed.  After the runs it writes
 ``benchmarks/results/prism_study.json`` (every run, paired differences to uniform and to the wide
 control with 95% intervals per size and text, the verdicts of the decision rule) and the loss curves
 ``benchmarks/results/prism_study_curves_<size>.png``, and prints the paired table.
@@ -352,6 +354,29 @@ def pilot_report(records: list[dict[str, Any]], size: str, schedules: list[str])
     return rep
 
 
+def restore_finished_runs(results_path: Path, out: Path) -> int:
+    """Write ``run.json`` under ``out`` for every run recorded in ``results_path`` whose folder lacks one.
+
+    Run folders (weights, checkpoints) do not outlive a machine; the committed results file does, so a
+    study spread over several sessions continues from it. A restored run is read back, not retrained
+    (``run_one`` still refuses one trained for another number of steps). Returns how many were written."""
+    from headbudget.io import atomic_write_json
+    from headbudget.train.compare import _safe
+
+    if not results_path.is_file():
+        return 0
+    saved = json.loads(results_path.read_text())
+    n = 0
+    for r in saved.get("runs", []):
+        key = f"{r['size']}/{r['schedule']}/seed{r['seed']}"
+        done = out / r["size"] / f"{_safe(r['schedule'])}-seed{r['seed']}" / "run.json"
+        if done.is_file() or key not in saved.get("curves", {}):
+            continue
+        atomic_write_json(done, {**r, "curve": saved["curves"][key]})
+        n += 1
+    return n
+
+
 def _parse_tokens(text: str | None, sizes: list[str]) -> dict[str, int]:
     from headbudget.cli.train_cmd import parse_token_count
 
@@ -421,6 +446,16 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    restored = restore_finished_runs(results_path, out)
+    if restored:
+        print(f"restored {restored} finished run(s) from {results_path} into {out}", flush=True)
+
+    def snapshot(status: str) -> dict[str, Any]:
+        return {"status": status, "command": " ".join([sys.executable, *sys.argv]), "protocol": "docs/prism_study.md",
+                "tokens_per_run": tokens, "seeds": list(range(n_seeds)), "threads": args.threads,
+                "wall_s": time.perf_counter() - t0,
+                "runs": [{k: v for k, v in r.items() if k != "curve"} for r in records],
+                "curves": {f"{r['size']}/{r['schedule']}/seed{r['seed']}": r["curve"] for r in records}}
     for size in sizes:
         scheds = study_schedules(size, names)
         cfg = run_config(size, scheds[0], 0, tokens[size], args.threads, args.cache_dir)
@@ -435,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in scheds:
                 rec = run_one(size, s, seed, tokens[size], out, data, ood, args)
                 records.append(rec)
+                # every finished run is in the results file at once: a later session restores it from there
+                atomic_write_json(results_path, snapshot("partial: runs finished so far, no analysis"))
                 print(f"   {s:>20} seed {seed}: held-out {rec['texts']['movie_reviews_heldout']['loss']:.4f}  "
                       f"wt2 {rec['texts']['wikitext2_valid']['loss']:.4f}  "
                       f"shakespeare {rec['texts']['tinyshakespeare']['loss']:.4f}  "
@@ -443,13 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.pilot:
             plot_curves({"curves": curves}, results_path.with_name(f"prism_study_curves_{size}.png"))
 
-    record: dict[str, Any] = {
-        "command": " ".join([sys.executable, *sys.argv]), "protocol": "docs/prism_study.md",
-        "tokens_per_run": tokens, "seeds": list(range(n_seeds)), "threads": args.threads,
-        "wall_s": time.perf_counter() - t0,
-        "runs": [{k: v for k, v in r.items() if k != "curve"} for r in records],
-        "curves": {f"{r['size']}/{r['schedule']}/seed{r['seed']}": r["curve"] for r in records},
-    }
+    record = snapshot("complete")
     if args.pilot:
         record["pilot"] = pilot_report(records, sizes[0], study_schedules(sizes[0], names))
         print(json.dumps(record["pilot"], indent=2))

@@ -85,3 +85,20 @@ def test_analysis_pairs_by_seed_and_applies_the_rule(study):
     assert g["difference"] == pytest.approx(-0.03, abs=1e-12) and g["decision"] == "grows"
     se = math.sqrt(2 * np.var(prism_tiny, ddof=1) / 5)  # equal variances: Welch df = 8
     assert g["df"] == pytest.approx(8.0) and g["ci"][1] == pytest.approx(-0.03 + 2.306004135204166 * se, abs=1e-9)
+
+
+def test_finished_runs_are_restored_from_the_results_file(study, tmp_path):
+    """A new machine has no run folders; the committed results file brings back every finished run."""
+    import json
+
+    curve = [{"step": 10, "tokens": 100, "train_loss": 6.0, "val_loss": 5.9}]
+    saved = {"runs": [{"size": "cpu-tiny", "schedule": "uniform@128", "seed": 1, "steps": 489}],
+             "curves": {"cpu-tiny/uniform@128/seed1": curve}}
+    results = tmp_path / "prism_study.json"
+    results.write_text(json.dumps(saved))
+    out = tmp_path / "runs"
+    assert study.restore_finished_runs(results, out) == 1
+    (done,) = out.rglob("run.json")
+    assert json.loads(done.read_text()) == {**saved["runs"][0], "curve": curve}
+    assert study.restore_finished_runs(results, out) == 0      # already there: left alone
+    assert study.restore_finished_runs(tmp_path / "none.json", out) == 0
