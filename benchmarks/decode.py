@@ -186,8 +186,35 @@ def expected_costs(model: Any, context: int, batch: int) -> dict[str, float]:
     return {"flops_per_token": flops, "bytes_per_decoded_token": moved, "kv_cache_bytes_per_token": kv}
 
 
+def live_cache_bytes(models: dict[str, Any], context: int, batch: int, new_tokens: int) -> int:
+    """KV-cache bytes alive at once in :func:`run_interleaved`: every model's cache at the largest batch
+    and the full length (steps are interleaved, so all caches live together), plus one layer's copy per
+    model (``DynamicCache`` concatenates a layer's keys/values on each step)."""
+    from headbudget.accounting import kv_cache_bytes_per_token
+
+    total = 0
+    for model in models.values():
+        per_token = kv_cache_bytes_per_token(model.config, next(model.parameters()).dtype)
+        total += per_token * batch * (context + new_tokens) * (1 + 1 / model.config.n_layer)
+    return int(total)
+
+
+def check_memory(models: dict[str, Any], args: argparse.Namespace, available: int | None = None) -> None:
+    """Refuse, in one line and before any timing, a run whose caches cannot fit in free memory (at context
+    8176 and batch 8 the seven default models' caches need ~16 GB; such a run was OOM-killed after 20 min)."""
+    import psutil
+
+    need = live_cache_bytes(models, max(args.contexts), max(args.batches), args.new_tokens)
+    available = psutil.virtual_memory().available if available is None else available
+    if need > 0.9 * available:
+        raise SystemExit(f"decode.py: the KV caches of {len(models)} models at context {max(args.contexts)} and "
+                         f"batch {max(args.batches)} need {need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB is free; "
+                         "give fewer --keep-ratios/--granularities per run (each run has its own dense row)")
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     models, info = build_models(args)
+    check_memory(models, args)
     labels = list(models)
     vocab = int(models["dense"].config.vocab_size)
     gen = torch.Generator().manual_seed(0)

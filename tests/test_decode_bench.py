@@ -1,0 +1,36 @@
+"""benchmarks/decode.py refuses, before any timing, a run whose live KV caches cannot fit in memory."""
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+
+
+@pytest.fixture(scope="module")
+def decode():
+    spec = importlib.util.spec_from_file_location("decode_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_live_cache_bytes_counts_every_model_at_the_largest_batch(decode):
+    model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+    # cpu-tiny: 4 layers x (k + v) x 4 kv heads x 32 dims x 4 bytes = 4096 bytes per token
+    per_token = 4 * 2 * 4 * 32 * 4
+    got = decode.live_cache_bytes({"a": model, "b": model}, context=100, batch=8, new_tokens=16)
+    assert got == int(2 * per_token * 8 * 116 * (1 + 1 / 4))
+
+
+def test_a_run_that_cannot_fit_is_refused_in_one_line(decode):
+    model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+    args = types.SimpleNamespace(contexts=[512, 100], batches=[1, 8], new_tokens=16)
+    need = decode.live_cache_bytes({"dense": model}, 512, 8, 16)
+    decode.check_memory({"dense": model}, args, available=2 * need)  # fits: no error
+    with pytest.raises(SystemExit, match=r"decode.py: the KV caches of 1 models at context 512 and batch 8 need"):
+        decode.check_memory({"dense": model}, args, available=need)
