@@ -69,6 +69,31 @@ def slices(args: argparse.Namespace, work: Path) -> dict[str, Path]:
 HELDOUT = ("wikitext2_valid", "movie_reviews_tail", "tinyshakespeare")
 
 
+def score_checkpoint(run: Path, args: argparse.Namespace, texts: dict[str, Path]) -> dict:
+    """Held-out perplexity of the newest checkpoint of an unfinished recovery run (its student folder as
+    the model's shape), for a run that cannot finish in the time at hand; the LR schedule is mid-way."""
+    import torch
+
+    from headbudget.evaluation.perplexity import perplexity
+    from headbudget.loading import load_model_and_tokenizer
+    from headbudget.train.checkpoint import latest_checkpoint, load_checkpoint
+    from headbudget.train.config import RunConfig
+
+    ckpt = latest_checkpoint(run / "checkpoints")
+    if ckpt is None:
+        raise SystemExit(f"{run}: no checkpoint to score")
+    student = RunConfig.load(run / "config.yaml").model.init
+    model, tok = load_model_and_tokenizer(student, dtype=torch.float32)
+    state = load_checkpoint(ckpt, model, restore_rng=False)
+    res = {"run": str(run), "checkpoint": ckpt.name, "step": state.get("step"), "ppl": {}}
+    with torch.no_grad():
+        for name in HELDOUT:
+            r = perplexity(model.eval(), tok, texts[name].read_text(encoding="utf-8"), context=args.score_context,
+                           stride=args.score_context, max_windows=args.max_windows, progress=False)
+            res["ppl"][name] = r["ppl"]
+    return res
+
+
 def perplexities(model_path: str, texts: dict[str, Path], args: argparse.Namespace, cache: Path) -> dict[str, float]:
     """Held-out perplexity on each text (cached in ``cache``)."""
     if cache.exists():
@@ -195,6 +220,8 @@ def main() -> None:
     ap.add_argument("--work", default=str(REPO / "runs" / "distill_smollm2"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distill_smollm2.json"))
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    ap.add_argument("--score-checkpoint", metavar="RUN", help="score the newest checkpoint of an unfinished "
+                    "recovery run folder (under --work) on the held-out texts, write JSON to --out and exit")
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(Path(args.out).read_text())))
@@ -210,6 +237,14 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     texts = slices(args, work)
+    if args.score_checkpoint:
+        from headbudget.io import atomic_write_json
+
+        res = score_checkpoint(work / args.score_checkpoint, args, texts)
+        res["command"] = " ".join(["python", *sys.argv])
+        atomic_write_json(args.out, res)
+        log(f"{res['checkpoint']}: {res['ppl']}")
+        return
     result: dict = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
                     "command": " ".join(["python", *sys.argv]), "settings": {k: v for k, v in vars(args).items()},
                     "texts": {"calibration": "movie_reviews.txt[:calib_chars]",
