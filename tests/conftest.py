@@ -30,3 +30,14 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` (not a package) as a module, for tests of a benchmark's pure parts."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

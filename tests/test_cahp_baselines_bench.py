@@ -19,10 +19,10 @@ FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    from headbudget.threads import torch_threads
+
+    with torch_threads(1):
+        yield
 
 
 # --------------------------------------------------------------------------- finetune(precision=...)

@@ -1,22 +1,16 @@
 """benchmarks/decode.py refuses, before any timing, a run whose live KV caches cannot fit in memory."""
 
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
 
 
 @pytest.fixture(scope="module")
 def decode():
-    spec = importlib.util.spec_from_file_location("decode_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("decode")
 
 
 def test_live_cache_bytes_counts_every_model_at_the_largest_batch(decode):

@@ -37,8 +37,8 @@ def test_native_probe_reads_torch_cpu_capabilities(monkeypatch):
     assert devices.cpu_has_native_bf16() is False
 
 
-def test_the_trainer_autocasts_under_auto_on_a_native_bf16_cpu(monkeypatch, tmp_path):
-    """The trainer's forward dtype follows the policy (before: auto meant fp32 on every CPU)."""
+def test_the_trainer_asks_the_precision_policy_with_its_setting_and_device(monkeypatch, tmp_path):
+    """The trainer decides autocast through the policy (before: its own rule, auto = fp32 on every CPU)."""
     from headbudget.train import trainer as trainer_mod
 
     seen = []

@@ -3,22 +3,17 @@ rule and the paired analysis on hand-made run records (no training)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "prism_study.py"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("prism_study", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("prism_study")
 
 
 def test_schedules_resolve_per_size(study):

@@ -3,21 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def tp():
-    spec = importlib.util.spec_from_file_location("throughput_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("throughput")
 
 
 def test_ratios_of_medians_and_of_the_paired_rounds(tp):
