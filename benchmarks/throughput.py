@@ -11,7 +11,9 @@ machine state. Prints a table and writes JSON.
 ``nanogpt`` is Karpathy's nanoGPT ``model.py`` at the same shape (bias, tied head, vocab of the preset);
 give the path to a checkout's file (it is not shipped with headbudget).  nanoGPT's MLP uses the exact (erf)
 GELU, GPT-2 and headbudget the tanh one, which costs more on CPU (2.6x forward, 1.8x backward at one thread);
-``nanogpt-tanh`` is nanoGPT with GPT-2's tanh GELU, i.e. the same math as ours, as a control.
+``nanogpt-tanh`` is nanoGPT with GPT-2's tanh GELU, i.e. the same math as ours, as a control, and
+``uniform-gelu`` is ours with nanoGPT's exact GELU (``hidden_act="gelu"``, ``train --model.hidden_act gelu``):
+the like-for-like pairs are uniform / nanogpt-tanh and uniform-gelu / nanogpt.
 
 ``--loop`` times whole training steps as the trainers run them, in blocks of ``--log-every`` steps that end
 with the one read of the loss (so a host sync per step shows): headbudget and HF models step through
@@ -80,6 +82,8 @@ def build(kind: str, preset: str, device: str) -> torch.nn.Module:
                          n_positions=p.n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         cfg._attn_implementation = "sdpa"
         model = GPT2LMHeadModel(cfg)
+    elif kind == "uniform-gelu":  # ours with nanoGPT's exact GELU
+        model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset(preset, "uniform", hidden_act="gelu"))
     else:
         model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset(preset, kind))
     return model.to(device).train()
@@ -130,18 +134,22 @@ def loop_block_fn(kind, model, batch, device, dtype, log_every, adamw="auto"):
 
 
 def ratios(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, float]:
-    """Throughput ratios against ``uniform``: of the median step times (wall), the median of the rounds' own
-    ratios (each round times every model back to back, so drift cancels: ``paired``), and those two of the CPU
-    seconds (``cpu``, ``cpu paired``; with one thread this counts the work done, not the time others took the
-    core away)."""
+    """Throughput ratios against ``uniform`` (and ``uniform-gelu`` where timed): of the median step times
+    (wall), the median of the rounds' own ratios (each round times every model back to back, so drift cancels:
+    ``paired``), and those two of the CPU seconds (``cpu``, ``cpu paired``; with one thread this counts the work
+    done, not the time others took the core away)."""
     out = {}
-    for other in times:
-        if other == "uniform":
+    for base in ("uniform", "uniform-gelu"):
+        if base not in times:
             continue
-        out[f"{other}/uniform"] = statistics.median(times["uniform"]) / statistics.median(times[other])
-        for tag, t in (("", times), (" cpu", cpu)):
-            out[f"uniform/{other}{tag}"] = statistics.median(t[other]) / statistics.median(t["uniform"])
-            out[f"uniform/{other}{tag} paired"] = statistics.median(o / u for o, u in zip(t[other], t["uniform"]))
+        for other in times:
+            if other in ("uniform", "uniform-gelu"):
+                continue
+            if base == "uniform":
+                out[f"{other}/uniform"] = statistics.median(times["uniform"]) / statistics.median(times[other])
+            for tag, t in (("", times), (" cpu", cpu)):
+                out[f"{base}/{other}{tag}"] = statistics.median(t[other]) / statistics.median(t[base])
+                out[f"{base}/{other}{tag} paired"] = statistics.median(o / u for o, u in zip(t[other], t[base]))
     return out
 
 
@@ -178,7 +186,7 @@ def run_config(preset: str, batch: int, context: int, kinds: list[str], steps: i
            for k, v in times.items()}
     out = {"preset": preset, "batch": batch, "context": context, "results": res,
            **({"loop": True, "log_every": log_every} if log_every else {})}
-    if "uniform" in res:
+    if "uniform" in res or "uniform-gelu" in res:
         out["ratios"] = ratios(times, cpu)
     return out
 

@@ -49,6 +49,7 @@ def padded_batch(vocab: int = 101):
 
 CASES = [
     ("gpt2", {}),
+    ("gpt2", {"activation_function": "gelu"}),  # the exact GELU, honoured rather than read as GPT-2's tanh one
     ("llama", {}),
     ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -208,3 +209,26 @@ def test_headbudget_config_with_dynamic_rope_is_refused_at_load_not_at_forward(t
         load_model(tmp_path / "m")
     assert str(err.value) == (f"{tmp_path / 'm'}: cannot load a causal language model (rope_type='dynamic' is not "
                               "supported (supported: default, linear, llama3, yarn))")
+
+
+def test_hidden_act_is_honoured_and_a_wrong_one_is_refused_in_one_line(tmp_path):
+    from headbudget.models import HeadBudgetConfig
+
+    torch.manual_seed(0)
+    tanh = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", vocab_size=101)).eval()
+    exact = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", vocab_size=101, hidden_act="gelu")).eval()
+    exact.load_state_dict(tanh.state_dict())
+    ids, _ = padded_batch()
+    with torch.no_grad():
+        assert (tanh(ids).logits - exact(ids).logits).abs().max() > 1e-5  # measured 5.4e-5 at this init
+    exact.save_pretrained(tmp_path)
+    reloaded = HeadBudgetForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.hidden_act == "gelu"
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, exact(ids).logits)
+    with pytest.raises(ValueError, match=r"hidden_act='relu' is not one of .*\(mlp='gelu'\)"):
+        HeadBudgetConfig.from_preset("cpu-tiny", hidden_act="relu")
+    with pytest.raises(ValueError, match=r"hidden_act='gelu' is not one of silu"):
+        HeadBudgetConfig.from_preset("cpu-tiny", mlp="gated_silu", hidden_act="gelu")
+    with pytest.raises(ConversionError, match="activation_function='relu' is not supported"):
+        to_headbudget(make("gpt2", activation_function="relu"))

@@ -25,6 +25,19 @@ def test_ratios_of_medians_and_of_the_paired_rounds(tp):
     assert r["uniform/nanogpt cpu paired"] == 1.5  # rounds 1.5, 3, 1
 
 
+def test_like_for_like_ratios_against_uniform_gelu(tp):
+    wall = {"uniform": [1.0, 1.0], "uniform-gelu": [1.0, 2.0], "nanogpt": [2.0, 3.0]}
+    r = tp.ratios(wall, wall)
+    assert r["uniform-gelu/nanogpt cpu paired"] == 1.75  # rounds 2, 1.5
+    assert r["uniform/nanogpt paired"] == 2.5
+    assert "uniform/uniform-gelu" not in r and "uniform-gelu/uniform" not in r
+
+
+def test_uniform_gelu_is_ours_with_the_exact_gelu(tp):
+    model = tp.build("uniform-gelu", "cpu-tiny", "cpu")
+    assert model.config.hidden_act == "gelu" and model.transformer.h[0].mlp.gelu_approximate == "none"
+
+
 @pytest.mark.parametrize("adamw", ["auto", "loop"])
 def test_a_tiny_loop_run_times_wall_and_cpu_seconds(tp, adamw):
     torch.set_num_threads(1)

@@ -66,6 +66,16 @@ def test_bundled_configs_load_and_build_every_schedule(name):
         assert cfg.train.context == 1024 and cfg.data.source.startswith("hf:")
 
 
+def test_model_hidden_act_reaches_the_model_and_a_wrong_one_is_refused():
+    from headbudget.train.setup import build_model
+
+    exact = build_model(apply_overrides(RunConfig(), ["model.hidden_act=gelu"]), 256)
+    assert exact.config.hidden_act == "gelu" and exact.transformer.h[0].mlp.gelu_approximate == "none"
+    assert build_model(RunConfig(), 256).transformer.h[0].mlp.gelu_approximate == "tanh"
+    with pytest.raises(ConfigError, match="model.hidden_act: 'relu' is not one of gelu_new, gelu"):
+        apply_overrides(RunConfig(), ["model.hidden_act=relu"])
+
+
 def test_lr_schedule_warmup_then_cosine_to_floor():
     cfg = apply_overrides(RunConfig(), ["train.lr=1.0", "train.warmup_steps=10", "train.steps=110",
                                         "train.min_lr_ratio=0.1"])

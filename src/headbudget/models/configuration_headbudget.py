@@ -33,6 +33,9 @@ from transformers import PretrainedConfig
 
 _LAYER_KEYS = ("n_heads", "head_dim", "n_kv_heads", "qk_head_dim", "v_head_dim", "kv_groups")
 _CHOICES = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "gated_silu"), "position": ("learned", "rotary")}
+# The MLP activations each ``mlp`` kind runs (HF names): the tanh GELU of GPT-2 under its three HF names, the
+# exact (erf) GELU of BERT and nanoGPT, SiLU for the gated MLP.
+ACTIVATIONS = {"gelu": ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu"), "gated_silu": ("silu",)}
 _DEFAULT_SCHEDULE = {"d_model": 768, "layers": [{"n_heads": 12, "head_dim": 64}] * 12}
 
 
@@ -125,7 +128,10 @@ class HeadBudgetConfig(PretrainedConfig):
         self.norm, self.mlp, self.position = norm, mlp, position
         self.mlp_ratio = mlp_ratio
         self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act or ("silu" if mlp == "gated_silu" else "gelu_new")
+        self.hidden_act = hidden_act or ACTIVATIONS[mlp][0]
+        if self.hidden_act not in ACTIVATIONS[mlp]:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {', '.join(ACTIVATIONS[mlp])} "
+                             f"(mlp={mlp!r})")
         if position == "rotary" and rope_parameters is None:
             rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         self.rope_parameters = rope_parameters if position == "rotary" else None

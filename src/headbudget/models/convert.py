@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from headbudget.models.config import HeadBudgetConfig
+from headbudget.models.configuration_headbudget import ACTIVATIONS
 from headbudget.models.modeling import HeadBudgetForCausalLM
 from headbudget.models.rotary_headbudget import rope_problem
 
@@ -45,8 +46,9 @@ def config_from_hf(hf_config: Any) -> HeadBudgetConfig:
 
 def _config_from_gpt2(c: Any) -> HeadBudgetConfig:
     act = getattr(c, "activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ConversionError(f"GPT-2 activation_function={act!r} is not supported (headbudget uses tanh GELU)")
+    if act not in ACTIVATIONS["gelu"]:
+        raise ConversionError(f"GPT-2 activation_function={act!r} is not supported (one of "
+                              f"{', '.join(ACTIVATIONS['gelu'])})")
     if getattr(c, "n_inner", None) not in (None, 4 * c.n_embd):
         raise ConversionError(f"GPT-2 n_inner={c.n_inner} is not 4 x n_embd")
     if getattr(c, "scale_attn_by_inverse_layer_idx", False) or not getattr(c, "scale_attn_weights", True):
@@ -57,7 +59,8 @@ def _config_from_gpt2(c: Any) -> HeadBudgetConfig:
     return HeadBudgetConfig(
         schedule={"d_model": c.n_embd, "layers": [layer] * c.n_layer, "name": "gpt2", "head_dim_multiple": 1},
         vocab_size=c.vocab_size, n_positions=c.n_positions, dropout=0.0, bias=True,
-        layer_norm_epsilon=c.layer_norm_epsilon, family="gpt2", tie_word_embeddings=c.tie_word_embeddings,
+        hidden_act=act, layer_norm_epsilon=c.layer_norm_epsilon, family="gpt2",
+        tie_word_embeddings=c.tie_word_embeddings,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=getattr(c, "pad_token_id", None),
     )
 
@@ -202,7 +205,8 @@ def hf_config_from(config: HeadBudgetConfig) -> Any:
             raise ConversionError("GPT-2 needs a 4 x d_model MLP in every layer")
         return GPT2Config(n_layer=config.n_layer, n_embd=config.n_embd, n_head=layer["n_heads"],
                           n_positions=config.n_positions, layer_norm_epsilon=config.layer_norm_epsilon,
-                          resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout, **common)
+                          resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+                          activation_function=config.hidden_act, **common)
     if config.family not in LLAMA_FAMILY:
         raise ConversionError(f"family {config.family!r} has no transformers class (supported: {', '.join(FAMILIES)})")
     _require(config, norm="rmsnorm", mlp="gated_silu", position="rotary")

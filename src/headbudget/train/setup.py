@@ -81,7 +81,7 @@ def build_model(cfg: RunConfig, vocab_size: int):
     if n_pos < cfg.train.context:
         raise ValueError(f"model.n_positions={n_pos} is shorter than train.context={cfg.train.context}")
     mcfg = HeadBudgetConfig(schedule=build_schedule(cfg), vocab_size=vocab_size, n_positions=n_pos,
-                            dropout=cfg.model.dropout, bias=cfg.model.bias)
+                            dropout=cfg.model.dropout, bias=cfg.model.bias, hidden_act=cfg.model.hidden_act)
     return HeadBudgetForCausalLM(mcfg)
 
 
