@@ -18,7 +18,10 @@ reviews are held out.  Each run is trained by the library's :class:`~headbudget.
 Resumable: one folder per (size, schedule, seed) under ``--out``; a run whose ``run.json`` exists is
 read back, not retrained; a killed run continues from its newest checkpoint.  The results file is
 rewritten after every finished run, and a new machine (no run folders) restores the finished runs from it,
-so the study continues across sessions from what was committed.  After the runs it writes
+so the study continues across sessions from what was committed.  Two processes may share a study (one per
+core, ``--seed-order descending`` for the second): a run being trained holds a lock (``train.lock``, released
+when its process ends) that the other process skips, and each rewrite of the results file keeps the runs the
+other process recorded; a last plain invocation then reads every run back and analyses.  After the runs it writes
 ``benchmarks/results/prism_study.json`` (every run, paired differences to uniform and to the wide
 control with 95% intervals per size and text, the verdicts of the decision rule) and the loss curves
 ``benchmarks/results/prism_study_curves_<size>.png``, and prints the paired table.
@@ -31,11 +34,15 @@ Pilot (step 1 of the protocol: tokens per run, seed spread, smallest detectable 
 Main runs (after the pilot's numbers are registered there and in REGISTERED_TOKENS / REGISTERED_MDD)::
 
     nice -n 10 python benchmarks/prism_study.py --sizes cpu-tiny,cpu-small --threads 1 --out runs/prism_study
+    nice -n 10 python benchmarks/prism_study.py --sizes cpu-tiny --threads 1 --out runs/prism_study \
+        --seed-order descending    # beside it, on the second core
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -162,12 +169,29 @@ def measure(model, data, size: str, ood: dict[str, list[int]], attn_seqs: int,
                                           "mean_local_share": attn["mean_local_share"]}}
 
 
-def run_one(size: str, schedule: str, seed: int, tokens: int, out: Path, data, ood, args) -> dict[str, Any]:
-    """Train (or resume, or read back) one run and measure it; ``run.json`` marks it done."""
-    from headbudget.io import atomic_write_json
-    from headbudget.loading import load_model
-    from headbudget.train.compare import _safe, is_flat
-    from headbudget.train.trainer import Trainer, build_schedule
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Yield whether this process holds ``run_dir``'s training lock (False: another process trains it).
+
+    An ``flock`` on ``run_dir/train.lock``: the kernel drops it when its process ends, killed or not, so a
+    stale lock never blocks a resumed study."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "train.lock", "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_one(size: str, schedule: str, seed: int, tokens: int, out: Path, data, ood, args) -> dict[str, Any] | None:
+    """Train (or resume, or read back) one run and measure it; ``run.json`` marks it done. None: another
+    process holds the run's lock (:func:`run_lock`) and trains it."""
+    from headbudget.train.compare import _safe
 
     run_dir = out / size / f"{_safe(schedule)}-seed{seed}"
     done = run_dir / "run.json"
@@ -178,6 +202,21 @@ def run_one(size: str, schedule: str, seed: int, tokens: int, out: Path, data, o
             raise SystemExit(f"{done}: trained {rec['steps']} steps, this study asks for {cfg.train.steps} "
                              f"({tokens:,} tokens); use another --out")
         return rec
+    with run_lock(run_dir) as mine:
+        if not mine:
+            return None
+        if done.is_file():  # finished by the other process while this one waited for nothing
+            return json.loads(done.read_text())
+        return _train_and_measure(cfg, run_dir, size, schedule, seed, data, ood, args)
+
+
+def _train_and_measure(cfg, run_dir: Path, size: str, schedule: str, seed: int, data, ood, args) -> dict[str, Any]:
+    from headbudget.io import atomic_write_json
+    from headbudget.loading import load_model
+    from headbudget.train.compare import is_flat
+    from headbudget.train.trainer import Trainer, build_schedule
+
+    done = run_dir / "run.json"
     # a killed run continues from its newest checkpoint; a new one starts (without resume's notice)
     trainer = Trainer(cfg, run_dir, resume=(run_dir / "checkpoints").is_dir() or (run_dir / "summary.json").is_file(),
                       data=data)
@@ -377,6 +416,21 @@ def restore_finished_runs(results_path: Path, out: Path) -> int:
     return n
 
 
+def write_results(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` to ``path``, keeping the runs (and curves) that ``path`` already holds and ``record``
+    lacks: another process of the same study may have recorded them (see :func:`run_lock`)."""
+    from headbudget.io import atomic_write_json
+
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        mine = {(r["size"], r["schedule"], r["seed"]) for r in record["runs"]}
+        theirs = [r for r in saved.get("runs", []) if (r["size"], r["schedule"], r["seed"]) not in mine]
+        curves = {k: v for k, v in saved.get("curves", {}).items()
+                  if any(k == f"{r['size']}/{r['schedule']}/seed{r['seed']}" for r in theirs)}
+        record = {**record, "runs": record["runs"] + theirs, "curves": {**curves, **record["curves"]}}
+    atomic_write_json(path, record)
+
+
 def _parse_tokens(text: str | None, sizes: list[str]) -> dict[str, int]:
     from headbudget.cli.train_cmd import parse_token_count
 
@@ -410,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                     "for smoke tests)")
     ap.add_argument("--attn-seqs", type=int, default=16, help="held-out sequences for the attention distance")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed-order", default="ascending", choices=["ascending", "descending"],
+                    help="descending: for a second process beside the first (runs in training are locked)")
     ap.add_argument("--cache-dir", help="prepared-data cache (default: headbudget's)")
     ap.add_argument("--out", default="runs/prism_study")
     ap.add_argument("--results", default=None, help="results JSON (default benchmarks/results/prism_study.json, "
@@ -419,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
-    from headbudget.io import atomic_write_json
     from headbudget.train.compare import plot_curves, prepare_for
 
     hf_logging.disable_progress_bar()
@@ -445,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prism_study_pilot_{sizes[0]}.json" if args.pilot else "prism_study.json")
 
     records: list[dict[str, Any]] = []
+    skipped: list[str] = []  # runs another process held
     t0 = time.perf_counter()
     restored = restore_finished_runs(results_path, out)
     if restored:
@@ -466,12 +522,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {size}: {len(scheds)} schedules x {n_seeds} seeds, {cfg.train.steps} steps x {BATCH} x "
               f"{SIZES[size]} = {cfg.train.steps * BATCH * SIZES[size]:,} tokens a run "
               f"({data.meta['train_tokens']:,} train / {data.meta['val_tokens']:,} held-out tokens)", flush=True)
-        for seed in range(n_seeds):  # seed-major: a partial study has every schedule at the first seeds
+        seeds = range(n_seeds) if args.seed_order == "ascending" else range(n_seeds - 1, -1, -1)
+        for seed in seeds:  # seed-major: a partial study has every schedule at the first seeds
             for s in scheds:
                 rec = run_one(size, s, seed, tokens[size], out, data, ood, args)
+                if rec is None:
+                    skipped.append(f"{size}/{s}/seed{seed}")
+                    print(f"   {s:>20} seed {seed}: trained by another process (locked); skipped", flush=True)
+                    continue
                 records.append(rec)
                 # every finished run is in the results file at once: a later session restores it from there
-                atomic_write_json(results_path, snapshot("partial: runs finished so far, no analysis"))
+                write_results(results_path, snapshot("partial: runs finished so far, no analysis"))
                 print(f"   {s:>20} seed {seed}: held-out {rec['texts']['movie_reviews_heldout']['loss']:.4f}  "
                       f"wt2 {rec['texts']['wikitext2_valid']['loss']:.4f}  "
                       f"shakespeare {rec['texts']['tinyshakespeare']['loss']:.4f}  "
@@ -480,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.pilot:
             plot_curves({"curves": curves}, results_path.with_name(f"prism_study_curves_{size}.png"))
 
+    if skipped:  # not every run is in: no analysis yet (a last plain invocation reads them all back)
+        write_results(results_path, snapshot(f"partial: {len(skipped)} run(s) trained by another process"))
+        print(f"\n{len(skipped)} run(s) were trained by another process ({', '.join(skipped)}): rerun this "
+              f"command when it is done to analyse every run; wrote {results_path}")
+        return 0
     record = snapshot("complete")
     if args.pilot:
         record["pilot"] = pilot_report(records, sizes[0], study_schedules(sizes[0], names))
@@ -498,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         record["mdd_registered"], record["mdd_from_main_uniform_spread"] = mdd, observed
         record["analysis"] = analyse(records, sizes, mdd)
         print_table(record["analysis"])
-    atomic_write_json(results_path, record)
+    write_results(results_path, record)
     print(f"\nwrote {results_path}")
     return 0
 

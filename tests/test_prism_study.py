@@ -97,3 +97,35 @@ def test_finished_runs_are_restored_from_the_results_file(study, tmp_path):
     assert json.loads(done.read_text()) == {**saved["runs"][0], "curve": curve}
     assert study.restore_finished_runs(results, out) == 0      # already there: left alone
     assert study.restore_finished_runs(tmp_path / "none.json", out) == 0
+
+
+def test_a_run_another_process_trains_is_skipped_not_trained_twice(study, tmp_path):
+    """Two processes share a study: the run one of them holds (flock) is None for the other."""
+    import argparse
+
+    args = argparse.Namespace(threads=1, cache_dir=None, attn_seqs=1, heldout_tokens=None)
+    run_dir = tmp_path / "cpu-tiny" / "uniform-seed3"
+    with study.run_lock(run_dir) as mine:
+        assert mine is True
+        with study.run_lock(run_dir) as other:  # a second open file: what another process would get
+            assert other is False
+        assert study.run_one("cpu-tiny", "uniform", 3, 1_001_472, tmp_path, None, None, args) is None
+    with study.run_lock(run_dir) as again:  # released with its holder
+        assert again is True
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_results_writes_keep_the_other_processs_runs(study, tmp_path):
+    import json
+
+    def rec(seed, loss):
+        return {"size": "cpu-tiny", "schedule": "prism", "seed": seed, "loss": loss}
+
+    path = tmp_path / "prism_study.json"
+    study.write_results(path, {"status": "a", "runs": [rec(0, 5.0)], "curves": {"cpu-tiny/prism/seed0": [1]}})
+    study.write_results(path, {"status": "b", "runs": [rec(4, 5.5)], "curves": {"cpu-tiny/prism/seed4": [2]}})
+    study.write_results(path, {"status": "c", "runs": [rec(0, 5.1)], "curves": {"cpu-tiny/prism/seed0": [3]}})
+    saved = json.loads(path.read_text())
+    assert saved["status"] == "c"
+    assert sorted((r["seed"], r["loss"]) for r in saved["runs"]) == [(0, 5.1), (4, 5.5)]
+    assert saved["curves"] == {"cpu-tiny/prism/seed0": [3], "cpu-tiny/prism/seed4": [2]}
