@@ -83,7 +83,8 @@ def score_checkpoint(run: Path, args: argparse.Namespace, texts: dict[str, Path]
     if ckpt is None:
         raise SystemExit(f"{run}: no checkpoint to score")
     student = RunConfig.load(run / "config.yaml").model.init
-    model, tok = load_model_and_tokenizer(student, dtype=torch.float32)
+    # loaded as the trainer loads model.init (headbudget's class), whose parameter names the checkpoint holds
+    model, tok = load_model_and_tokenizer(student, dtype=torch.float32, as_headbudget=True)
     state = load_checkpoint(ckpt, model, restore_rng=False)
     res = {"run": str(run), "checkpoint": ckpt.name, "step": state.get("step"), "ppl": {}}
     with torch.no_grad():
