@@ -13,6 +13,8 @@ training: WikiText-2 valid, the tail of movie_reviews.txt (``--tail-chars``), ti
     nohup python benchmarks/distill_smollm2.py --tokens 1M > runs/distill_smollm2.log 2>&1 &   # background
     python benchmarks/distill_smollm2.py --tokens 200k --methods fisher,cahp --keep-ratios 0.7,0.5 \
         --svd-keep 0.75 --batch-size 8 --context 256      # the run in RESULTS.md (bf16 autocast, ~10 min/run)
+    python benchmarks/distill_smollm2.py --tokens 1M --methods fisher,cahp --keep-ratios 0.7,0.5 \
+        --batch-size 8 --context 256 --device cuda          # on a GPU: prune, train and score there
 
 Resumable and background-friendly: every pruned model, training run (checkpoints every ``--ckpt-every``
 steps, ``resume=True``) and perplexity is cached under ``--work``; a rerun skips what exists.  Writes
@@ -86,6 +88,7 @@ def score_checkpoint(run: Path, args: argparse.Namespace, texts: dict[str, Path]
     # loaded as the trainer loads model.init (headbudget's class), whose parameter names the checkpoint holds
     model, tok = load_model_and_tokenizer(student, dtype=torch.float32, as_headbudget=True)
     state = load_checkpoint(ckpt, model, restore_rng=False)
+    model = model.to(args.device or "cpu")
     res = {"run": str(run), "checkpoint": ckpt.name, "step": state.get("step"), "ppl": {}}
     with torch.no_grad():
         for name in HELDOUT:
@@ -106,6 +109,7 @@ def perplexities(model_path: str, texts: dict[str, Path], args: argparse.Namespa
     from headbudget.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(model_path, dtype=torch.float32)
+    model = model.to(args.device or "cpu")
     res = {}
     with torch.no_grad():
         for name in HELDOUT:
@@ -124,7 +128,7 @@ def prune(method: str, ratio: float, texts: dict[str, Path], args: argparse.Name
         t0 = time.perf_counter()
         run_prune(PruneJob(args.model, "lm", None, str(out), method=method, keep_ratio=ratio,
                            data=str(texts["calib"]), context=args.context, calib_windows=args.calib_windows,
-                           limit_eval=2, finetune_epochs=0, progress=False))
+                           limit_eval=2, finetune_epochs=0, progress=False, device=args.device))
         log(f"pruned {method} keep {ratio:g} in {time.perf_counter() - t0:.0f}s -> {out / 'model'}")
     return out / "model"
 
@@ -136,7 +140,8 @@ def compress(keep: float, texts: dict[str, Path], args: argparse.Namespace, work
     if not (out / "model" / "config.json").exists():
         t0 = time.perf_counter()
         run_compress(args.model, "svd", keep, "uniform", str(out), data=str(texts["calib"]),
-                     context=args.context, max_windows=2, progress=False, threads=args.threads)
+                     context=args.context, max_windows=2, progress=False, threads=args.threads,
+                     device=args.device)
         log(f"SVD-compressed keep {keep:g} in {time.perf_counter() - t0:.0f}s -> {out / 'model'}")
     return out / "model"
 
@@ -156,7 +161,8 @@ def recover(student: Path, teacher: str | None, texts: dict[str, Path], args: ar
                   "context": args.context, "lr": args.lr, "min_lr_ratio": 0.1,
                   "warmup_steps": max(1, steps // 20), "weight_decay": 0.0, "eval_every": steps,
                   "eval_batches": 4, "log_every": 1, "ckpt_every": args.ckpt_every, "keep_last": 1,
-                  "threads": args.threads, "progress": False, "precision": args.precision},
+                  "threads": args.threads, "progress": False, "precision": args.precision,
+                  "device": args.device or "cpu"},
         "distill": {"teacher": teacher, "temperature": args.temperature, "alpha": args.alpha}})
     summary = out / "summary.json"
     if not summary.exists():
@@ -213,6 +219,8 @@ def main() -> None:
     ap.add_argument("--max-windows", type=int, default=16)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default=None, help="cpu (default) or cuda: pruning, training and scoring there "
+                    "(with --precision auto, bf16 on a GPU that has it)")
     ap.add_argument("--precision", default="auto", choices=("bf16", "fp32", "auto"),
                     help="training precision; auto: bf16 autocast on CPUs with AMX/AVX-512 BF16 (measured 370 vs 170 "
                          "tokens/s distilling SmolLM2 on such a CPU), fp32 elsewhere (emulated bf16 was ~14x slower "
