@@ -205,7 +205,7 @@ def run_one(size: str, schedule: str, seed: int, tokens: int, out: Path, data, o
     with run_lock(run_dir) as mine:
         if not mine:
             return None
-        if done.is_file():  # finished by the other process while this one waited for nothing
+        if done.is_file():  # the other process finished it between the check above and taking the lock
             return json.loads(done.read_text())
         return _train_and_measure(cfg, run_dir, size, schedule, seed, data, ood, args)
 
@@ -393,6 +393,11 @@ def pilot_report(records: list[dict[str, Any]], size: str, schedules: list[str])
     return rep
 
 
+def run_key(run: dict[str, Any]) -> str:
+    """``size/schedule/seedN``: how the results file names a run (its key in ``curves``)."""
+    return f"{run['size']}/{run['schedule']}/seed{run['seed']}"
+
+
 def restore_finished_runs(results_path: Path, out: Path) -> int:
     """Write ``run.json`` under ``out`` for every run recorded in ``results_path`` whose folder lacks one.
 
@@ -407,7 +412,7 @@ def restore_finished_runs(results_path: Path, out: Path) -> int:
     saved = json.loads(results_path.read_text())
     n = 0
     for r in saved.get("runs", []):
-        key = f"{r['size']}/{r['schedule']}/seed{r['seed']}"
+        key = run_key(r)
         done = out / r["size"] / f"{_safe(r['schedule'])}-seed{r['seed']}" / "run.json"
         if done.is_file() or key not in saved.get("curves", {}):
             continue
@@ -423,10 +428,10 @@ def write_results(path: Path, record: dict[str, Any]) -> None:
 
     if path.is_file():
         saved = json.loads(path.read_text())
-        mine = {(r["size"], r["schedule"], r["seed"]) for r in record["runs"]}
-        theirs = [r for r in saved.get("runs", []) if (r["size"], r["schedule"], r["seed"]) not in mine]
-        curves = {k: v for k, v in saved.get("curves", {}).items()
-                  if any(k == f"{r['size']}/{r['schedule']}/seed{r['seed']}" for r in theirs)}
+        mine = {run_key(r) for r in record["runs"]}
+        theirs = [r for r in saved.get("runs", []) if run_key(r) not in mine]
+        keys = {run_key(r) for r in theirs}
+        curves = {k: v for k, v in saved.get("curves", {}).items() if k in keys}
         record = {**record, "runs": record["runs"] + theirs, "curves": {**curves, **record["curves"]}}
     atomic_write_json(path, record)
 
@@ -511,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_run": tokens, "seeds": list(range(n_seeds)), "threads": args.threads,
                 "wall_s": time.perf_counter() - t0,
                 "runs": [{k: v for k, v in r.items() if k != "curve"} for r in records],
-                "curves": {f"{r['size']}/{r['schedule']}/seed{r['seed']}": r["curve"] for r in records}}
+                "curves": {run_key(r): r["curve"] for r in records}}
     for size in sizes:
         scheds = study_schedules(size, names)
         cfg = run_config(size, scheds[0], 0, tokens[size], args.threads, args.cache_dir)
