@@ -33,7 +33,7 @@ Pilot (step 1 of the protocol: tokens per run, seed spread, smallest detectable 
 
 Main runs (after the pilot's numbers are registered there and in REGISTERED_TOKENS / REGISTERED_MDD)::
 
-    nice -n 10 python benchmarks/prism_study.py --sizes cpu-tiny,cpu-small --threads 1 --out runs/prism_study
+    nice -n 10 python benchmarks/prism_study.py --sizes cpu-tiny,cpu-mid --threads 1 --out runs/prism_study
     nice -n 10 python benchmarks/prism_study.py --sizes cpu-tiny --threads 1 --out runs/prism_study \
         --seed-order descending    # beside it, on the second core
 """
@@ -61,15 +61,15 @@ GPT2_DIR = SHARED / "tokenizers" / "gpt2"
 RESULTS = ROOT / "benchmarks" / "results"
 
 #: the sizes and their context (each preset's n_positions); batch 16 sequences a step
-SIZES = {"cpu-tiny": 128, "cpu-small": 256}
+SIZES = {"cpu-tiny": 128, "cpu-mid": 128, "cpu-small": 256}
 BATCH = 16
 #: "uniform@W" and "late_dim_decay" are resolved per size (:func:`study_schedules`)
 SCHEDULES = ("uniform", "prism", "reverse", "uniform@W", "late_dim_decay")
 BUDGET_FRACTION = 0.75
 #: tokens per run and the smallest detectable paired difference of the held-out loss (nats/token),
 #: registered in docs/prism_study.md after the pilot (None: not measured yet)
-REGISTERED_TOKENS: dict[str, int | None] = {"cpu-tiny": 1_001_472, "cpu-small": None}  # amendment 2026-12-02
-REGISTERED_MDD: dict[str, float | None] = {"cpu-tiny": 0.0220, "cpu-small": None}
+REGISTERED_TOKENS: dict[str, int | None] = {"cpu-tiny": 1_001_472, "cpu-mid": None, "cpu-small": None}  # amendment 2026-12-02
+REGISTERED_MDD: dict[str, float | None] = {"cpu-tiny": 0.0220, "cpu-mid": None, "cpu-small": None}
 SEEDS = 5
 ALPHA, POWER = 0.05, 0.80
 
@@ -211,6 +211,7 @@ def run_one(size: str, schedule: str, seed: int, tokens: int, out: Path, data, o
 
 
 def _train_and_measure(cfg, run_dir: Path, size: str, schedule: str, seed: int, data, ood, args) -> dict[str, Any]:
+    from headbudget.devices import cpu_description
     from headbudget.io import atomic_write_json
     from headbudget.loading import load_model
     from headbudget.train.compare import is_flat
@@ -231,7 +232,7 @@ def _train_and_measure(cfg, run_dir: Path, size: str, schedule: str, seed: int, 
         "size": size, "schedule": schedule, "seed": seed, "steps": result.steps, "tokens": result.tokens,
         "params": result.params, "heads": list(build_schedule(cfg).heads), "warmup_steps": cfg.train.warmup_steps,
         "final_val_loss_8_batches": result.final_val_loss, "tokens_per_s": result.tokens_per_s,
-        "train_wall_s": result.wall_s, "measure_wall_s": time.perf_counter() - t0,
+        "train_wall_s": result.wall_s, "measure_wall_s": time.perf_counter() - t0, "cpu": cpu_description(),
         "flat_at_end": is_flat(evals, min_step=cfg.train.warmup_steps),
         "curve": [{k: r[k] for k in ("step", "tokens", "train_loss", "val_loss")} for r in evals],
         **measured,
@@ -459,7 +460,7 @@ def _parse_tokens(text: str | None, sizes: list[str]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pilot", action="store_true", help="protocol step 1: one schedule, one size, 2-3 seeds")
-    ap.add_argument("--sizes", default="cpu-tiny,cpu-small")
+    ap.add_argument("--sizes", default="cpu-tiny,cpu-mid")
     ap.add_argument("--schedules", help="comma list (default: all five of the study; the pilot: uniform)")
     ap.add_argument("--seeds", type=int, help=f"seeds 0..N-1 (default {SEEDS}; the pilot 3)")
     ap.add_argument("--tokens", help="tokens per run: one value (2M) or per size (cpu-tiny=2M,cpu-small=4M); "

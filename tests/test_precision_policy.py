@@ -51,3 +51,17 @@ def test_the_trainer_asks_the_precision_policy_with_its_setting_and_device(monke
                                          "device": "cpu", "threads": 1}})
     trainer_mod.Trainer(cfg, tmp_path / "run").run()
     assert seen == [("auto", "cpu")]
+
+
+def test_cpu_description_names_model_isa_and_cores(tmp_path, monkeypatch):
+    import builtins
+    import os
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(cpuinfo if f == "/proc/cpuinfo" else f, *a, **k))
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert devices.cpu_description() == f"Test CPU 9000 ({isa}, {os.cpu_count()} cores)"
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert devices.cpu_description() == f"unknown CPU ({isa}, {os.cpu_count()} cores)"

@@ -19,6 +19,13 @@ def study():
 def test_schedules_resolve_per_size(study):
     assert study.study_schedules("cpu-tiny") == ["uniform", "prism", "reverse", "uniform@128", "late_dim_decay:0.75"]
     assert study.study_schedules("cpu-small")[3] == "uniform@256"  # prism's widest head at cpu-small
+    # cpu-mid (the registered second size): every schedule but the budgeted one has uniform's parameters
+    from headbudget.schedule_spec import schedule_from_spec
+
+    mid = [schedule_from_spec(s, "cpu-mid") for s in study.study_schedules("cpu-mid")]
+    assert mid[1].heads == (1, 1, 2, 2, 2, 4, 4, 4) and mid[1].head_dims == (128, 128, 64, 64, 64, 32, 32, 32)
+    assert {sum(h * d for h, d in zip(s.heads, s.head_dims)) for s in mid[:4]} == {8 * 128}
+    assert sum(h * d for h, d in zip(mid[4].heads, mid[4].head_dims)) < 8 * 128
 
 
 def test_min_detectable_difference_has_the_asked_power(study):
@@ -63,7 +70,7 @@ def test_analysis_pairs_by_seed_and_applies_the_rule(study):
     prism_small = [-0.05, -0.06, -0.04, -0.05, -0.05]  # mean -0.05, sd 0.00707
     recs = _records(study, {("cpu-tiny", "prism"): prism_tiny, ("cpu-small", "prism"): prism_small,
                             ("cpu-tiny", "uniform@128"): [-0.02] * 5})
-    a = study.analyse(recs, list(study.SIZES), {"cpu-tiny": 0.04, "cpu-small": 0.04})
+    a = study.analyse(recs, ["cpu-tiny", "cpu-small"], {"cpu-tiny": 0.04, "cpu-small": 0.04})
     p1 = a["cpu-tiny"]["comparisons"]["prism - uniform"]["movie_reviews_heldout"]
     assert p1["diffs"] == pytest.approx(prism_tiny, abs=1e-12) and p1["mean"] == pytest.approx(-0.02, abs=1e-12)
     half = 2.7764451051977987 * np.std(prism_tiny, ddof=1) / math.sqrt(5)

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 #: ``--dtype`` / ``dtype=`` values (lm-eval's hf backend takes the same names); "auto" keeps the
@@ -67,6 +70,19 @@ def cpu_has_native_bf16() -> bool:
     faster than fp32."""
     probes = [getattr(torch.cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(bool(p()) for p in probes if p is not None)
+
+
+def cpu_description() -> str:
+    """The CPU a figure was measured on: model name, the widest vector ISA torch's kernels use here,
+    and the core count, e.g. ``'AMD EPYC (AVX512, 2 cores)'``. Losses of a deterministic run can differ
+    in their last bits between ISAs, and tokens/s differ a lot, so benchmark records keep it."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)"
 
 
 def use_bf16_autocast(precision: str, device: torch.device, flag: str = "train.precision") -> bool:

@@ -384,6 +384,8 @@ PRESETS: dict[str, ModelPreset] = {
         # CPU presets: a training step (batch 8 x context) well under a second on 2 cores.
         ModelPreset("cpu-tiny", 4, 128, 4, 128, 512, prism_max_head_dim=128, prism_min_head_dim=32),
         ModelPreset("cpu-small", 6, 256, 4, 256, 2048, prism_max_head_dim=256, prism_min_head_dim=64),
+        # cpu-tiny twice as deep: the Prism study's second size (docs/prism_study.md, size fallback).
+        ModelPreset("cpu-mid", 8, 128, 4, 128, 512, prism_max_head_dim=128, prism_min_head_dim=32),
     )
 }
 
