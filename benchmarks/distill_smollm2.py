@@ -69,6 +69,35 @@ def slices(args: argparse.Namespace, work: Path) -> dict[str, Path]:
 
 
 HELDOUT = ("wikitext2_valid", "movie_reviews_tail", "tinyshakespeare")
+RECOVERIES = ("distilled", "lm_trained")
+#: the settings that define what a row measured: a rerun adds rows to ``--out`` only when these agree
+ROW_SETTINGS = ("model", "tokens", "batch_size", "grad_accum", "context", "lr", "temperature", "alpha",
+                "calib_chars", "calib_windows", "train_chars", "tail_chars", "score_chars", "score_context",
+                "max_windows")
+
+
+def previous_result(out: Path, settings: dict) -> dict:
+    """What ``out`` already holds, kept when a rerun adds rows (a session that runs one missing cell
+    must not drop the rest); refused in one line when ``out`` was made with other row settings."""
+    if not out.is_file():
+        return {}
+    old = json.loads(out.read_text())
+    for key in ROW_SETTINGS:
+        if old.get("settings", {}).get(key) != settings.get(key):
+            raise SystemExit(f"{out} holds rows made with {key}={old.get('settings', {}).get(key)!r}, not "
+                             f"{settings.get(key)!r}; pass another --out")
+    return old
+
+
+def check_same_student(name: str, old_ppl: dict | None, new_ppl: dict, out: Path) -> None:
+    """A row's recoveries belong to one pruned model: refuse to add to a row whose pruned model (its
+    perplexities, rel. 0.1%) differs from the one made now, e.g. a pruning that chose other heads."""
+    if old_ppl is None:
+        return
+    for t in HELDOUT:
+        if abs(new_ppl[t] - old_ppl[t]) > 1e-3 * old_ppl[t]:
+            raise SystemExit(f"{name}: the pruned model's {t} perplexity is {new_ppl[t]:.2f} now but {old_ppl[t]:.2f} "
+                             f"in {out}: another pruned model; pass another --out")
 
 
 def score_checkpoint(run: Path, args: argparse.Namespace, texts: dict[str, Path]) -> dict:
@@ -225,7 +254,9 @@ def main() -> None:
                     help="training precision; auto: bf16 autocast on CPUs with AMX/AVX-512 BF16 (measured 370 vs 170 "
                          "tokens/s distilling SmolLM2 on such a CPU), fp32 elsewhere (emulated bf16 was ~14x slower "
                          "on an AVX2-only CPU); scoring is always float32")
-    ap.add_argument("--skip-lm", action="store_true", help="distil only (no plain LM baseline)")
+    ap.add_argument("--recoveries", default=",".join(RECOVERIES),
+                    help="which recoveries to run per student: distilled, lm_trained (plain LM baseline) or both")
+    ap.add_argument("--skip-lm", action="store_true", help="distil only (no plain LM baseline): --recoveries distilled")
     ap.add_argument("--work", default=str(REPO / "runs" / "distill_smollm2"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distill_smollm2.json"))
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
@@ -237,8 +268,12 @@ def main() -> None:
         return
     if args.train_chars is None:
         args.train_chars = max(200_000, 5 * args.tokens)
+    recoveries = ["distilled"] if args.skip_lm else [r.strip() for r in args.recoveries.split(",") if r.strip()]
+    if bad := [r for r in recoveries if r not in RECOVERIES]:
+        raise SystemExit(f"--recoveries: unknown {bad[0]!r}; choose from {', '.join(RECOVERIES)}")
     if not (TEXT / "movie_reviews.txt").is_file():
         raise SystemExit(f"{TEXT} not found (../shared/data/text next to the repository)")
+    from headbudget.devices import cpu_description
     from headbudget.io import atomic_write_json
     from headbudget.threads import configure_threads
 
@@ -247,21 +282,22 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     texts = slices(args, work)
     if args.score_checkpoint:
-        from headbudget.io import atomic_write_json
-
         res = score_checkpoint(work / args.score_checkpoint, args, texts)
         res["command"] = " ".join(["python", *sys.argv])
         atomic_write_json(args.out, res)
         log(f"{res['checkpoint']}: {res['ppl']}")
         return
+    old = previous_result(Path(args.out), vars(args))
+    command = " ".join(["python", *sys.argv])
     result: dict = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
-                    "command": " ".join(["python", *sys.argv]), "settings": {k: v for k, v in vars(args).items()},
+                    "command": command, "commands": [*old.get("commands", [old["command"]] if old else []), command],
+                    "settings": dict(vars(args)),
                     "texts": {"calibration": "movie_reviews.txt[:calib_chars]",
                               "training": "movie_reviews.txt[calib_chars:calib_chars+train_chars]",
                               "heldout": {"wikitext2_valid": f"wikitext2_valid.tokens[:{args.score_chars}]",
                                           "movie_reviews_tail": f"movie_reviews.txt[-{args.tail_chars}:]",
                                           "tinyshakespeare": f"tinyshakespeare.txt[:{args.score_chars}]"}},
-                    "rows": {}}
+                    "rows": old.get("rows", {})}
     t0 = time.perf_counter()
     dense = perplexities(args.model, texts, args, work / "ppl-dense.json")
     result["dense_ppl"] = dense
@@ -272,12 +308,15 @@ def main() -> None:
         students.append((f"svd-{args.svd_keep:g}", lambda: compress(args.svd_keep, texts, args, work)))
     for name, make in students:
         student = make()
-        row: dict = {"student": str(student), "ppl": {"pruned": perplexities(str(student), texts, args,
-                                                                           work / f"ppl-{name}-pruned.json")}}
-        log(f"{name}: pruned ppl {row['ppl']['pruned']}")
-        runs = [("distilled", args.model)] + ([] if args.skip_lm else [("lm_trained", None)])
-        for kind, teacher in runs:
+        pruned_ppl = perplexities(str(student), texts, args, work / f"ppl-{name}-pruned.json")
+        log(f"{name}: pruned ppl {pruned_ppl}")
+        old = result["rows"].get(name, {})
+        check_same_student(name, old.get("ppl", {}).get("pruned"), pruned_ppl, Path(args.out))
+        row: dict = {**old, "student": str(student), "ppl": {**old.get("ppl", {}), "pruned": pruned_ppl}}
+        for kind in recoveries:
+            teacher = args.model if kind == "distilled" else None
             rec = recover(student, teacher, texts, args, work / f"{kind}-{name}-{args.tokens}")
+            rec |= {"precision": args.precision, "cpu": cpu_description()}
             row[kind] = rec
             row["ppl"][kind] = perplexities(rec["model"], texts, args, work / f"ppl-{name}-{kind}-{args.tokens}.json")
             log(f"{name} {kind}: ppl {row['ppl'][kind]}, {rec['tokens_per_s_median']:.1f} tokens/s "

@@ -4,6 +4,7 @@ model it holds (a run that cannot finish in a session still reports where it got
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -68,3 +69,59 @@ def test_recovery_runs_train_on_the_asked_device(bench, tmp_path, monkeypatch, d
     t = seen["cfg"].train
     assert (t.device, t.steps, t.precision) == (expected, 2, "auto")
     assert seen["cfg"].distill.teacher == "teacher-dir"
+
+
+def _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl):
+    """main() with pruning, scoring and training replaced by stand-ins (perplexity: a number per model)."""
+    text = tmp_path / "text"
+    text.mkdir(exist_ok=True)
+    (text / "movie_reviews.txt").write_text("a review. " * 100_000)
+    for name in ("wikitext2_valid.tokens", "tinyshakespeare.txt"):
+        (text / name).write_text("other text. " * 1000)
+    monkeypatch.setattr(bench, "TEXT", text)
+    monkeypatch.setattr(bench, "prune", lambda m, r, texts, args, work: work / f"pruned-{m}-{r:g}")
+    ppl = {"dense": 10.0, "distilled": 20.0, "lm_trained": 25.0}
+
+    def fake_ppl(model_path, texts, args, cache):
+        kind = next((k for k in ppl if k in str(model_path)), None)
+        return {t: ppl[kind] if kind else pruned_ppl for t in bench.HELDOUT}
+
+    monkeypatch.setattr(bench, "perplexities", fake_ppl)
+    monkeypatch.setattr(bench, "recover", lambda student, teacher, texts, args, out: {
+        "tokens_per_s_median": 1.0, "projected_wall_h_1M_tokens": 1.0, "model": str(out / "model")})
+
+
+def _main(bench, monkeypatch, tmp_path, *flags):
+    out = tmp_path / "res.json"
+    monkeypatch.setattr("sys.argv", ["distill_smollm2.py", "--tokens", "4096", "--model", "dense",
+                                     "--work", str(tmp_path / "work"), "--out", str(out), *flags])
+    bench.main()
+    return json.loads(out.read_text())
+
+
+def test_a_rerun_adds_its_cells_to_the_results_and_keeps_the_rest(bench, tmp_path, monkeypatch):
+    _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl=40.0)
+    first = _main(bench, monkeypatch, tmp_path, "--methods", "fisher,cahp", "--keep-ratios", "0.5", "--skip-lm")
+    assert set(first["rows"]) == {"fisher-0.5", "cahp-0.5"} and "lm_trained" not in first["rows"]["cahp-0.5"]
+    # a later session runs only the missing cell: cahp-0.5's LM baseline
+    res = _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--recoveries", "lm_trained")
+    assert set(res["rows"]) == {"fisher-0.5", "cahp-0.5"}
+    assert res["rows"]["fisher-0.5"] == first["rows"]["fisher-0.5"]
+    row = res["rows"]["cahp-0.5"]
+    assert row["ppl"]["distilled"] == first["rows"]["cahp-0.5"]["ppl"]["distilled"]
+    assert row["gap_closed"]["distilled"]["wikitext2_valid"] == pytest.approx((40 - 20) / (40 - 10))
+    assert row["gap_closed"]["lm_trained"]["wikitext2_valid"] == pytest.approx((40 - 25) / (40 - 10))
+    assert row["distill_beats_lm"] == dict.fromkeys(bench.HELDOUT, True)
+    assert len(res["commands"]) == 2 and "--recoveries lm_trained" in res["commands"][1]
+    with pytest.raises(SystemExit, match="holds rows made with lr=0.0001, not 0.0002"):
+        _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--lr", "2e-4")
+    with pytest.raises(SystemExit, match="unknown 'lm'"):
+        _main(bench, monkeypatch, tmp_path, "--recoveries", "lm")
+
+
+def test_a_rerun_refuses_to_add_to_a_row_of_another_pruned_model(bench, tmp_path, monkeypatch):
+    _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl=40.0)
+    _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--skip-lm")
+    _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl=41.0)  # the pruning now chose other heads
+    with pytest.raises(SystemExit, match="cahp-0.5: the pruned model's wikitext2_valid perplexity is 41.00 now"):
+        _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--recoveries", "lm_trained")
