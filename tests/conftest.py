@@ -25,6 +25,9 @@ def shared_data() -> Path:
 
 # Tiny models run faster on one thread, and the suite stays fast when the machine is busy.
 torch.set_num_threads(1)
+# train.precision=auto means fp32 here on every CPU, AVX-512 BF16 / AMX ones included: the suite's reference
+# numbers (DDP equals one process to 1e-5, ...) are fp32. Set in the environment so spawned ranks see it too.
+os.environ["HEADBUDGET_CPU_BF16"] = "0"
 
 
 @pytest.fixture(autouse=True)

@@ -30,11 +30,25 @@ def test_a_bad_precision_names_the_flag():
 
 
 def test_native_probe_reads_torch_cpu_capabilities(monkeypatch):
+    monkeypatch.delenv("HEADBUDGET_CPU_BF16")  # conftest pins it to 0
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
     assert devices.cpu_has_native_bf16() is True
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     assert devices.cpu_has_native_bf16() is False
+
+
+def test_the_environment_overrides_the_probe(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setenv("HEADBUDGET_CPU_BF16", "0")
+    assert devices.cpu_has_native_bf16() is False and use_bf16_autocast("auto", CPU) is False
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setenv("HEADBUDGET_CPU_BF16", "1")
+    assert devices.cpu_has_native_bf16() is True
+    monkeypatch.setenv("HEADBUDGET_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match="HEADBUDGET_CPU_BF16 must be 0 or 1, got 'yes'"):
+        devices.cpu_has_native_bf16()
 
 
 def test_the_trainer_asks_the_precision_policy_with_its_setting_and_device(monkeypatch, tmp_path):

@@ -67,7 +67,15 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX-512 BF16). Without it torch
     emulates bf16: measured here on an AVX2-only EPYC, a bf16-autocast MiniLM training step took
     66-76 s against 4.6-5.2 s in fp32; on an AMX CPU the same autocast ran SmolLM2 distillation 2.2x
-    faster than fp32."""
+    faster than fp32.
+
+    ``HEADBUDGET_CPU_BF16=0`` (or ``1``) in the environment overrides the probe, so that ``auto`` means
+    the same precision on every machine (the test suite sets 0: its reference numbers are fp32)."""
+    forced = os.environ.get("HEADBUDGET_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"HEADBUDGET_CPU_BF16 must be 0 or 1, got {forced!r}")
     probes = [getattr(torch.cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     return any(bool(p()) for p in probes if p is not None)
 
@@ -77,8 +85,8 @@ def cpu_description() -> str:
     and the core count, e.g. ``'AMD EPYC (AVX512, 2 cores)'``. Losses of a deterministic run can differ
     in their last bits between ISAs, and tokens/s differ a lot, so benchmark records keep it."""
     model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
