@@ -91,13 +91,15 @@ def previous_result(out: Path, settings: dict) -> dict:
 
 def check_same_student(name: str, old_ppl: dict | None, new_ppl: dict, out: Path) -> None:
     """A row's recoveries belong to one pruned model: refuse to add to a row whose pruned model (its
-    perplexities, rel. 0.1%) differs from the one made now, e.g. a pruning that chose other heads."""
+    perplexities, rel. 0.1%) differs from the one made now, e.g. a pruning that chose other heads
+    (``name`` "dense": the teacher, whose perplexities every row's gap is measured from)."""
     if old_ppl is None:
         return
     for t in HELDOUT:
         if abs(new_ppl[t] - old_ppl[t]) > 1e-3 * old_ppl[t]:
-            raise SystemExit(f"{name}: the pruned model's {t} perplexity is {new_ppl[t]:.2f} now but {old_ppl[t]:.2f} "
-                             f"in {out}: another pruned model; pass another --out")
+            what = "dense model" if name == "dense" else "pruned model"
+            raise SystemExit(f"{name}: the {what}'s {t} perplexity is {new_ppl[t]:.2f} now but {old_ppl[t]:.2f} "
+                             f"in {out}: another {what}; pass another --out")
 
 
 def score_checkpoint(run: Path, args: argparse.Namespace, texts: dict[str, Path]) -> dict:
@@ -300,6 +302,7 @@ def main() -> None:
                     "rows": old.get("rows", {})}
     t0 = time.perf_counter()
     dense = perplexities(args.model, texts, args, work / "ppl-dense.json")
+    check_same_student("dense", old.get("dense_ppl"), dense, Path(args.out))
     result["dense_ppl"] = dense
     log(f"dense ppl {dense}")
     students = [(f"{m}-{float(r):g}", lambda m=m, r=float(r): prune(m, r, texts, args, work))

@@ -71,7 +71,7 @@ def test_recovery_runs_train_on_the_asked_device(bench, tmp_path, monkeypatch, d
     assert seen["cfg"].distill.teacher == "teacher-dir"
 
 
-def _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl):
+def _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl, dense_ppl=10.0):
     """main() with pruning, scoring and training replaced by stand-ins (perplexity: a number per model)."""
     text = tmp_path / "text"
     text.mkdir(exist_ok=True)
@@ -80,7 +80,7 @@ def _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl):
         (text / name).write_text("other text. " * 1000)
     monkeypatch.setattr(bench, "TEXT", text)
     monkeypatch.setattr(bench, "prune", lambda m, r, texts, args, work: work / f"pruned-{m}-{r:g}")
-    ppl = {"dense": 10.0, "distilled": 20.0, "lm_trained": 25.0}
+    ppl = {"dense": dense_ppl, "distilled": 20.0, "lm_trained": 25.0}
 
     def fake_ppl(model_path, texts, args, cache):
         kind = next((k for k in ppl if k in str(model_path)), None)
@@ -124,4 +124,7 @@ def test_a_rerun_refuses_to_add_to_a_row_of_another_pruned_model(bench, tmp_path
     _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--skip-lm")
     _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl=41.0)  # the pruning now chose other heads
     with pytest.raises(SystemExit, match="cahp-0.5: the pruned model's wikitext2_valid perplexity is 41.00 now"):
+        _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--recoveries", "lm_trained")
+    _fake_pipeline(bench, tmp_path, monkeypatch, pruned_ppl=40.0, dense_ppl=10.5)  # another teacher
+    with pytest.raises(SystemExit, match="dense: the dense model's wikitext2_valid perplexity is 10.50 now"):
         _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--recoveries", "lm_trained")
