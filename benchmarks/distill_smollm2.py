@@ -89,7 +89,7 @@ def previous_result(out: Path, settings: dict) -> dict:
     return old
 
 
-def check_same_student(name: str, old_ppl: dict | None, new_ppl: dict, out: Path) -> None:
+def check_same_model(name: str, old_ppl: dict | None, new_ppl: dict, out: Path) -> None:
     """A row's recoveries belong to one pruned model: refuse to add to a row whose pruned model (its
     perplexities, rel. 0.1%) differs from the one made now, e.g. a pruning that chose other heads
     (``name`` "dense": the teacher, whose perplexities every row's gap is measured from)."""
@@ -275,7 +275,9 @@ def main() -> None:
         raise SystemExit(f"--recoveries: unknown {bad[0]!r}; choose from {', '.join(RECOVERIES)}")
     if not (TEXT / "movie_reviews.txt").is_file():
         raise SystemExit(f"{TEXT} not found (../shared/data/text next to the repository)")
-    from headbudget.devices import cpu_description
+    import torch
+
+    from headbudget.devices import cpu_description, use_bf16_autocast
     from headbudget.io import atomic_write_json
     from headbudget.threads import configure_threads
 
@@ -302,7 +304,7 @@ def main() -> None:
                     "rows": old.get("rows", {})}
     t0 = time.perf_counter()
     dense = perplexities(args.model, texts, args, work / "ppl-dense.json")
-    check_same_student("dense", old.get("dense_ppl"), dense, Path(args.out))
+    check_same_model("dense", old.get("dense_ppl"), dense, Path(args.out))
     result["dense_ppl"] = dense
     log(f"dense ppl {dense}")
     students = [(f"{m}-{float(r):g}", lambda m=m, r=float(r): prune(m, r, texts, args, work))
@@ -314,12 +316,13 @@ def main() -> None:
         pruned_ppl = perplexities(str(student), texts, args, work / f"ppl-{name}-pruned.json")
         log(f"{name}: pruned ppl {pruned_ppl}")
         old = result["rows"].get(name, {})
-        check_same_student(name, old.get("ppl", {}).get("pruned"), pruned_ppl, Path(args.out))
+        check_same_model(name, old.get("ppl", {}).get("pruned"), pruned_ppl, Path(args.out))
         row: dict = {**old, "student": str(student), "ppl": {**old.get("ppl", {}), "pruned": pruned_ppl}}
         for kind in recoveries:
             teacher = args.model if kind == "distilled" else None
             rec = recover(student, teacher, texts, args, work / f"{kind}-{name}-{args.tokens}")
-            rec |= {"precision": args.precision, "cpu": cpu_description()}
+            trained_bf16 = use_bf16_autocast(args.precision, torch.device(args.device or "cpu"))
+            rec |= {"precision": "bf16" if trained_bf16 else "fp32", "cpu": cpu_description()}
             row[kind] = rec
             row["ppl"][kind] = perplexities(rec["model"], texts, args, work / f"ppl-{name}-{kind}-{args.tokens}.json")
             log(f"{name} {kind}: ppl {row['ppl'][kind]}, {rec['tokens_per_s_median']:.1f} tokens/s "

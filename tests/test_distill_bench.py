@@ -113,6 +113,7 @@ def test_a_rerun_adds_its_cells_to_the_results_and_keeps_the_rest(bench, tmp_pat
     assert row["gap_closed"]["lm_trained"]["wikitext2_valid"] == pytest.approx((40 - 25) / (40 - 10))
     assert row["distill_beats_lm"] == dict.fromkeys(bench.HELDOUT, True)
     assert len(res["commands"]) == 2 and "--recoveries lm_trained" in res["commands"][1]
+    assert row["lm_trained"]["precision"] == "fp32"  # auto, resolved (conftest: fp32 on every CPU)
     with pytest.raises(SystemExit, match="holds rows made with lr=0.0001, not 0.0002"):
         _main(bench, monkeypatch, tmp_path, "--methods", "cahp", "--keep-ratios", "0.5", "--lr", "2e-4")
     with pytest.raises(SystemExit, match="unknown 'lm'"):

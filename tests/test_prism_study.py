@@ -19,7 +19,7 @@ def study():
 def test_schedules_resolve_per_size(study):
     assert study.study_schedules("cpu-tiny") == ["uniform", "prism", "reverse", "uniform@128", "late_dim_decay:0.75"]
     assert study.study_schedules("cpu-small")[3] == "uniform@256"  # prism's widest head at cpu-small
-    # cpu-mid (the registered second size): every schedule but the budgeted one has uniform's parameters
+    # cpu-mid (the second size): every schedule but the budgeted one has uniform's attention budget D (heads x dim)
     from headbudget.schedule_spec import schedule_from_spec
 
     mid = [schedule_from_spec(s, "cpu-mid") for s in study.study_schedules("cpu-mid")]
