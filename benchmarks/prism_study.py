@@ -68,8 +68,8 @@ SCHEDULES = ("uniform", "prism", "reverse", "uniform@W", "late_dim_decay")
 BUDGET_FRACTION = 0.75
 #: tokens per run and the smallest detectable paired difference of the held-out loss (nats/token),
 #: registered in docs/prism_study.md after the pilot (None: not measured yet)
-REGISTERED_TOKENS: dict[str, int | None] = {"cpu-tiny": 1_001_472, "cpu-mid": None, "cpu-small": None}  # amendment 2026-12-02
-REGISTERED_MDD: dict[str, float | None] = {"cpu-tiny": 0.0220, "cpu-mid": None, "cpu-small": None}
+REGISTERED_TOKENS: dict[str, int | None] = {"cpu-tiny": 1_001_472, "cpu-mid": 1_001_472, "cpu-small": None}  # amendments 2026-12-02, -03
+REGISTERED_MDD: dict[str, float | None] = {"cpu-tiny": 0.0220, "cpu-mid": 0.0042, "cpu-small": None}
 SEEDS = 5
 ALPHA, POWER = 0.05, 0.80
 
