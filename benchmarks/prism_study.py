@@ -362,6 +362,142 @@ def print_table(analysis: dict[str, Any]) -> None:
         print(f"\ngrowth with size: {g['decision']}")
 
 
+OVERHEAD_BAND = 0.05  # verdict 5: zero overhead if the 95% interval of tokens/s(prism)/tokens/s(uniform) - 1 is inside ±5%
+LOCAL_TO_GLOBAL_SEEDS = 4  # verdict 6: of 5 seeds
+
+
+def _interval(d: dict[str, Any]) -> str:
+    return f"{d['mean']:+.4f} [{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]" if d.get("ci") else f"{d['mean']:+.4f} (n={d['n']})"
+
+
+def verdicts(analysis: dict[str, Any], records: list[dict[str, Any]], sizes: list[str],
+             mdd: dict[str, float | None]) -> dict[str, Any]:
+    """The registered verdicts (docs/prism_study.md, *Comparisons and the decision rule*, 1-7) as data and one
+    sentence each, from :func:`analyse`'s output: nothing here is chosen after seeing the numbers."""
+    out: dict[str, Any] = {}
+    text = "movie_reviews_heldout"
+    for size in sizes:
+        per, scheds = analysis[size], study_schedules(size)
+        uniform, prism, wide, budgeted = scheds[0], scheds[1], scheds[3], scheds[4]
+        comps = per["comparisons"]
+        runs = [r for r in records if r["size"] == size]
+        not_flat = sorted(run_key(r) for r in runs if not r["flat_at_end"])
+        v: dict[str, Any] = {"runs": len(runs), "runs_expected": len(scheds) * SEEDS, "not_flat": not_flat,
+                             "possibly_under_trained": len(not_flat) > 1, "mdd": mdd.get(size)}
+        need = [f"{prism} - {uniform}", f"{prism} - {wide}", f"{wide} - {uniform}", f"{budgeted} - {uniform}"]
+        if any(k not in comps for k in need):
+            v["missing"] = [k for k in need if k not in comps]
+            out[size] = v
+            continue
+        p1, p2 = comps[need[0]][text], comps[need[1]][text]
+        w, b = comps[need[2]][text], comps[need[3]][text]
+        say = {"beats": "beats", "loses to": "loses to", "inconclusive": "is inconclusive against"}
+        # 1. progression vs uniform
+        if p1["decision"].startswith("equivalent"):
+            s1 = f"null result: prism - uniform {_interval(p1)}, no difference larger than the MDD ({mdd[size]:.4f})"
+        else:
+            s1 = f"prism {say.get(p1['decision'], p1['decision'])} uniform: {_interval(p1)}"
+        v["1_progression_vs_uniform"] = {"decision": p1["decision"], "statement": s1}
+        # 2. progression vs the all-wide control
+        s2 = f"prism {say.get(p2['decision'], p2['decision'] + ' against')} {wide}: {_interval(p2)}"
+        attributed = p1["decision"] == "beats" and p2["decision"] != "beats" and w["decision"] == "beats"
+        if attributed:
+            s2 += f"; {wide} - uniform beats too ({_interval(w)}): the gain is attributed to wide heads, not progression"
+        v["2_progression_vs_wide"] = {"decision": p2["decision"], "gain_from_wide_heads": attributed,
+                                      "statement": s2}
+        # 3. neither
+        neither = all(d["decision"].startswith(("equivalent", "inconclusive")) for d in (p1, p2))
+        v["3_neither"] = {"holds": neither, "statement": "neither: P1 and P2 are both equivalent or inconclusive"
+                          if neither else "not 'neither': P1 or P2 has a direction"}
+        # 5. zero overhead (tokens/s ratio, paired by seed)
+        r = comps[need[0]]["tokens_per_s_ratio"]
+        inside = bool(r.get("ci")) and -OVERHEAD_BAND < r["ci"][0] and r["ci"][1] < OVERHEAD_BAND
+        v["5_zero_overhead"] = {"supported": inside, "statement": (
+            f"tokens/s(prism)/tokens/s(uniform) - 1 = {_interval(r)}: "
+            + ("inside ±5%, zero overhead supported" if inside else "not inside ±5%, zero overhead not shown"))}
+        # 6. local to global
+        rise = comps[need[0]]["distance_rises_with_depth"]
+        both = [up and more > 0 for up, more in zip(rise[prism], rise[f"rise_minus_{uniform}"])]
+        v["6_local_to_global"] = {"seeds_supporting": int(sum(both)), "seeds": len(both),
+                                  "supported": sum(both) >= LOCAL_TO_GLOBAL_SEEDS, "statement": (
+            f"{sum(both)} of {len(both)} seeds: prism's last layer attends farther than its first, by more than "
+            f"uniform's rise; " + ("supported" if sum(both) >= LOCAL_TO_GLOBAL_SEEDS else "not supported"))}
+        # 7. the budgeted schedule: non-inferiority at 75% of the attention budget
+        ok = bool(b.get("ci")) and mdd.get(size) is not None and b["ci"][1] < mdd[size]
+        v["7_budgeted_non_inferior"] = {"holds": ok, "statement": (
+            f"{budgeted} - uniform {_interval(b)}: " + (
+                f"no worse than uniform at 75% of the attention budget (upper end < +MDD {mdd[size]:.4f})" if ok
+                else "non-inferiority not shown"))}
+        out[size] = v
+    g = analysis.get("growth_with_size")
+    if g:
+        out["4_grows_with_size"] = {"decision": g["decision"], "statement": (
+            f"prism - uniform at {g['large']} minus at {g['small']}: {g['difference']:+.4f} "
+            f"[{g['ci'][0]:+.4f}, {g['ci'][1]:+.4f}] (Welch 95%): {g['decision']}" if "ci" in g else g["decision"])}
+    return out
+
+
+def report_markdown(analysis: dict[str, Any], verdict: dict[str, Any]) -> str:
+    """The study's tables and verdicts as Markdown (benchmarks/results/prism_study_report.md)."""
+    lines = ["# Prism study: results (generated by benchmarks/prism_study.py; protocol docs/prism_study.md)", ""]
+    for size, per in analysis.items():
+        if size == "growth_with_size":
+            continue
+        v = verdict.get(size, {})
+        flag = " **possibly under-trained**" if v.get("possibly_under_trained") else ""
+        lines += [f"## {size}{flag}", "",
+                  f"Runs: {v.get('runs')} of {v.get('runs_expected')}; not flat at their end: "
+                  f"{', '.join(v.get('not_flat', [])) or 'none'}; registered MDD {v.get('mdd')}.", "",
+                  "| schedule | params | held-out | WikiText-2 | tinyshakespeare | tokens/s | attention distance per layer |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for s, m in per["schedules"].items():
+            lm = m["loss_mean"]
+            dist = ", ".join(f"{x:.1f}" for x in m["mean_distance_per_layer"])
+            lines.append(f"| `{s}` | {m['params']:,} | {lm['movie_reviews_heldout']:.4f} | {lm['wikitext2_valid']:.4f} "
+                         f"| {lm['tinyshakespeare']:.4f} | {m['tokens_per_s_mean']:,.0f} | {dist} |")
+        lines += ["", "Paired differences (A - B, nats/token; mean [95% t interval], 5 seeds):", "",
+                  "| comparison | held-out | WikiText-2 | tinyshakespeare | tokens/s ratio - 1 |", "|---|---|---|---|---|"]
+        for name, comp in per["comparisons"].items():
+            cells = [f"{_interval(comp[t])} {comp[t]['decision']}" if t == "movie_reviews_heldout"
+                     else _interval(comp[t]) for t in ("movie_reviews_heldout", *OOD_TEXTS)]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {_interval(comp['tokens_per_s_ratio'])} |")
+        lines += ["", "Verdicts:", ""]
+        lines += [f"- {k.split('_', 1)[0]}. {d['statement']}" for k, d in v.items()
+                  if isinstance(d, dict) and "statement" in d]
+        lines.append("")
+    if "4_grows_with_size" in verdict:
+        lines += ["## Across sizes", "", f"- 4. {verdict['4_grows_with_size']['statement']}", ""]
+    return "\n".join(lines)
+
+
+def plot_attention_distance(analysis: dict[str, Any], records: list[dict[str, Any]], path: Path) -> Path:
+    """Per size, each schedule's mean attention distance by layer: thin lines per seed, thick the mean."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from headbudget.io import save_figure
+
+    sizes = [s for s in analysis if s != "growth_with_size"]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        for k, s in enumerate(analysis[size]["schedules"]):
+            for r in _by(records, size, s).values():
+                d = r["attention"]["mean_distance"]
+                ax.plot(range(len(d)), d, color=f"C{k}", alpha=0.25, lw=0.8)
+            mean = analysis[size]["schedules"][s]["mean_distance_per_layer"]
+            ax.plot(range(len(mean)), mean, "-o", color=f"C{k}", lw=2, label=s)
+        ax.set(title=size, xlabel="layer", ylabel="mean attention distance (tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
+
+
 def pilot_report(records: list[dict[str, Any]], size: str, schedules: list[str]) -> dict[str, Any]:
     """Flatness, seed spread and the smallest detectable difference (paired, 5 seeds, 80% power)."""
     import numpy as np
@@ -437,6 +573,69 @@ def write_results(path: Path, record: dict[str, Any]) -> None:
     atomic_write_json(path, record)
 
 
+def analyse_and_report(records: list[dict[str, Any]], sizes: list[str], results_path: Path) -> dict[str, Any]:
+    """The registered analysis of every run: paired differences, verdicts, the Markdown report and the
+    attention-distance plot beside ``results_path``. Returns the keys it adds to the results record."""
+    import numpy as np
+
+    mdd, observed = {}, {}
+    for size in sizes:  # the registered one decides; the one the main runs imply is recorded beside it
+        ref = _by(records, size, study_schedules(size)[0])
+        observed[size] = None
+        if len(ref) > 1:
+            sd = float(np.std([_endpoint(r, "movie_reviews_heldout") for r in ref.values()], ddof=1))
+            observed[size] = min_detectable_difference(math.sqrt(2) * sd, len(ref))
+        mdd[size] = REGISTERED_MDD.get(size)
+    analysis = analyse(records, sizes, mdd)
+    verdict = verdicts(analysis, records, sizes, mdd)
+    print_table(analysis)
+    report = report_markdown(analysis, verdict)
+    from headbudget.io import atomic_write_text
+
+    atomic_write_text(results_path.with_name(results_path.stem + "_report.md"), report + "\n")
+    plot_attention_distance(analysis, records, results_path.with_name(results_path.stem + "_attention.png"))
+    print("\n" + "\n".join(line for line in report.splitlines() if line.startswith(("- ", "## "))))
+    return {"mdd_registered": mdd, "mdd_from_main_uniform_spread": observed, "analysis": analysis,
+            "verdicts": verdict}
+
+
+def missing_runs(records: list[dict[str, Any]], sizes: list[str], n_seeds: int = SEEDS) -> list[str]:
+    """``size/schedule/seedN`` of every registered run not in ``records``."""
+    have = {run_key(r) for r in records}
+    return [f"{size}/{s}/seed{seed}" for size in sizes for seed in range(n_seeds) for s in study_schedules(size)
+            if f"{size}/{s}/seed{seed}" not in have]
+
+
+def report_only(args: argparse.Namespace) -> int:
+    """``--report``: the registered analysis from the results file alone (no shared data, no run folders)."""
+    from headbudget.train.compare import plot_curves
+
+    results_path = Path(args.results) if args.results else RESULTS / "prism_study.json"
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if unknown := [s for s in sizes if s not in SIZES]:
+        print(f"prism_study: unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}", file=sys.stderr)
+        return 2
+    if not results_path.is_file():
+        print(f"prism_study: {results_path} not found", file=sys.stderr)
+        return 2
+    saved = json.loads(results_path.read_text())
+    records = [{**r, "curve": saved.get("curves", {}).get(run_key(r), [])}
+               for r in saved.get("runs", []) if r["size"] in sizes]
+    missing = missing_runs(records, sizes, args.seeds or SEEDS)
+    if missing:  # registered: the analysis is made once, when every run is in
+        print(f"prism_study: {len(records)} of {len(records) + len(missing)} runs are in {results_path}; the "
+              f"registered analysis waits for all (missing: {', '.join(missing[:3])}"
+              f"{', ...' if len(missing) > 3 else ''})", file=sys.stderr)
+        return 1
+    for size in sizes:
+        curves = {s: [r["curve"] for r in _by(records, size, s).values()] for s in study_schedules(size)}
+        plot_curves({"curves": curves}, results_path.with_name(f"prism_study_curves_{size}.png"))
+    record = {**saved, "status": "complete", **analyse_and_report(records, sizes, results_path)}
+    write_results(results_path, record)
+    print(f"\nwrote {results_path}")
+    return 0
+
+
 def _parse_tokens(text: str | None, sizes: list[str]) -> dict[str, int]:
     from headbudget.cli.train_cmd import parse_token_count
 
@@ -476,7 +675,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/prism_study")
     ap.add_argument("--results", default=None, help="results JSON (default benchmarks/results/prism_study.json, "
                     "the pilot prism_study_pilot_SIZE.json)")
+    ap.add_argument("--report", action="store_true", help="train nothing: analyse the runs in --results (every "
+                    "registered run must be in), write the report, the verdicts and the plots")
     args = ap.parse_args(argv)
+    if args.report:
+        return report_only(args)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
@@ -557,19 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         record["pilot"] = pilot_report(records, sizes[0], study_schedules(sizes[0], names))
         print(json.dumps(record["pilot"], indent=2))
     else:
-        import numpy as np
-
-        mdd, observed = {}, {}
-        for size in sizes:  # the registered one decides; the one the main runs imply is recorded beside it
-            ref = _by(records, size, study_schedules(size)[0])
-            observed[size] = None
-            if len(ref) > 1:
-                sd = float(np.std([_endpoint(r, "movie_reviews_heldout") for r in ref.values()], ddof=1))
-                observed[size] = min_detectable_difference(math.sqrt(2) * sd, len(ref))
-            mdd[size] = REGISTERED_MDD.get(size)
-        record["mdd_registered"], record["mdd_from_main_uniform_spread"] = mdd, observed
-        record["analysis"] = analyse(records, sizes, mdd)
-        print_table(record["analysis"])
+        record.update(analyse_and_report(records, sizes, results_path))
     write_results(results_path, record)
     print(f"\nwrote {results_path}")
     return 0

@@ -136,3 +136,53 @@ def test_results_writes_keep_the_other_processs_runs(study, tmp_path):
     assert saved["status"] == "c"
     assert sorted((r["seed"], r["loss"]) for r in saved["runs"]) == [(0, 5.1), (4, 5.5)]
     assert saved["curves"] == {"cpu-tiny/prism/seed0": [3], "cpu-tiny/prism/seed4": [2]}
+
+
+def test_verdicts_follow_the_registered_rules(study):
+    """Prism beats uniform, ties the wide control, and the wide control beats uniform: the gain is the wide
+    heads' (verdict 2); speed inside ±5% (5); distances rise more than uniform's at every seed (6)."""
+    prism = [-0.01, -0.02, -0.03, -0.02, -0.02]
+    recs = _records(study, {("cpu-tiny", "prism"): prism, ("cpu-tiny", "uniform@128"): prism,
+                            ("cpu-tiny", "late_dim_decay:0.75"): [0.05] * 5})
+    recs[0]["flat_at_end"] = False  # one run not flat: listed, but not yet "possibly under-trained"
+    mdd = {"cpu-tiny": 0.04, "cpu-mid": 0.0042}
+    a = study.analyse(recs, ["cpu-tiny", "cpu-mid"], mdd)
+    v = study.verdicts(a, recs, ["cpu-tiny", "cpu-mid"], mdd)
+    tiny = v["cpu-tiny"]
+    assert tiny["runs"] == tiny["runs_expected"] == 25
+    assert tiny["not_flat"] == ["cpu-tiny/uniform/seed0"] and tiny["possibly_under_trained"] is False
+    assert tiny["1_progression_vs_uniform"]["decision"] == "beats"
+    assert tiny["2_progression_vs_wide"]["decision"] == "equivalent within ±0.0400"
+    assert tiny["2_progression_vs_wide"]["gain_from_wide_heads"] is True
+    assert tiny["3_neither"]["holds"] is False
+    assert tiny["5_zero_overhead"]["supported"] is True          # ratio - 1 = 0.02 [0.0004, 0.0396]
+    assert tiny["6_local_to_global"]["seeds_supporting"] == 5 and tiny["6_local_to_global"]["supported"]
+    assert tiny["7_budgeted_non_inferior"]["holds"] is False     # +0.05 every seed: upper end > +MDD
+    mid = v["cpu-mid"]  # every schedule identical to uniform: equivalent within cpu-mid's MDD, "neither"
+    assert mid["1_progression_vs_uniform"]["statement"].startswith("null result")
+    assert mid["3_neither"]["holds"] is True and mid["7_budgeted_non_inferior"]["holds"] is True
+    assert v["4_grows_with_size"]["decision"] == "shrinks"  # -0.02 at cpu-tiny, 0 at cpu-mid
+    recs[1]["flat_at_end"] = False
+    assert study.verdicts(a, recs, ["cpu-tiny"], mdd)["cpu-tiny"]["possibly_under_trained"] is True
+
+
+def test_report_waits_for_every_run_then_writes_verdicts_and_plots(study, tmp_path):
+    import json
+
+    recs = _records(study, {("cpu-tiny", "prism"): [-0.01, -0.02, -0.03, -0.02, -0.02]})
+    recs = [r for r in recs if r["size"] in ("cpu-tiny", "cpu-mid")]
+    curves = {study.run_key(r): [{"step": 1, "tokens": 2048, "train_loss": 6.0, "val_loss": 5.9}] for r in recs}
+    results = tmp_path / "prism_study.json"
+    results.write_text(json.dumps({"status": "partial", "runs": recs[:-1], "curves": curves}))
+    args = ["--report", "--results", str(results), "--sizes", "cpu-tiny,cpu-mid"]
+    assert study.main(args) == 1                          # 49 of 50: no analysis, nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prism_study.json"]
+    results.write_text(json.dumps({"status": "partial", "runs": recs, "curves": curves}))
+    assert study.main(args) == 0
+    saved = json.loads(results.read_text())
+    assert saved["status"] == "complete" and len(saved["runs"]) == 50
+    assert saved["verdicts"]["cpu-tiny"]["1_progression_vs_uniform"]["decision"] == "beats"
+    report = (tmp_path / "prism_study_report.md").read_text()
+    assert "- 1. prism beats uniform: -0.0200 [" in report and "## cpu-mid" in report
+    for png in ("prism_study_attention.png", "prism_study_curves_cpu-tiny.png", "prism_study_curves_cpu-mid.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
