@@ -71,6 +71,7 @@ BUDGET_FRACTION = 0.75
 REGISTERED_TOKENS: dict[str, int | None] = {"cpu-tiny": 1_001_472, "cpu-mid": 1_001_472, "cpu-small": None}  # amendments 2026-12-02, -03
 REGISTERED_MDD: dict[str, float | None] = {"cpu-tiny": 0.0220, "cpu-mid": 0.0042, "cpu-small": None}
 SEEDS = 5
+STUDY_SIZES = ("cpu-tiny", "cpu-mid")  # the registered sizes (cpu-small fell back to cpu-mid, amendment of session 5)
 ALPHA, POWER = 0.05, 0.80
 
 
@@ -573,9 +574,11 @@ def write_results(path: Path, record: dict[str, Any]) -> None:
     atomic_write_json(path, record)
 
 
-def analyse_and_report(records: list[dict[str, Any]], sizes: list[str], results_path: Path) -> dict[str, Any]:
+def analyse_and_report(records: list[dict[str, Any]], sizes: list[str], results_path: Path,
+                       suffix: str = "") -> dict[str, Any]:
     """The registered analysis of every run: paired differences, verdicts, the Markdown report and the
-    attention-distance plot beside ``results_path``. Returns the keys it adds to the results record."""
+    attention-distance plot beside ``results_path`` (``prism_study_report{suffix}.md``,
+    ``prism_study_attention{suffix}.png``). Returns the keys it adds to the results record."""
     import numpy as np
 
     mdd, observed = {}, {}
@@ -592,8 +595,8 @@ def analyse_and_report(records: list[dict[str, Any]], sizes: list[str], results_
     report = report_markdown(analysis, verdict)
     from headbudget.io import atomic_write_text
 
-    atomic_write_text(results_path.with_name(results_path.stem + "_report.md"), report + "\n")
-    plot_attention_distance(analysis, records, results_path.with_name(results_path.stem + "_attention.png"))
+    atomic_write_text(results_path.with_name(f"{results_path.stem}_report{suffix}.md"), report + "\n")
+    plot_attention_distance(analysis, records, results_path.with_name(f"{results_path.stem}_attention{suffix}.png"))
     print("\n" + "\n".join(line for line in report.splitlines() if line.startswith(("- ", "## "))))
     return {"mdd_registered": mdd, "mdd_from_main_uniform_spread": observed, "analysis": analysis,
             "verdicts": verdict}
@@ -630,6 +633,17 @@ def report_only(args: argparse.Namespace) -> int:
     for size in sizes:
         curves = {s: [r["curve"] for r in _by(records, size, s).values()] for s in study_schedules(size)}
         plot_curves({"curves": curves}, results_path.with_name(f"prism_study_curves_{size}.png"))
+    if set(sizes) != set(STUDY_SIZES):
+        # one size whose runs are all in (amendment of session 7): its analysis goes to files of its own, so
+        # the study's processes still training the other size, which rewrite the results file, cannot drop it
+        suffix = "_" + "_".join(sizes)
+        out = results_path.with_name(f"{results_path.stem}_analysis{suffix}.json")
+        from headbudget.io import atomic_write_json
+
+        atomic_write_json(out, {"sizes": sizes, "results": results_path.name, "runs": len(records),
+                                **analyse_and_report(records, sizes, results_path, suffix)})
+        print(f"\nwrote {out} (the results file is unchanged)")
+        return 0
     record = {**saved, "status": "complete", **analyse_and_report(records, sizes, results_path)}
     write_results(results_path, record)
     print(f"\nwrote {results_path}")
@@ -659,7 +673,7 @@ def _parse_tokens(text: str | None, sizes: list[str]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pilot", action="store_true", help="protocol step 1: one schedule, one size, 2-3 seeds")
-    ap.add_argument("--sizes", default="cpu-tiny,cpu-mid")
+    ap.add_argument("--sizes", default=",".join(STUDY_SIZES))
     ap.add_argument("--schedules", help="comma list (default: all five of the study; the pilot: uniform)")
     ap.add_argument("--seeds", type=int, help=f"seeds 0..N-1 (default {SEEDS}; the pilot 3)")
     ap.add_argument("--tokens", help="tokens per run: one value (2M) or per size (cpu-tiny=2M,cpu-small=4M); "

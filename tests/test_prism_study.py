@@ -186,3 +186,25 @@ def test_report_waits_for_every_run_then_writes_verdicts_and_plots(study, tmp_pa
     assert "- 1. prism beats uniform: -0.0200 [" in report and "## cpu-mid" in report
     for png in ("prism_study_attention.png", "prism_study_curves_cpu-tiny.png", "prism_study_curves_cpu-mid.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_of_one_complete_size_leaves_the_results_file_alone(study, tmp_path):
+    """cpu-tiny's 25 runs are in while cpu-mid still trains: its analysis goes to files of its own, and the
+    results file (which the training processes keep rewriting) is not touched."""
+    import json
+
+    recs = _records(study, {("cpu-tiny", "prism"): [-0.01, -0.02, -0.03, -0.02, -0.02]})
+    tiny = [r for r in recs if r["size"] == "cpu-tiny"]
+    curves = {study.run_key(r): [{"step": 1, "tokens": 2048, "train_loss": 6.0, "val_loss": 5.9}] for r in tiny}
+    results = tmp_path / "prism_study.json"
+    results.write_text(json.dumps({"status": "partial", "runs": tiny, "curves": curves}))
+    before = results.read_bytes()
+    assert study.main(["--report", "--results", str(results), "--sizes", "cpu-mid"]) == 1  # none of cpu-mid in
+    assert study.main(["--report", "--results", str(results), "--sizes", "cpu-tiny"]) == 0
+    assert results.read_bytes() == before
+    saved = json.loads((tmp_path / "prism_study_analysis_cpu-tiny.json").read_text())
+    assert saved["sizes"] == ["cpu-tiny"] and saved["runs"] == 25
+    assert saved["verdicts"]["cpu-tiny"]["1_progression_vs_uniform"]["decision"] == "beats"
+    assert "4_grows_with_size" not in saved["verdicts"]  # needs both sizes
+    assert "- 1. prism beats uniform: -0.0200 [" in (tmp_path / "prism_study_report_cpu-tiny.md").read_text()
+    assert (tmp_path / "prism_study_attention_cpu-tiny.png").read_bytes()[:4] == b"\x89PNG"
