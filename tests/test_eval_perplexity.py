@@ -8,7 +8,7 @@ import pytest
 import torch
 from tests.test_eval_zeroshot import byte_tokenizer, tiny_gpt2
 
-from headbudget.evaluation.perplexity import perplexity, read_text, window_plan
+from headbudget.evaluation.perplexity import loss_by_context_length, perplexity, read_text, window_plan
 
 
 @pytest.fixture(autouse=True)
@@ -74,3 +74,22 @@ def test_window_plan_with_stride_equal_to_context_never_asks_for_more_targets_th
     assert all(trg <= end - begin - 1 for begin, end, trg in plan)
     assert [b for b, _, _ in plan] == [0, 32, 64, 96]
     assert sum(t for _, _, t in plan) == 100 - 4  # each window's first token has no in-window context
+
+
+
+def test_loss_by_context_length_scores_the_same_targets_with_k_tokens_before_them():
+    model, tok = tiny_gpt2(), byte_tokenizer()
+    ids = torch.tensor(tok.encode("The quick brown fox jumps over the lazy dog. " * 2))  # 90 tokens
+    r = loss_by_context_length(model, ids, lengths=(8, 1, 3), every=20, batch_size=2)
+    assert r["lengths"] == [1, 3, 8] and r["targets"] == 5  # targets at 8, 28, 48, 68, 88
+    with torch.no_grad():
+        want = [-float(torch.log_softmax(model(ids[None, t - 3: t]).logits[0, -1], -1)[ids[t]])
+                for t in (8, 28, 48, 68, 88)]
+        one = [-float(torch.log_softmax(model(ids[None, t - 1: t]).logits[0, -1], -1)[ids[t]])
+               for t in (8, 28, 48, 68, 88)]
+    assert r["loss"][1] == pytest.approx(sum(want) / 5, rel=1e-5)
+    assert r["gain_vs_shortest"][0] == 0.0
+    assert r["gain_vs_shortest"][1] == pytest.approx((sum(one) - sum(want)) / 5, rel=1e-5, abs=1e-6)
+    assert loss_by_context_length(model, ids, lengths=(1, 8), max_targets=2)["targets"] == 2
+    with pytest.raises(ValueError, match="needs at least 145 tokens for context 128, got 90"):
+        loss_by_context_length(model, ids, lengths=(1, 128))

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from headbudget.data.text import read_text  # re-exported: callers and docs import it from here
 
-__all__ = ["perplexity", "read_text", "window_plan"]
+__all__ = ["loss_by_context_length", "perplexity", "read_text", "window_plan"]
 
 
 def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -92,3 +92,50 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
     return {"loss": loss, "ppl": math.exp(loss), "tokens_scored": n_scored,
             "tokens_total": int(len(ids_t)), "windows": len(plan), "context": context,
             "stride": stride, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+
+@torch.inference_mode()
+def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | list[int], *,
+                           lengths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 127), every: int = 16,
+                           max_targets: int | None = 2048, batch_size: int = 64) -> dict[str, Any]:
+    """How much a model gains from more left context: the same target tokens scored with ``k`` tokens of
+    context for each ``k`` in ``lengths``.
+
+    Targets are the tokens at positions ``max(lengths), + every, ...`` (at most ``max_targets``); for each
+    length the model sees only the ``k`` tokens before each target. Because every length scores the same
+    targets, differences between lengths are paired: ``gain_vs_shortest[k]`` is the mean of
+    (loss with the shortest context - loss with ``k``) over targets, with its standard error. A model that
+    ignores its context gains nothing.
+
+        >>> r = loss_by_context_length(model, ids, lengths=(1, 4, 127))     # doctest: +SKIP
+        >>> r["loss"], r["gain_vs_shortest"]                                # doctest: +SKIP
+    """
+    ids_t = torch.as_tensor(input_ids, dtype=torch.long).flatten()
+    lengths = tuple(sorted(set(int(k) for k in lengths)))
+    if not lengths or lengths[0] < 1 or every < 1:
+        raise ValueError(f"lengths must be >= 1 and every >= 1, got lengths={lengths}, every={every}")
+    targets = torch.arange(lengths[-1], max(len(ids_t), lengths[-1]), every)[:max_targets]
+    if len(targets) < 2:
+        raise ValueError(f"loss_by_context_length needs at least {lengths[-1] + every + 1} tokens for "
+                         f"context {lengths[-1]}, got {len(ids_t)}")
+    dev = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll = torch.empty(len(lengths), len(targets), dtype=torch.float64)
+    try:
+        for i, k in enumerate(lengths):
+            for b in range(0, len(targets), batch_size):
+                t = targets[b: b + batch_size]
+                x = torch.stack([ids_t[j - k: j] for j in t.tolist()]).to(dev)
+                logits = model(input_ids=x, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+                nll[i, b: b + len(t)] = torch.nn.functional.cross_entropy(
+                    logits, ids_t[t].to(dev), reduction="none").double().cpu()
+    finally:
+        model.train(was_training)
+    gain = nll[0][None] - nll  # paired by target
+    n = len(targets)
+    return {"lengths": list(lengths), "targets": n, "every": every,
+            "loss": nll.mean(1).tolist(),
+            "gain_vs_shortest": gain.mean(1).tolist(),
+            "gain_sem": (gain.std(1, unbiased=True) / n ** 0.5).tolist()}
