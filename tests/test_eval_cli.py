@@ -79,7 +79,17 @@ def test_perplexity_and_attention_commands(model_dir, tmp_path, capsys):
     assert main(["perplexity", str(model_dir), "--data", str(text), "--context", "64",
                  "--stride", "32", "--json", str(js), "--quiet"]) == 0
     p = json.loads(js.read_text())
-    assert p["tokens_scored"] == p["tokens_total"] - 1 and p["ppl"] > 1.0
+    assert p["tokens_scored"] == p["tokens_total"] - 1 and p["ppl"] > 1.0 and "by_context_length" not in p
+    assert main(["perplexity", str(model_dir), "--data", str(text), "--context", "64", "--context-lengths",
+                 "16,1,4", "--json", str(tmp_path / "by.json"), "--quiet"]) == 0
+    by = json.loads((tmp_path / "by.json").read_text())["by_context_length"]
+    assert by["lengths"] == [1, 4, 16] and by["targets"] == p["tokens_total"] - 16 and by["gain_vs_shortest"][0] == 0
+    assert "k=16" in capsys.readouterr().out
+    for bad, msg in (("1,x", "--context-lengths: expected a comma list of integers, got '1,x'"),
+                     ("1,64", "--context-lengths: 64 is not below --context 64")):
+        assert main(["perplexity", str(model_dir), "--data", str(text), "--context", "64",
+                     "--context-lengths", bad]) == 2
+        assert msg in capsys.readouterr().err
     out = tmp_path / "attn"
     assert main(["attention", str(model_dir), "--data", str(text), "--out", str(out),
                  "--compare", str(model_dir), "--seq-len", "32", "--n-seqs", "2"]) == 0

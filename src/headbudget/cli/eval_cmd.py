@@ -82,6 +82,9 @@ class PerplexitySettings(ModelSettings):
     context: int = option(1024, help="window length in tokens")
     stride: int | None = option(None, help="window step (default: half the context)")
     max_windows: int | None = option(None, help="score only the first N windows")
+    context_lengths: str | None = option(
+        None, help="also score the same targets with each of these tokens of left context (e.g. 1,4,16,127): how "
+                   "much the model gains from its context (paired by target)")
     json: str | None = option(None, help="also write the result (loss, ppl, windows, ...) to this JSON file")
     quiet: bool = option(False, help="no progress bar")
 
@@ -196,10 +199,14 @@ def _print_report(report: dict[str, Any], format_report: Any) -> None:
 def run_perplexity(args: argparse.Namespace) -> int:
     if printed(args):
         return 0
-    from headbudget.evaluation.perplexity import perplexity, read_text
+    from headbudget.evaluation.perplexity import loss_by_context_length, perplexity, read_text
+    from headbudget.experiments._common import parse_int_list
 
     if args.json:  # checked before the model loads, not after the scoring
         check_output_file(args.json, "--json")
+    lengths = parse_int_list(args.context_lengths, "--context-lengths") if args.context_lengths else None
+    if lengths and max(lengths) >= args.context:
+        raise ValueError(f"--context-lengths: {max(lengths)} is not below --context {args.context}")
     _check_model_flags(args)
     text = read_text(args.data, split=args.split)
     model, tok = _load(args)
@@ -208,6 +215,16 @@ def run_perplexity(args: argparse.Namespace) -> int:
     print(f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens_scored']:,} of "
           f"{res['tokens_total']:,} tokens scored, {res['windows']} windows of {res['context']}, "
           f"stride {res['stride']}, {res['seconds']:.1f}s)")
+    if lengths and max(lengths) >= res["context"]:  # the model has fewer positions than --context
+        raise ValueError(f"--context-lengths: {max(lengths)} is not below the model's {res['context']} positions")
+    if lengths:
+        ids = tok.encode(text, add_special_tokens=False)
+        by = loss_by_context_length(model, ids, lengths=tuple(lengths), every=max(1, len(ids) // 2048))
+        res["by_context_length"] = by
+        print(f"the same {by['targets']:,} targets with k tokens of left context (gain: loss with "
+              f"{by['lengths'][0]} minus loss with k, ± standard error):")
+        for k, loss, g, se in zip(by["lengths"], by["loss"], by["gain_vs_shortest"], by["gain_sem"]):
+            print(f"  k={k:<6} loss {loss:.4f}  gain {g:+.4f} ± {se:.4f}")
     if args.json:
         atomic_write_json(args.json, dict(res, model=str(args.model), data=str(args.data)))
         print(f"wrote {args.json}")
