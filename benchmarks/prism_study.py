@@ -570,7 +570,9 @@ def write_results(path: Path, record: dict[str, Any]) -> None:
         theirs = [r for r in saved.get("runs", []) if run_key(r) not in mine]
         keys = {run_key(r) for r in theirs}
         curves = {k: v for k, v in saved.get("curves", {}).items() if k in keys}
-        record = {**record, "runs": record["runs"] + theirs, "curves": {**curves, **record["curves"]}}
+        record = {**record, "runs": record["runs"] + theirs, "curves": {**curves, **record["curves"]},
+                  # one process's command names its sizes only: the budgets of the other's runs stay recorded
+                  "tokens_per_run": {**saved.get("tokens_per_run", {}), **record.get("tokens_per_run", {})}}
     atomic_write_json(path, record)
 
 
@@ -644,7 +646,8 @@ def report_only(args: argparse.Namespace) -> int:
                                 **analyse_and_report(records, sizes, results_path, suffix)})
         print(f"\nwrote {out} (the results file is unchanged)")
         return 0
-    record = {**saved, "status": "complete", **analyse_and_report(records, sizes, results_path)}
+    record = {**saved, "status": "complete", "tokens_per_run": {r["size"]: r["tokens"] for r in records},
+              **analyse_and_report(records, sizes, results_path)}
     write_results(results_path, record)
     print(f"\nwrote {results_path}")
     return 0

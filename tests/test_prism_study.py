@@ -59,6 +59,7 @@ def _records(study, offsets):
             for seed in range(5):
                 loss = 5 + 0.1 * seed + offsets.get((size, sched), [0.0] * 5)[seed]
                 recs.append({"size": size, "schedule": sched, "seed": seed, "params": 1, "flat_at_end": True,
+                             "tokens": 1000 if size == "cpu-tiny" else 2000,
                              "tokens_per_s": 1000.0 + (10.0 * seed if sched == "prism" else 0.0),
                              "texts": {t: {"loss": loss} for t in texts},
                              "attention": {"mean_distance": [5, 9, 20, 30] if sched == "prism" else [8, 9, 9, 10]}})
@@ -129,13 +130,16 @@ def test_results_writes_keep_the_other_processs_runs(study, tmp_path):
         return {"size": "cpu-tiny", "schedule": "prism", "seed": seed, "loss": loss}
 
     path = tmp_path / "prism_study.json"
-    study.write_results(path, {"status": "a", "runs": [rec(0, 5.0)], "curves": {"cpu-tiny/prism/seed0": [1]}})
-    study.write_results(path, {"status": "b", "runs": [rec(4, 5.5)], "curves": {"cpu-tiny/prism/seed4": [2]}})
+    study.write_results(path, {"status": "a", "runs": [rec(0, 5.0)], "curves": {"cpu-tiny/prism/seed0": [1]},
+                               "tokens_per_run": {"cpu-tiny": 1000}})
+    study.write_results(path, {"status": "b", "runs": [rec(4, 5.5)], "curves": {"cpu-tiny/prism/seed4": [2]},
+                               "tokens_per_run": {"cpu-mid": 2000}})
     study.write_results(path, {"status": "c", "runs": [rec(0, 5.1)], "curves": {"cpu-tiny/prism/seed0": [3]}})
     saved = json.loads(path.read_text())
     assert saved["status"] == "c"
     assert sorted((r["seed"], r["loss"]) for r in saved["runs"]) == [(0, 5.1), (4, 5.5)]
     assert saved["curves"] == {"cpu-tiny/prism/seed0": [3], "cpu-tiny/prism/seed4": [2]}
+    assert saved["tokens_per_run"] == {"cpu-tiny": 1000, "cpu-mid": 2000}  # another process's sizes are kept
 
 
 def test_verdicts_follow_the_registered_rules(study):
@@ -181,6 +185,7 @@ def test_report_waits_for_every_run_then_writes_verdicts_and_plots(study, tmp_pa
     assert study.main(args) == 0
     saved = json.loads(results.read_text())
     assert saved["status"] == "complete" and len(saved["runs"]) == 50
+    assert saved["tokens_per_run"] == {"cpu-tiny": 1000, "cpu-mid": 2000}  # from the runs, not the last writer
     assert saved["verdicts"]["cpu-tiny"]["1_progression_vs_uniform"]["decision"] == "beats"
     report = (tmp_path / "prism_study_report.md").read_text()
     assert "- 1. prism beats uniform: -0.0200 [" in report and "## cpu-mid" in report
