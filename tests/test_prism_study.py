@@ -213,3 +213,15 @@ def test_report_of_one_complete_size_leaves_the_results_file_alone(study, tmp_pa
     assert "4_grows_with_size" not in saved["verdicts"]  # needs both sizes
     assert "- 1. prism beats uniform: -0.0200 [" in (tmp_path / "prism_study_report_cpu-tiny.md").read_text()
     assert (tmp_path / "prism_study_attention_cpu-tiny.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_paired_curves_subtract_uniform_at_the_same_seed_and_step(study):
+    recs = _records(study, {})
+    for r in recs:  # uniform: 6.0 then 5.0; prism: 0.1 above at seed 0, 0.3 below at seed 1 (second eval)
+        up = {("prism", 0): 0.1, ("prism", 1): -0.3}.get((r["schedule"], r["seed"]), 0.0)
+        r["curve"] = [{"step": 10, "tokens": 100, "val_loss": 6.0}, {"step": 20, "tokens": 200, "val_loss": 5.0 + up}]
+    d = study.paired_curves(recs, "cpu-tiny")
+    assert list(d) == ["prism", "reverse", "uniform@128", "late_dim_decay:0.75"]
+    assert d["prism"]["tokens"] == [100, 200] and d["prism"]["per_seed"][0] == [0.0, pytest.approx(0.1)]
+    assert d["prism"]["mean"] == [0.0, pytest.approx((0.1 - 0.3) / 5)]
+    assert d["reverse"]["mean"] == [0.0, 0.0]
