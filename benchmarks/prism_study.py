@@ -655,6 +655,20 @@ def analyse_and_report(records: list[dict[str, Any]], sizes: list[str], results_
             "verdicts": verdict}
 
 
+def write_size_analysis(records: list[dict[str, Any]], sizes: list[str], results_path: Path) -> Path:
+    """The registered analysis of some of the study's sizes, each with all its runs in (amendment of session 7),
+    in files of their own (``prism_study_analysis_SIZE.json``, ``_report_SIZE.md``, ``_attention_SIZE.png``):
+    the processes still training the other size rewrite the results file and would drop it from there."""
+    from headbudget.io import atomic_write_json
+
+    suffix = "_" + "_".join(sizes)
+    out = results_path.with_name(f"{results_path.stem}_analysis{suffix}.json")
+    atomic_write_json(out, {"sizes": sizes, "results": results_path.name, "runs": len(records),
+                            **analyse_and_report(records, sizes, results_path, suffix)})
+    print(f"\nwrote {out}")
+    return out
+
+
 def missing_runs(records: list[dict[str, Any]], sizes: list[str], n_seeds: int = SEEDS) -> list[str]:
     """``size/schedule/seedN`` of every registered run not in ``records``."""
     have = {run_key(r) for r in records}
@@ -688,15 +702,8 @@ def report_only(args: argparse.Namespace) -> int:
         plot_curves({"curves": curves}, results_path.with_name(f"prism_study_curves_{size}.png"))
         plot_paired_curves(records, size, results_path.with_name(f"prism_study_paired_curves_{size}.png"))
     if set(sizes) != set(STUDY_SIZES):
-        # one size whose runs are all in (amendment of session 7): its analysis goes to files of its own, so
-        # the study's processes still training the other size, which rewrite the results file, cannot drop it
-        suffix = "_" + "_".join(sizes)
-        out = results_path.with_name(f"{results_path.stem}_analysis{suffix}.json")
-        from headbudget.io import atomic_write_json
-
-        atomic_write_json(out, {"sizes": sizes, "results": results_path.name, "runs": len(records),
-                                **analyse_and_report(records, sizes, results_path, suffix)})
-        print(f"\nwrote {out} (the results file is unchanged)")
+        write_size_analysis(records, sizes, results_path)
+        print("(the results file is unchanged)")
         return 0
     record = {**saved, "status": "complete", "tokens_per_run": {r["size"]: r["tokens"] for r in records},
               **analyse_and_report(records, sizes, results_path)}
@@ -828,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.pilot:
         record["pilot"] = pilot_report(records, sizes[0], study_schedules(sizes[0], names))
         print(json.dumps(record["pilot"], indent=2))
+    elif set(sizes) != set(STUDY_SIZES):  # one size's runs: its own files, the study stays partial
+        write_results(results_path, snapshot(f"partial: {', '.join(sizes)} complete, analysed in its own files"))
+        write_size_analysis(records, sizes, results_path)
+        return 0
     else:
         record.update(analyse_and_report(records, sizes, results_path))
     write_results(results_path, record)
