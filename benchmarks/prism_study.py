@@ -503,51 +503,19 @@ def plot_attention_distance(analysis: dict[str, Any], records: list[dict[str, An
 
 
 def paired_curves(records: list[dict[str, Any]], size: str) -> dict[str, dict[str, Any]]:
-    """Per schedule, validation loss minus uniform's at the same seed and eval step, over training:
-    ``{schedule: {"tokens": [...], "per_seed": {seed: [...]}, "mean": [...]}}``. Shows whether a difference
-    grows or shrinks as training goes on (the runs are not converged at their end)."""
-    uniform = _by(records, size, study_schedules(size)[0])
-    out: dict[str, dict[str, Any]] = {}
-    for s in study_schedules(size)[1:]:
-        per_seed, tokens = {}, None
-        for seed, r in _by(records, size, s).items():
-            if seed not in uniform:
-                continue
-            ref = {c["step"]: c["val_loss"] for c in uniform[seed]["curve"]}
-            pts = [(c["tokens"], c["val_loss"] - ref[c["step"]]) for c in r["curve"] if c["step"] in ref]
-            per_seed[seed] = [d for _, d in pts]
-            tokens = [t for t, _ in pts] if tokens is None or len(pts) < len(tokens) else tokens
-        if per_seed and tokens:
-            n = len(tokens)
-            out[s] = {"tokens": tokens, "per_seed": {k: v[:n] for k, v in per_seed.items()},
-                      "mean": [sum(v[i] for v in per_seed.values()) / len(per_seed) for i in range(n)]}
-    return out
+    """Per schedule, validation loss minus uniform's at the same seed and eval step, over training
+    (:func:`headbudget.train.compare.paired_curves` on this size's runs)."""
+    from headbudget.train.compare import paired_curves as by_step
+
+    scheds = study_schedules(size)
+    return by_step({s: {seed: r["curve"] for seed, r in _by(records, size, s).items()} for s in scheds}, scheds[0])
 
 
 def plot_paired_curves(records: list[dict[str, Any]], size: str, path: Path) -> Path:
-    """:func:`paired_curves` as a figure: thin lines per seed, thick the mean, zero = uniform."""
-    import matplotlib
+    from headbudget.train.compare import plot_paired_curves as plot
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    from headbudget.io import save_figure
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for k, (s, d) in enumerate(paired_curves(records, size).items(), start=1):
-        for v in d["per_seed"].values():
-            ax.plot(d["tokens"], v, color=f"C{k}", alpha=0.25, lw=0.8)
-        ax.plot(d["tokens"], d["mean"], color=f"C{k}", lw=2, label=f"{s} - uniform")
-    ax.axhline(0.0, color="C0", lw=1)
-    ax.set(title=f"{size}: validation loss minus uniform's, paired by seed", xlabel="tokens",
-           ylabel="difference (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return plot(paired_curves(records, size), study_schedules(size)[0], path,
+                title=f"{size}: validation loss minus uniform's, paired by seed")
 
 
 def pilot_report(records: list[dict[str, Any]], size: str, schedules: list[str]) -> dict[str, Any]:

@@ -59,6 +59,24 @@ def test_compare_is_deterministic_and_writes_reports(tmp_path):
     report = (tmp_path / "a" / "report.md").read_text()
     assert "| uniform@32 | 2,2,2 |" in report and "paired seeds" in report
     assert (tmp_path / "a" / "loss_curves.png").stat().st_size > 10_000
+    assert (tmp_path / "a" / "paired_curves.png").read_bytes()[:4] == b"\x89PNG" and "paired_curves.png" in report
+    assert not (tmp_path / "b" / "paired_curves.png").exists()  # plot=False
+
+
+def test_paired_curves_subtract_the_reference_at_the_same_seed_and_step():
+    from headbudget.train.compare import paired_curves
+
+    def h(*vals, steps=(10, 20)):
+        return [{"step": st, "tokens": st * 8, "val_loss": v} for st, v in zip(steps, vals)]
+
+    curves = {"uniform": {0: h(6.0, 5.0), 1: h(6.2, 5.2)},
+              "prism": {0: h(6.1, 4.9), 1: h(6.0, 5.0), 2: h(1.0, 1.0)},  # seed 2: no reference, left out
+              "wide": {0: h(6.0, 5.0, steps=(10, 30)), 1: h(6.0, 5.0)}}  # step 30: not in the reference
+    d = paired_curves(curves, "uniform")
+    assert d["prism"]["tokens"] == [80, 160] and sorted(d["prism"]["per_seed"]) == [0, 1]
+    assert d["prism"]["per_seed"][1] == [pytest.approx(-0.2), pytest.approx(-0.2)]
+    assert d["prism"]["mean"] == [pytest.approx(-0.05), pytest.approx(-0.15)]
+    assert d["wide"]["tokens"] == [80]  # only the steps every seed shares with the reference
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):

@@ -221,7 +221,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                               reference=reference, until_flat=c.until_flat)
     print()
     print((out / "report.md").read_text().split("## Reading")[0].split("\n\n", 2)[-1].strip())
-    print(f"\ncompare.json, report.md, loss_curves.png in {out}  ({summary['wall_s']:.0f}s)")
+    written = [f for f in ("compare.json", "report.md", "loss_curves.png", "paired_curves.png") if (out / f).is_file()]
+    print(f"\n{', '.join(written)} in {out}  ({summary['wall_s']:.0f}s)")
     return 0
 
 
@@ -273,7 +274,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_distill, validate=_validate_distill)
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
-                       description="Writes compare.json, report.md and loss_curves.png. Every config key is also "
+                       description="Writes compare.json, report.md, loss_curves.png and paired_curves.png. Every config key is also "
                                    "a flag: --section.key VALUE.")
     _add_common(p, cls=CompareConfig, aliases={"train.tokens": ("--tokens",)})
     p.add_argument("--overwrite", action="store_true",

@@ -204,6 +204,9 @@ def run_compare(
     atomic_write_text(out / "report.md", render_report(summary))
     if plot:
         plot_curves(summary, out / "loss_curves.png")
+        if len(schedules) > 1:
+            curves = {s: dict(zip(seed_list, hs)) for s, hs in summary["curves"].items()}
+            plot_paired_curves(paired_curves(curves, reference), reference, out / "paired_curves.png")
     return summary
 
 
@@ -295,6 +298,9 @@ def render_report(summary: dict[str, Any]) -> str:
     lines += ["", "Peak memory is the CUDA allocator peak on GPU; on CPU it is the process RSS sampled every "
               "50 ms (approximate, includes the Python runtime and the data memmaps)."]
     lines += ["", "![loss curves](loss_curves.png)", ""]
+    if len(summary["schedules"]) > 1:
+        lines += [f"Each schedule's validation loss minus {summary['baseline']}'s at the same seed, over training "
+                  "(is a difference still moving at the end?):", "", "![paired differences](paired_curves.png)", ""]
     return "\n".join(lines)
 
 
@@ -355,5 +361,63 @@ def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
     fig.tight_layout()
     try:
         return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file
+    finally:
+        plt.close(fig)
+
+
+def paired_curves(curves: dict[str, dict[int, Sequence[dict[str, Any]]]], reference: str) -> dict[str, dict[str, Any]]:
+    """Each schedule's validation loss minus ``reference``'s at the same seed and eval step, over training.
+
+    ``curves`` maps schedule -> seed -> eval records (``step``, ``tokens``, ``val_loss``). Returns, per
+    schedule but the reference, ``{"tokens": [...], "per_seed": {seed: [...]}, "mean": [...]}`` over the
+    steps every seed shares: whether a difference is still growing or shrinking when training ends.
+
+        >>> c = {"uniform": {0: [{"step": 1, "tokens": 8, "val_loss": 5.0}]},
+        ...      "prism": {0: [{"step": 1, "tokens": 8, "val_loss": 4.5}]}}
+        >>> paired_curves(c, "uniform")["prism"]["mean"]
+        [-0.5]
+    """
+    ref = {seed: {r["step"]: r["val_loss"] for r in h if r.get("val_loss") is not None}
+           for seed, h in curves.get(reference, {}).items()}
+    out: dict[str, dict[str, Any]] = {}
+    for name, by_seed in curves.items():
+        if name == reference:
+            continue
+        per: dict[int, dict[int, tuple[int, float]]] = {}
+        for seed, h in by_seed.items():
+            if seed in ref:
+                per[seed] = {r["step"]: (r["tokens"], r["val_loss"] - ref[seed][r["step"]]) for r in h
+                             if r.get("val_loss") is not None and r["step"] in ref[seed]}
+        steps = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+        if not steps:
+            continue
+        first = next(iter(per.values()))
+        out[name] = {"tokens": [first[st][0] for st in steps],
+                     "per_seed": {seed: [v[st][1] for st in steps] for seed, v in per.items()},
+                     "mean": [float(np.mean([v[st][1] for v in per.values()])) for st in steps]}
+    return out
+
+
+def plot_paired_curves(paired: dict[str, dict[str, Any]], reference: str, path: str | os.PathLike,
+                       title: str | None = None) -> Path:
+    """:func:`paired_curves` as a figure: thin lines per seed, thick the mean, zero is the reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for k, (name, d) in enumerate(paired.items(), start=1):
+        for v in d["per_seed"].values():
+            ax.plot(d["tokens"], v, color=f"C{k}", alpha=0.25, lw=0.8)
+        ax.plot(d["tokens"], d["mean"], color=f"C{k}", lw=2, label=f"{name} - {reference}")
+    ax.axhline(0.0, color="C0", lw=1)
+    ax.set(title=title or f"validation loss minus {reference}'s, paired by seed", xlabel="tokens",
+           ylabel="difference (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
