@@ -74,6 +74,12 @@ def test_summary_handles_different_head_counts_and_matches_stats(tmp_path):
         assert s["layers"][layer]["distance"] == pytest.approx(want["distance"], abs=1e-5)
         assert s["layers"][layer]["local_share"] == pytest.approx(want["local_share"], abs=1e-5)
         assert s["mean_distance"][layer] == pytest.approx(sum(want["distance"]) / heads[layer])
+    assert s["plain_average_distance"] == pytest.approx(19 / 4)  # mean of i / 2 over query positions 0..19
+    even = torch.tril(torch.ones(20, 20)) / torch.arange(1, 21)[:, None]  # every query averages its prefix
+    assert attention_stats(even[None])["distance"][0] == pytest.approx(s["plain_average_distance"])
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[:, 15:] = 0  # right padding: 15 real tokens per row
+    assert attention_summary(model, ids, attention_mask=mask)["plain_average_distance"] == pytest.approx(14 / 4)
     path = write_json(s, tmp_path / "a.json")
     assert path.read_text().startswith("{")
     p1 = plot_distance(s, tmp_path / "one.png")

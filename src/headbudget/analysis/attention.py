@@ -117,7 +117,7 @@ def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_win
     was_training = model.training
     model.eval()
     sums: list[dict[str, torch.Tensor]] = []
-    total_w = 0.0
+    total_w, plain_sum = 0.0, 0.0
     try:
         for b in range(0, ids.shape[0], batch_size):
             chunk = ids[b: b + batch_size].to(dev)
@@ -134,6 +134,8 @@ def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_win
                     for k in acc:
                         sums[layer][k] = sums[layer][k] + acc[k]
             total_w += float(w.sum())
+            # a plain average over the j + 1 real tokens up to a query (its j-th real token) has distance j / 2
+            plain_sum += float((w * (w.cumsum(-1) - 1).clamp_min(0) / 2).sum())
     finally:
         model.train(was_training)
     layers = []
@@ -146,6 +148,8 @@ def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_win
         layers.append(row)
     return {"local_window": local_window, "n_sequences": int(ids.shape[0]),
             "n_tokens": int(ids.shape[1]), "layers": layers,
+            # the mean distance if every head averaged its causal prefix evenly: what "no preference" reads as
+            "plain_average_distance": plain_sum / max(total_w, 1.0),
             "mean_distance": [r["mean_distance"] for r in layers],
             "mean_entropy": [r["mean_entropy"] for r in layers],
             "mean_local_share": [r["mean_local_share"] for r in layers]}
@@ -207,8 +211,17 @@ def _draw(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
         ax.scatter(xs, row["distance"], s=12, alpha=0.5, color=color)
     layers = [r["layer"] for r in summary["layers"]]
     ax.plot(layers, summary["mean_distance"], "-o", color=color, label=f"{label} (layer mean)")
+    _draw_plain(ax, summary)
     ax.set_xlabel("layer")
     ax.grid(alpha=0.3)
+
+
+def _draw_plain(ax: Any, summary: Mapping[str, Any]) -> None:
+    """The distance a plain average over the prefix gives (a dashed line), once per axes."""
+    plain = summary.get("plain_average_distance")
+    if plain is not None and not getattr(ax, "_plain_drawn", False):
+        ax.axhline(plain, ls="--", color="gray", lw=1, label="plain average over the prefix")
+        ax._plain_drawn = True
 
 
 def plot_distance(summary: Mapping[str, Any], path: str | Path, title: str | None = None) -> Path:
@@ -254,5 +267,6 @@ def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: s
 def _draw_means(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
     layers = [r["layer"] for r in summary["layers"]]
     ax.plot(layers, summary["mean_distance"], "-o", color=color, label=label)
+    _draw_plain(ax, summary)
     ax.set_xlabel("layer")
     ax.grid(alpha=0.3)

@@ -259,7 +259,8 @@ def run_attention(args: argparse.Namespace) -> int:
         write_json(s, out / f"attention_{label}.json")
         plot_distance(s, out / f"distance_{label}.png", title=f"{label}: mean attention distance")
         print(f"{label}: mean distance per layer "
-              + " ".join(f"{d:.2f}" for d in s["mean_distance"]))
+              + " ".join(f"{d:.2f}" for d in s["mean_distance"])
+              + f" (a plain average over the prefix: {s['plain_average_distance']:.2f})")
     if len(summaries) > 1:
         plot_distance_comparison(summaries, out / "distance_comparison.png")
     print(f"wrote {out}/")
