@@ -1,10 +1,10 @@
-"""How much of their context do trained models use? Loss by window position, per schedule.
+"""How much of their context do trained models use? Loss by context length, per schedule.
 
 A head schedule can only matter through attention. This measures, for each trained model of the Prism
 study found under ``--runs``, the held-out loss of the same target tokens given 1, 2, 4, ... tokens of
 left context (``headbudget.evaluation.perplexity.loss_by_context_length``; paired by target), and the
-gain over one token of context. A model that ignores its context gains nothing. Descriptive, not part
-of the registered study (docs/prism_study.md).
+gain over one token of context. A model that ignores its context gains nothing. One text (the study's
+held-out tail); descriptive, not part of the registered study (docs/prism_study.md).
 
     python benchmarks/context_use.py --runs runs/prism_study/cpu-tiny --size cpu-tiny \
         --out benchmarks/results/context_use_cpu-tiny.json
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -490,7 +490,7 @@ def plot_attention_distance(analysis: dict[str, Any], records: list[dict[str, An
             mean = analysis[size]["schedules"][s]["mean_distance_per_layer"]
             ax.plot(range(len(mean)), mean, "-o", color=f"C{k}", lw=2, label=s)
         # a plain average over the causal prefix puts query i at mean distance i / 2: (context - 1) / 4 overall
-        ax.axhline((SIZES[size] - 1) / 4, ls="--", color="gray", lw=1, label="uniform over the prefix")
+        ax.axhline((SIZES[size] - 1) / 4, ls="--", color="gray", lw=1, label="plain average over the prefix")
         ax.set(title=size, xlabel="layer", ylabel="mean attention distance (tokens)",
                xticks=range(len(analysis[size]["schedules"][study_schedules(size)[0]]["mean_distance_per_layer"])))
         ax.grid(alpha=0.3)

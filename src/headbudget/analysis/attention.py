@@ -217,11 +217,10 @@ def _draw(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
 
 
 def _draw_plain(ax: Any, summary: Mapping[str, Any]) -> None:
-    """The distance a plain average over the prefix gives (a dashed line), once per axes."""
-    plain = summary.get("plain_average_distance")
-    if plain is not None and not getattr(ax, "_plain_drawn", False):
+    """The distance a plain average over the prefix gives, as a dashed line (summaries written before the
+    key existed have none)."""
+    if (plain := summary.get("plain_average_distance")) is not None:
         ax.axhline(plain, ls="--", color="gray", lw=1, label="plain average over the prefix")
-        ax._plain_drawn = True
 
 
 def plot_distance(summary: Mapping[str, Any], path: str | Path, title: str | None = None) -> Path:
@@ -256,6 +255,7 @@ def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: s
         _draw(axes[k], s, name, f"C{k}")
         axes[k].set_title(name)
         _draw_means(axes[n], s, name, f"C{k}")
+    _draw_plain(axes[n], next(iter(summaries.values())))  # one text and seq_len: one mark for the overlay
     axes[0].set_ylabel("mean attention distance (tokens)")
     axes[n].set_title("layer means")
     axes[n].legend()
@@ -267,6 +267,5 @@ def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: s
 def _draw_means(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
     layers = [r["layer"] for r in summary["layers"]]
     ax.plot(layers, summary["mean_distance"], "-o", color=color, label=label)
-    _draw_plain(ax, summary)
     ax.set_xlabel("layer")
     ax.grid(alpha=0.3)

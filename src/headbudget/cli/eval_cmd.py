@@ -210,7 +210,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
     _check_model_flags(args)
     text = read_text(args.data, split=args.split)
     model, tok = _load(args)
-    res = perplexity(model, tok, text, context=args.context, stride=args.stride,
+    ids = tok.encode(text, add_special_tokens=False)  # once, for both scorings
+    res = perplexity(model, tok, input_ids=ids, context=args.context, stride=args.stride,
                      max_windows=args.max_windows, progress=not args.quiet)
     print(f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens_scored']:,} of "
           f"{res['tokens_total']:,} tokens scored, {res['windows']} windows of {res['context']}, "
@@ -218,7 +219,6 @@ def run_perplexity(args: argparse.Namespace) -> int:
     if lengths and max(lengths) >= res["context"]:  # the model has fewer positions than --context
         raise ValueError(f"--context-lengths: {max(lengths)} is not below the model's {res['context']} positions")
     if lengths:
-        ids = tok.encode(text, add_special_tokens=False)
         by = loss_by_context_length(model, ids, lengths=tuple(lengths), every=max(1, len(ids) // 2048))
         res["by_context_length"] = by
         print(f"the same {by['targets']:,} targets with k tokens of left context (gain: loss with "

@@ -94,7 +94,6 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
             "stride": stride, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-
 @torch.inference_mode()
 def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | list[int], *,
                            lengths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 127), every: int = 16,
