@@ -181,6 +181,7 @@ def recover(student: Path, teacher: str | None, texts: dict[str, Path], args: ar
             out: Path) -> dict:
     """Train ``student`` on the training slice (distilling from ``teacher`` when given); resumable."""
     from headbudget.train import RunConfig, train
+    from headbudget.train.records import read_metrics
 
     per_step = args.batch_size * args.context
     steps = math.ceil(args.tokens / per_step)
@@ -201,7 +202,7 @@ def recover(student: Path, teacher: str | None, texts: dict[str, Path], args: ar
         train(cfg, out, resume=True)
         log(f"{'distilled' if teacher else 'LM-trained'} {out.name}: {steps} steps in {time.perf_counter() - t0:.0f}s")
     s = json.loads(summary.read_text())
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics = read_metrics(out / "metrics.jsonl")
     # tokens/s of the steady state: the first logged step includes warm-up (allocations, first teacher pass)
     steady = [m["tokens_per_s"] for m in metrics[1:]] or [m["tokens_per_s"] for m in metrics]
     tps = sorted(steady)[len(steady) // 2]

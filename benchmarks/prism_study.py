@@ -216,6 +216,7 @@ def _train_and_measure(cfg, run_dir: Path, size: str, schedule: str, seed: int, 
     from headbudget.io import atomic_write_json
     from headbudget.loading import load_model
     from headbudget.train.compare import is_flat
+    from headbudget.train.records import read_metrics
     from headbudget.train.trainer import Trainer, build_schedule
 
     done = run_dir / "run.json"
@@ -226,8 +227,7 @@ def _train_and_measure(cfg, run_dir: Path, size: str, schedule: str, seed: int, 
     model = trainer.model if trainer.model is not None else load_model(run_dir / "model")
     t0 = time.perf_counter()
     measured = measure(model, data, size, ood, args.attn_seqs, args.heldout_tokens)
-    # metrics.jsonl, not result.history: a resumed run's history starts at the checkpoint
-    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    history = read_metrics(run_dir / "metrics.jsonl")  # every logged step, before and after any resume
     evals = [r for r in history if r.get("val_loss") is not None]
     rec = {
         "size": size, "schedule": schedule, "seed": seed, "steps": result.steps, "tokens": result.tokens,

@@ -73,6 +73,30 @@ def test_resume_after_kill_is_exact(tmp_path):
         assert torch.equal(v, sd_resumed[k]), k
 
 
+def test_a_run_killed_between_checkpoints_logs_each_step_once_and_returns_its_whole_history(tmp_path):
+    """Killed at step 12 (last checkpoint: 10), steps 11-12 were logged and are trained again on resume: the
+    metrics keep one record per step, equal to an uninterrupted run's, and the resumed run's result carries the
+    whole run's history (steps 1-20), as ``finished_result`` reads it back later, not only steps 11-20."""
+    from headbudget.train.records import finished_result
+
+    cfg = tiny_config(tmp_path)
+    straight = Trainer(cfg, tmp_path / "straight", save_model=False).run()
+
+    def kill_at_12(trainer, step, record):
+        if step == 12:
+            raise Kill
+
+    run = tmp_path / "killed"
+    with pytest.raises(Kill):
+        train(cfg, run, callbacks=[kill_at_12], save_model=False)
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 13))
+    resumed = Trainer(cfg, run, save_model=False, resume=True).run()
+    keys = ("step", "train_loss", "val_loss", "lr", "grad_norm")
+    assert [[r[k] for k in keys] for r in _metrics(run)] == [[r[k] for k in keys] for r in straight.history]
+    assert [r["step"] for r in resumed.history] == list(range(1, 21))
+    assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in straight.history]
+    assert resumed.history == finished_result(run, cfg).history
+
 def test_checkpoints_are_atomic_and_keep_last_k(tmp_path, monkeypatch):
     d = tmp_path / "ck"
     model = torch.nn.Linear(3, 2)

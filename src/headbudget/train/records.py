@@ -21,7 +21,7 @@ from headbudget.train.config import RunConfig
 from headbudget.train.loop import LogRecord
 
 __all__ = ["RESUMABLE_CHANGES", "MetricsLogger", "TrainResult", "check_compatible", "finished_result",
-           "last_train_loss", "trim_metrics"]
+           "last_train_loss", "read_metrics", "trim_metrics"]
 
 
 @dataclass
@@ -59,7 +59,9 @@ class MetricsLogger:
 
         t = trainer.cfg.train
         self.trainer, self.run = trainer, run
-        self.history: list[dict[str, Any]] = []
+        # a resumed run's history is the whole run's: the records up to its checkpoint (trim_metrics kept
+        # those) and then its own, as finished_result reads them back
+        self.history: list[dict[str, Any]] = read_metrics(run.metrics_path) if start_step and run.is_main else []
         self.last_val: float | None = None
         self.last_record: dict[str, Any] | None = None  # of the last step (None when it was not logged)
         self.tokens_per_step = t.batch_size * t.context
@@ -126,10 +128,15 @@ def trim_metrics(path: Path, start_step: int) -> None:
     atomic_write_text(path, "".join(k + "\n" for k in keep))
 
 
-def last_train_loss(path: Path) -> float | None:
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` (none when it does not exist)."""
     if not path.exists():
-        return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last_train_loss(path: Path) -> float | None:
+    records = read_metrics(path)
     return records[-1]["train_loss"] if records else None
 
 
@@ -179,7 +186,5 @@ def finished_result(out: str | os.PathLike, cfg: RunConfig) -> TrainResult | Non
     result = TrainResult(**{k: summary[k] for k in keys if k in summary})
     result.out_dir = out
     result.model_dir = Path(summary["model_dir"]) if summary.get("model_dir") else None
-    metrics = out / "metrics.jsonl"
-    if metrics.exists():
-        result.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    result.history = read_metrics(out / "metrics.jsonl")
     return result
