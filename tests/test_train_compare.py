@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from headbudget.cli.main import main
 from headbudget.train import RunConfig
 from headbudget.train.compare import parse_schedules, run_compare
+from headbudget.train.trainer import Trainer
 
 
 def tiny(tmp_path) -> RunConfig:
@@ -139,11 +141,14 @@ def _first_stop(min_step):
     """Drive compare's stopping callback through CURVE; the step at which it asks the trainer to stop."""
     from types import SimpleNamespace
 
-    from headbudget.train.compare import _stop_rule
+    from headbudget.train.compare import _flat_rule
 
-    trainer, rule = SimpleNamespace(stop_requested=False), _stop_rule(None, min_step)
+    trainer, rule = SimpleNamespace(stop_requested=False, history=[]), _flat_rule(min_step)
     for step in range(1, 101):
-        rule(trainer, step, {"step": step, "val_loss": CURVE[step]} if step in CURVE else None)
+        record = {"step": step, "val_loss": CURVE[step]} if step in CURVE else None
+        if record is not None:  # the trainer's metrics logger appends before the callbacks run
+            trainer.history.append(record)
+        rule(trainer, step, record)
         if trainer.stop_requested:
             return step
     return None
@@ -232,3 +237,92 @@ def test_cli_compare_tokens_reference_and_paired_report(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--reference 'reverse' is not among --schedules" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+class _Kill(Exception):
+    pass
+
+
+def _kill_run_at(monkeypatch, run_name: str, step: int):
+    """Make the Trainer of the run folder ``run_name`` raise _Kill after ``step`` (a crash mid-comparison)."""
+    import headbudget.train.compare as compare
+
+    real = compare.Trainer
+
+    def trainer(cfg, out_dir, **kw):
+        t = real(cfg, out_dir, **kw)
+        if out_dir.name == run_name:
+            def kill(trainer, done, record):
+                if done == step:
+                    raise _Kill
+            t.callbacks.append(kill)
+        return t
+
+    monkeypatch.setattr(compare, "Trainer", trainer)
+
+
+def _outcome(summary):
+    return [(r["schedule"], r["seed"], r["steps"], r["final_val_loss"], r["final_train_loss"]) for r in summary["runs"]]
+
+
+def test_resume_continues_an_interrupted_comparison_exactly(tmp_path, monkeypatch, capsys):
+    """Killed in prism's seed-0 run at step 3 (checkpoint at 2): --resume reads uniform's finished run back
+    (not retrained), continues prism from its checkpoint and trains the rest; every number equals an
+    uninterrupted comparison's."""
+    cfg = tiny(tmp_path).replace(train={"steps": 6, "ckpt_every": 2})
+    scheds = ["uniform", "prism"]
+    straight = run_compare(cfg, scheds, 2, tmp_path / "straight", plot=False)
+    _kill_run_at(monkeypatch, "prism-seed0", 3)
+    with pytest.raises(_Kill):
+        run_compare(cfg, scheds, 2, tmp_path / "cmp", plot=False)
+    monkeypatch.undo()
+    uniform_metrics = (tmp_path / "cmp" / "uniform-seed0" / "metrics.jsonl").stat().st_mtime_ns
+    capsys.readouterr()
+    resumed = run_compare(cfg, scheds, 2, tmp_path / "cmp", plot=False, resume=True)
+    out = capsys.readouterr()
+    assert _outcome(resumed) == _outcome(straight)
+    assert resumed["schedules"]["prism"]["paired"] == straight["schedules"]["prism"]["paired"]
+    assert resumed["curves"] == straight["curves"]  # the resumed run's curve is whole, once per step
+    assert (tmp_path / "cmp" / "uniform-seed0" / "metrics.jsonl").stat().st_mtime_ns == uniform_metrics
+    assert out.out.count("resuming from") == 1 and "prism-seed0/checkpoints/step_000002" in out.out
+
+
+def test_resume_with_until_flat_keeps_the_flat_length_and_refuses_a_longer_run(tmp_path, monkeypatch):
+    """The reference stopped flat at step 4 of 8; a resume must not train it on to 8 (its summary has fewer
+    steps than train.steps), and trains the killed run to exactly 4 steps from its checkpoint."""
+    import headbudget.train.compare as compare
+
+    monkeypatch.setattr(compare, "is_flat", lambda history, **kw: history[-1]["step"] >= 4)
+    cfg = tiny(tmp_path).replace(train={"steps": 8, "ckpt_every": 2})
+    straight = run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "straight", plot=False, until_flat=True)
+    assert [r["steps"] for r in straight["runs"]] == [4, 4]
+    _kill_run_at(monkeypatch, "prism-seed0", 3)
+    with pytest.raises(_Kill):
+        run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp", plot=False, until_flat=True)
+    monkeypatch.setattr(compare, "Trainer", Trainer)
+    resumed = run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp", plot=False, until_flat=True, resume=True)
+    assert _outcome(resumed) == _outcome(straight)
+    assert resumed["until_flat"]["flat_at_step"] == 4
+    # a run that trained longer than this comparison asks is refused, in one line naming it: a comparison
+    # flat at step 2 whose prism run is replaced by the 4-step one
+    monkeypatch.setattr(compare, "is_flat", lambda history, **kw: history[-1]["step"] >= 2)
+    run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp2", plot=False, until_flat=True)
+    shutil.rmtree(tmp_path / "cmp2" / "prism-seed0")
+    shutil.copytree(tmp_path / "cmp" / "prism-seed0", tmp_path / "cmp2" / "prism-seed0")
+    with pytest.raises(ValueError, match=r"prism-seed0 finished 4 steps, but this comparison trains 2"):
+        run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp2", plot=False, until_flat=True, resume=True)
+
+
+def test_cli_compare_resume(tmp_path, capsys):
+    cfgfile = tmp_path / "c.yaml"
+    cfgfile.write_text(tiny(tmp_path).to_yaml())
+    out = tmp_path / "cmp"
+    args = ["compare", str(cfgfile), "--schedules", "uniform,prism", "--seeds", "1", "--out", str(out)]
+    assert main(args) == 0
+    first = json.loads((out / "compare.json").read_text())
+    capsys.readouterr()
+    assert main(args) == 2  # an existing comparison is not overwritten silently
+    err = capsys.readouterr().err
+    assert "--resume" in err and len(err.strip().splitlines()) == 1
+    assert main(args + ["--resume"]) == 0
+    assert _outcome(json.loads((out / "compare.json").read_text())) == _outcome(first)

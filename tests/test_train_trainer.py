@@ -293,3 +293,32 @@ def test_old_pickled_checkpoints_are_refused_by_name(tmp_path, capsys):
     (tmp_path / "old" / "checkpoints" / "step_000002.pt").write_bytes(b"pickled")
     rc, _, err = _cli(["train", str(tmp_path / "cfg.yaml"), "--out", str(tmp_path / "old"), "--resume"], capsys)
     assert rc == 2 and "step_*.pt checkpoints of headbudget < 0.2" in err and err.count("\n") == 1
+
+
+def test_stop_at_step_keeps_the_lr_schedule_and_a_resume_from_its_checkpoint_trains_nothing_more(tmp_path):
+    """``stop_at_step`` (compare's runs as long as a flat reference): the run ends after 8 of 20 steps with the
+    learning rates of a 20-step run; killed after its step-8 checkpoint but before it was exported, a resume
+    trains no step 9 and returns the same result."""
+    from headbudget.train.setup import lr_at
+
+    cfg = tiny_config(tmp_path, ckpt_every=4)
+    straight = Trainer(cfg, tmp_path / "straight", save_model=False, stop_at_step=8).run()
+    assert straight.steps == 8 and [r["step"] for r in straight.history][-1] == 8
+    assert straight.history[-1]["val_loss"] == straight.final_val_loss  # step 8 is an eval step
+    assert straight.history[-1]["lr"] == lr_at(7, cfg)
+
+    def kill_at_8(trainer, step, record):
+        if step == 8:
+            raise Kill
+
+    run = tmp_path / "killed"
+    with pytest.raises(Kill):
+        Trainer(cfg, run, save_model=False, stop_at_step=8, callbacks=[kill_at_8]).run()
+    assert (run / "checkpoints" / "step_000008").is_dir() and not (run / "summary.json").exists()
+    with pytest.raises(ValueError, match="its checkpoint is at step 8, past the 4 steps this run is to train"):
+        Trainer(cfg, run, save_model=False, stop_at_step=4, resume=True).run()
+    resumed = Trainer(cfg, run, save_model=False, stop_at_step=8, resume=True).run()
+    assert (resumed.steps, resumed.final_val_loss) == (8, straight.final_val_loss)
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 9))
+    with pytest.raises(ValueError, match=r"stop_at_step=21 must be in 1\.\.train\.steps \(20\)"):
+        Trainer(cfg, tmp_path / "x", stop_at_step=21)

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 2 -m headbudget.cli.main train configs/cpu-small.yaml   # DDP
     headbudget compare configs/cpu-small.yaml --schedules uniform,prism,reverse,uniform@128 --seeds 3
     headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat
+    headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat --resume  # after a crash
     headbudget prepare configs/cpu-small.yaml        # tokenize once into the cache
     headbudget prepare --source "jsonl:corpus.jsonl:text" --tokenizer bpe:4096
     headbudget distill runs/pruned/model --teacher runs/dense/model --data corpus.txt --tokens 1M --out runs/rec
@@ -216,9 +217,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         on_run.i += 1
 
     on_run.i = 1
-    with claim_output_dir(out, command="headbudget compare", overwrite=args.overwrite):
+    with claim_output_dir(out, command="headbudget compare", resume=args.resume, overwrite=args.overwrite):
         summary = run_compare(cfg, schedules, c.seeds, out, save_models=c.save_models, on_run=on_run,
-                              reference=reference, until_flat=c.until_flat)
+                              reference=reference, until_flat=c.until_flat, resume=args.resume)
     print()
     print((out / "report.md").read_text().split("## Reading")[0].split("\n\n", 2)[-1].strip())
     written = [f for f in ("compare.json", "report.md", "loss_curves.png", "paired_curves.png") if (out / f).is_file()]
@@ -277,6 +278,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Writes compare.json, report.md, loss_curves.png and paired_curves.png. Every config key is also "
                                    "a flag: --section.key VALUE.")
     _add_common(p, cls=CompareConfig, aliases={"train.tokens": ("--tokens",)})
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted comparison in --out: finished runs are read back, a run with a "
+                        "checkpoint continues from it exactly, the rest are trained")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier comparison in --out (without it such a folder is refused)")
     p.set_defaults(func=cmd_compare, validate=_validate_compare)

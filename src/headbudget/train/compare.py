@@ -140,12 +140,16 @@ def run_compare(
     plot: bool = True,
     reference: str | None = None,
     until_flat: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train every schedule x seed; returns the ``compare.json`` content (also written to ``out``).
 
     ``seeds`` is a count (seeds ``cfg.seed .. cfg.seed+N-1``) or an explicit list.  ``reference``
     (default: :func:`default_reference`) is trained first at every seed; ``until_flat`` stops its
     first-seed run at the first flat eval point (:func:`is_flat`) and trains every run that many steps.
+    ``resume`` continues an interrupted comparison in ``out``: finished runs are read back (not trained
+    again), a run with a checkpoint continues from it exactly (``save_models``: without it no checkpoints are
+    written, so such a run starts over), and the result equals that of an uninterrupted comparison.
     """
     schedules = list(schedules)
     reference = default_reference(schedules, reference)
@@ -166,12 +170,15 @@ def run_compare(
     for seed in seed_list:  # seed-major: a partial comparison still has every schedule at seed 0
         for sched in order:
             run_cfg = cfg.replace(seed=seed, name=f"{cfg.name}-{sched}-s{seed}", model={"schedule": sched})
-            if not save_models:  # compare cannot resume a run, so its optimizer checkpoints are dead weight
+            if not save_models:  # no optimizer checkpoints either: --resume starts such a run over
                 run_cfg = run_cfg.replace(train={"ckpt_every": 0})
             run_dir = out / f"{_safe(sched)}-seed{seed}"
-            trainer = Trainer(run_cfg, run_dir, data=data, save_model=save_models,
-                              callbacks=[_stop_rule(run_steps, cfg.train.warmup_steps)])
-            result = trainer.run()
+            result = _finished_run(run_dir, run_cfg, run_steps) if resume else None
+            if result is None:  # a run as long as the flat reference keeps the lr schedule of train.steps
+                trainer = Trainer(run_cfg, run_dir, data=data, save_model=save_models,
+                                  resume=resume and run_dir.is_dir(), stop_at_step=run_steps,
+                                  callbacks=[] if run_steps else [_flat_rule(cfg.train.warmup_steps)])
+                result = trainer.run()
             if run_steps is None:
                 run_steps = result.steps
             sch = build_schedule(run_cfg)
@@ -210,17 +217,29 @@ def run_compare(
     return summary
 
 
-def _stop_rule(run_steps: int | None, warmup: int) -> Callable[[Trainer, int, dict | None], None]:
-    """Trainer callback: stop after ``run_steps`` steps, or (None) at the first flat eval point."""
-    history: list[dict[str, Any]] = []
+def _finished_run(run_dir: Path, cfg: RunConfig, run_steps: int | None) -> TrainResult | None:
+    """The recorded result of a run of this comparison that finished, for ``resume`` (None: train it).
+
+    ``run_steps`` None is the run whose flat point decides the others' length: any finished run of it
+    stands (it stopped where it was flat).  A run that trained longer than this comparison asks is refused.
+    """
+    from headbudget.train.records import finished_result
+
+    result = finished_result(run_dir, cfg, steps=0 if run_steps is None else run_steps)
+    if result is not None and run_steps is not None and result.steps > run_steps:
+        raise ValueError(f"{run_dir} finished {result.steps} steps, but this comparison trains {run_steps}: "
+                         "resume it with the settings it was made with, or use --overwrite or another --out")
+    return result
+
+
+def _flat_rule(warmup: int) -> Callable[[Trainer, int, dict | None], None]:
+    """Trainer callback: stop at the first flat eval point (:func:`is_flat`) of the run's whole history
+    (``trainer.history``: a resumed run's includes the records before its checkpoint, so it stops where an
+    uninterrupted run would)."""
 
     def callback(trainer: Trainer, step: int, record: dict | None) -> None:
-        if run_steps is not None:
-            trainer.stop_requested = step >= run_steps
-            return
         if record is not None and record.get("val_loss") is not None:
-            history.append(record)
-            trainer.stop_requested = is_flat(history, min_step=warmup)
+            trainer.stop_requested = is_flat(trainer.history, min_step=warmup)
 
     return callback
 

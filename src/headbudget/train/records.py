@@ -61,7 +61,10 @@ class MetricsLogger:
         self.trainer, self.run = trainer, run
         # a resumed run's history is the whole run's: the records up to its checkpoint (trim_metrics kept
         # those) and then its own, as finished_result reads them back
-        self.history: list[dict[str, Any]] = read_metrics(run.metrics_path) if start_step and run.is_main else []
+        # (every rank reads it, so a stopping rule over the history decides alike on all; the step filter makes
+        # a rank that reads the file before the main rank's trim see the same records)
+        self.history: list[dict[str, Any]] = \
+            [r for r in read_metrics(run.metrics_path) if r["step"] <= start_step] if start_step else []
         self.last_val: float | None = None
         self.last_record: dict[str, Any] | None = None  # of the last step (None when it was not logged)
         self.tokens_per_step = t.batch_size * t.context
@@ -129,10 +132,17 @@ def trim_metrics(path: Path, start_step: int) -> None:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl`` (none when it does not exist)."""
+    """The records of ``metrics.jsonl`` (none when it does not exist; a last line cut short by a crash, or
+    being written right now, is left out)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        records += [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return records
 
 
 def last_train_loss(path: Path) -> float | None:
@@ -163,8 +173,10 @@ def check_compatible(cfg: RunConfig, path: Path, saved: dict[str, Any]) -> None:
                          f"the config now says {cfg.seed}")
 
 
-def finished_result(out: str | os.PathLike, cfg: RunConfig) -> TrainResult | None:
-    """The recorded result when ``out`` holds a run that finished ``train.steps`` (or more)."""
+def finished_result(out: str | os.PathLike, cfg: RunConfig, steps: int | None = None) -> TrainResult | None:
+    """The recorded result when ``out`` holds a run that finished ``train.steps`` (or more); ``steps``
+    replaces ``train.steps`` for a run stopped early on purpose (``compare --until-flat``: 0 accepts any
+    finished run)."""
     out = Path(out)
     path = out / "summary.json"
     if not path.is_file():
@@ -173,7 +185,8 @@ def finished_result(out: str | os.PathLike, cfg: RunConfig) -> TrainResult | Non
         summary = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    if int(summary.get("steps") or 0) < cfg.train.steps or summary.get("final_val_loss") is None:
+    need = cfg.train.steps if steps is None else steps
+    if int(summary.get("steps") or 0) < need or summary.get("final_val_loss") is None:
         return None
     path = latest_checkpoint(out / "checkpoints")
     if path is not None:  # a finished run resumed with another model or data is still an error

@@ -119,7 +119,10 @@ class Trainer:
     the metrics dict of that step, or None when it was not logged); raising from one stops the run
     (used by tests to simulate a kill); setting ``trainer.stop_requested = True`` from one ends the run
     after that step as a finished one (validated, exported, ``summary.json`` with the steps done; used by
-    ``compare --until-flat``).  ``data`` may pass an already prepared dataset.
+    ``compare --until-flat``).  ``stop_at_step`` ends it so after that many steps, which are then an eval and
+    checkpoint step, keeping the learning-rate schedule of ``train.steps`` (``compare``'s runs as long as a
+    flat reference; a resume from its checkpoint trains nothing more).  ``data`` may pass an already
+    prepared dataset.
     """
 
     def __init__(
@@ -131,8 +134,13 @@ class Trainer:
         callbacks: list[Callable[[Trainer, int, dict | None], None]] | None = None,
         data: PreparedData | None = None,
         save_model: bool = True,
+        stop_at_step: int | None = None,
     ) -> None:
         self.cfg = cfg
+        if stop_at_step is not None and not 0 < stop_at_step <= cfg.train.steps:
+            raise ValueError(f"stop_at_step={stop_at_step} must be in 1..train.steps ({cfg.train.steps})")
+        #: the last step this run trains (``train.steps`` unless ``stop_at_step`` ends it earlier)
+        self.end_step = stop_at_step or cfg.train.steps
         self.out = Path(out_dir)
         self.resume = resume
         self.callbacks = list(callbacks or [])
@@ -205,7 +213,7 @@ class Trainer:
 
     def _run(self, device: torch.device) -> TrainResult:
         if self.resume:
-            finished = finished_result(self.out, self.cfg)
+            finished = finished_result(self.out, self.cfg, steps=self.end_step)
             if finished is not None:  # leave a finished run exactly as it is
                 if self.rank == 0:
                     print(f"{self.out} already finished {finished.steps} steps (train.steps={self.cfg.train.steps}); "
@@ -214,6 +222,9 @@ class Trainer:
                 return finished
         run = self._setup(device)
         start_step = self._resume_step(run)
+        if start_step > self.end_step:
+            raise ValueError(f"{self.out}: its checkpoint is at step {start_step}, past the {self.end_step} steps this "
+                             "run is to train; resume it with the settings it was made with, or train into a new --out")
         if run.is_main:
             trim_metrics(run.metrics_path, start_step)
             atomic_write_text(self.out / "config.yaml", self.cfg.to_yaml())
@@ -223,7 +234,7 @@ class Trainer:
         t_start = time.perf_counter()
         with PeakMemory(device) as mem:
             steps_done, last_val, last_train = self._train_steps(run, start_step)
-        if start_step >= self.cfg.train.steps:  # resumed from the final checkpoint (killed while exporting)
+        if start_step >= self.end_step:  # resumed from the final checkpoint (killed while exporting)
             last_val = self.validation_loss(run)
             last_train = last_train_loss(run.metrics_path)
         return self._finish(run, steps_done, last_val, last_train, mem.peak_mb, time.perf_counter() - t_start)
@@ -311,9 +322,9 @@ class Trainer:
         self.history = logger.history
         try:
             result = loop.run(
-                self._micro_batches(run, start_step), steps=t.steps, start_step=start_step,
+                self._micro_batches(run, start_step), steps=self.end_step, start_step=start_step,
                 log_at=lambda done: done % t.log_every == 0 or self.is_eval_step(done),
-                checkpoint_at=lambda done: t.ckpt_every > 0 and (done % t.ckpt_every == 0 or done == t.steps),
+                checkpoint_at=lambda done: t.ckpt_every > 0 and (done % t.ckpt_every == 0 or done == self.end_step),
                 on_log=logger.log, on_checkpoint=save, on_step=logger.after_step)
         finally:
             logger.close()
@@ -340,7 +351,7 @@ class Trainer:
     def is_eval_step(self, done: int) -> bool:
         """Is the validation loss measured after optimizer step ``done`` (every ``train.eval_every``, and the last)?"""
         t = self.cfg.train
-        return (t.eval_every > 0 and done % t.eval_every == 0) or done == t.steps
+        return (t.eval_every > 0 and done % t.eval_every == 0) or done == self.end_step
 
     def validation_loss(self, run: _Run) -> float:
         """The validation loss of ``run``'s model now (a collective under DDP/FSDP: every rank calls it)."""
