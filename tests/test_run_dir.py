@@ -109,7 +109,7 @@ def test_every_folder_writing_command_refuses_a_folder_with_results(tmp_path, ca
     for argv in commands:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        ways = "add --resume to continue it, " if argv[0] == "prune-compare" else ""
+        ways = "add --resume to continue it, " if argv[0] in ("prune-compare", "compare") else ""
         assert err == (f"headbudget {argv[0]}: error: --out {out} already holds another run's results "
                        f"(report.json): {ways}add --overwrite to replace them, or choose another --out\n"), argv
     assert sorted(os.listdir(out)) == ["report.json"]

@@ -150,8 +150,10 @@ def _resume(ref: dict, name: str, damage) -> Trainer:
     damage(run / "checkpoints")
     trainer = Trainer(_config(ref["cache"]), run, resume=True, save_model=False)
     result = trainer.run()
-    trainer.resumed_steps = [r["step"] for r in result.history]
-    trainer.resumed_train = [r["train_loss"] for r in result.history]
+    resumed = [r for r in result.history if r["step"] > trainer.start_step]  # what this process trained
+    assert [r["step"] for r in result.history] == list(range(1, 7))  # the history is the whole run's
+    trainer.resumed_steps = [r["step"] for r in resumed]
+    trainer.resumed_train = [r["train_loss"] for r in resumed]
     return trainer
 
 
@@ -204,7 +206,8 @@ def _worker(rank: int, world: int, port: int, cache: str, jobs: list[dict]) -> N
         except _Kill:
             continue
         # each rank's own view: the DDP weights are shared, the dropout stream after training is not
-        torch.save({"state": trainer.model.state_dict(), "train": [r["train_loss"] for r in result.history],
+        torch.save({"state": trainer.model.state_dict(),
+                    "train": [r["train_loss"] for r in result.history if r["step"] > trainer.start_step],
                     "rng": torch.get_rng_state()}, Path(job["out"]) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

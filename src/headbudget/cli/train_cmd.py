@@ -219,9 +219,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     on_run.i = 1
     with claim_output_dir(out, command="headbudget compare", resume=args.resume, overwrite=args.overwrite):
         summary = run_compare(cfg, schedules, c.seeds, out, save_models=c.save_models, on_run=on_run,
-                              reference=reference, until_flat=c.until_flat, resume=args.resume)
+                              reference=reference, until_flat=c.until_flat, resume=args.resume,
+                              margin=c.margin)
     print()
-    print((out / "report.md").read_text().split("## Reading")[0].split("\n\n", 2)[-1].strip())
+    table, reading = (out / "report.md").read_text().split("## Reading", 1)
+    print(table.split("\n\n", 2)[-1].strip())
+    print("\n".join(["", *[line for line in reading.splitlines() if line.startswith("- ")]]))
     written = [f for f in ("compare.json", "report.md", "loss_curves.png", "paired_curves.png") if (out / f).is_file()]
     print(f"\n{', '.join(written)} in {out}  ({summary['wall_s']:.0f}s)")
     return 0

@@ -104,6 +104,51 @@ def paired_differences(values: dict[int, float], reference: dict[int, float],
     return out
 
 
+def min_detectable_difference(sd_diff: float, n: int, alpha: float = 0.05, power: float = 0.80) -> float:
+    """The smallest true mean paired difference that a two-sided paired t-test at level ``alpha`` over ``n``
+    seeds detects with probability ``power``, when per-seed differences have standard deviation ``sd_diff``
+    (exact, from the noncentral t distribution). What a comparison of this many seeds can tell apart.
+
+    >>> round(min_detectable_difference(1.0, 5), 3)
+    1.682
+    """
+    from scipy import optimize
+
+    if sd_diff <= 0:
+        return 0.0
+    df, crit = n - 1, float(stats.t.ppf(1 - alpha / 2, n - 1))
+
+    def power_at(effect: float) -> float:
+        nc = effect * math.sqrt(n) / sd_diff
+        upper, lower = float(stats.nct.sf(crit, df, nc)), float(stats.nct.cdf(-crit, df, nc))
+        return upper + (lower if math.isfinite(lower) else 0.0)  # the far tail is ~0 (scipy: NaN there)
+
+    hi = sd_diff
+    while power_at(hi) < power:  # bracket the root (a fixed wide bracket sends nct into NaN)
+        hi *= 2
+    return float(optimize.brentq(lambda e: power_at(e) - power, 1e-12, hi))
+
+
+def decide(ci: Sequence[float] | None, margin: float | None = None) -> str:
+    """What a paired 95% interval of (schedule - reference) loss says: ``lower``, ``higher``, ``equivalent``
+    (the whole interval inside ±``margin``, a null result stated as firmly as a win) or ``inconclusive``;
+    ``undecided`` with fewer than 2 seeds.
+
+    >>> decide([-0.03, -0.01]), decide([-0.01, 0.02], margin=0.05), decide([-0.01, 0.08], margin=0.05)
+    ('lower', 'equivalent', 'inconclusive')
+    """
+    if ci is None:
+        return "undecided"
+    lo, hi = ci
+    if hi < 0:
+        return "lower"
+    if lo > 0:
+        return "higher"
+    if margin is not None and -margin < lo and hi < margin:
+        return "equivalent"
+    return "inconclusive"
+
+
 def default_reference(schedules: Sequence[str], reference: str | None = None) -> str:
     """The schedule differences are taken to: ``reference`` if given (it must be compared), else
     ``uniform`` when compared, else the first schedule."""
@@ -141,12 +186,14 @@ def run_compare(
     reference: str | None = None,
     until_flat: bool = False,
     resume: bool = False,
+    margin: float | None = None,
 ) -> dict[str, Any]:
     """Train every schedule x seed; returns the ``compare.json`` content (also written to ``out``).
 
     ``seeds`` is a count (seeds ``cfg.seed .. cfg.seed+N-1``) or an explicit list.  ``reference``
     (default: :func:`default_reference`) is trained first at every seed; ``until_flat`` stops its
     first-seed run at the first flat eval point (:func:`is_flat`) and trains every run that many steps.
+    ``margin`` (nats/token) is the equivalence margin of the report's decisions (:func:`decide`).
     ``resume`` continues an interrupted comparison in ``out``: finished runs are read back (not trained
     again), a run with a checkpoint continues from it exactly (``save_models``: without it no checkpoints are
     written, so such a run starts over), and the result equals that of an uninterrupted comparison.
@@ -157,6 +204,8 @@ def run_compare(
     seed_list = list(range(cfg.seed, cfg.seed + seeds)) if isinstance(seeds, int) else list(seeds)
     if not seed_list:
         raise ValueError("--seeds must be at least 1")
+    if margin is not None and not margin > 0:
+        raise ValueError(f"--margin must be a positive loss difference (nats/token), got {margin}")
     for s in schedules:  # fail before training anything
         build_schedule(cfg.replace(model={"schedule": s}))
     out = Path(out)
@@ -194,8 +243,13 @@ def run_compare(
                 on_run(sched, seed, result)
     by_sched = summarize_runs(runs, schedules, reference)
     flat_step = run_steps if until_flat and run_steps < max_steps else None
+    for s in by_sched.values():  # the decision of each paired interval and what these seeds could detect
+        p = s["paired"]
+        p["decision"] = decide(p["ci"], margin)
+        p["mdd_80"] = min_detectable_difference(p["std"], p["n"]) if p["n"] >= 2 else None
     summary = {
         "config": cfg.to_dict(), "data": data.meta, "baseline": reference, "reference": reference,
+        "margin": margin,
         "seeds": seed_list, "steps_per_run": run_steps,
         "tokens_per_run": run_steps * cfg.train.batch_size * cfg.train.context,
         "until_flat": None if not until_flat else {
@@ -345,8 +399,18 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
         verdict = ("lower than" if d < 0 else "higher than") if sig else "not distinguishable from"
         extra = (f" (paired t = {t:.1f} >= {crit:.2f}, 95% two-sided)" if sig
                  else f" (paired t = {t:.1f} < {crit:.2f} needed at 95% with {n} seeds)")
-        out.append(f"- {name} vs {base}: Δ = {d:+.4f} ± {sd:.4f} over {n} paired seeds, 95% CI "
-                   f"[{d - crit * se:+.4f}, {d + crit * se:+.4f}]: {verdict} {base}{extra}.")
+        ci = [d - crit * se, d + crit * se]
+        line = (f"- {name} vs {base}: Δ = {d:+.4f} ± {sd:.4f} over {n} paired seeds, 95% CI "
+                f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {verdict} {base}{extra}.")
+        margin = summary.get("margin")
+        if margin is not None and not sig:
+            line += (f" Equivalent to {base} within ±{margin:.4f}: the whole interval lies inside the margin."
+                     if decide(ci, margin) == "equivalent" else
+                     f" Not shown equivalent within ±{margin:.4f}: the interval reaches past the margin.")
+        if sd > 0:
+            line += (f" These {n} seeds detect a true difference of {min_detectable_difference(sd, n):.4f} with "
+                     "80% power.")
+        out.append(line)
     return out
 
 

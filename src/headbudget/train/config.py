@@ -197,10 +197,17 @@ class CompareSection:
                                    "warmup); every run then trains that many steps, all with the learning-rate "
                                    "schedule of train.steps (train.tokens: the most a run trains)")
     save_models: bool = option(True, flag="--no-save-models", help="do not write each run's model/ folder")
+    margin: float | None = option(None, flag="--margin", metavar="NATS",
+                                  help="equivalence margin (val loss, nats/token): a schedule whose paired 95% "
+                                       "interval lies inside ±NATS is reported equivalent to the reference, a "
+                                       "null result stated as firmly as a win")
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
             raise ConfigError(f"compare.seeds (--seeds) must be at least 1, got {self.seeds}")
+        if self.margin is not None and not self.margin > 0:
+            raise ConfigError(f"compare.margin (--margin) must be a positive loss difference (nats/token), "
+                              f"got {self.margin}")
 
 
 @dataclass

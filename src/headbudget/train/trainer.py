@@ -153,6 +153,9 @@ class Trainer:
         self.already_finished = False
         #: a callback sets it to end the run after the current step (a stopping rule); see the class doc
         self.stop_requested = False
+        #: the step run() started training from: 0, or that of the checkpoint it resumed (``history`` still
+        #: holds the whole run's records)
+        self.start_step = 0
         self._check()
 
     def _check(self) -> None:
@@ -221,7 +224,7 @@ class Trainer:
                 self.model, self.already_finished = None, True
                 return finished
         run = self._setup(device)
-        start_step = self._resume_step(run)
+        start_step = self.start_step = self._resume_step(run)
         if start_step > self.end_step:
             raise ValueError(f"{self.out}: its checkpoint is at step {start_step}, past the {self.end_step} steps this "
                              "run is to train; resume it with the settings it was made with, or train into a new --out")
