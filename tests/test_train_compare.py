@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -379,7 +380,53 @@ def test_cli_compare_margin_reports_equivalence_and_what_the_seeds_detect(tmp_pa
                 f"Not shown equivalent within ±{margin:.4f}")
         assert said in report and said in printed  # the verdict reaches the terminal, not only the report
         assert f"These 3 seeds detect a true difference of {p['mdd_80']:.4f} with 80% power" in report
+        assert (out / "paired_differences.png").read_bytes()[:4] == b"\x89PNG"
+        assert "![paired differences at the end](paired_differences.png)" in report
+        assert "paired_differences.png" in printed
     assert main(["compare", str(cfgfile), "--margin", "-1", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "--margin" in err and "-1" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
+
+
+def test_paired_differences_plot_draws_each_seed_interval_and_margin(tmp_path, monkeypatch):
+    import headbudget.train.compare as compare
+
+    summary = {"baseline": "uniform", "margin": 0.02, "seeds": [0, 1, 2], "schedules": {
+        "uniform": {}, "prism": {"paired": {"diffs": [0.01, -0.005, 0.004], "mean": 0.003, "ci": [-0.016, 0.022]}},
+        "reverse": {"paired": {"diffs": [0.02, 0.03, 0.025], "mean": 0.025, "ci": [0.013, 0.037]}}}}
+    figs = []
+    monkeypatch.setattr(compare, "save_figure", lambda fig, path: figs.append(fig) or Path(path))
+    compare.plot_paired_differences(summary, tmp_path / "d.png")
+    ax = figs[0].axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["reverse - uniform", "prism - uniform"]
+    bars = {tuple(line.get_ydata()): list(line.get_xdata()) for line in ax.lines if line.get_linewidth() == 2.5}
+    assert bars == {(1, 1): [-0.016, 0.022], (0, 0): [0.013, 0.037]}  # prism on top (y 1), reverse below
+    seeds = sorted(tuple(off) for c in ax.collections if len(c.get_offsets()) == 3 for off in c.get_offsets())
+    assert seeds == sorted([(0.01, 1), (-0.005, 1), (0.004, 1), (0.02, 0), (0.03, 0), (0.025, 0)])
+    band = [p for p in ax.patches]  # the ±margin band
+    assert len(band) == 1 and band[0].get_x() == pytest.approx(-0.02) and band[0].get_width() == pytest.approx(0.04)
+
+
+def test_a_schedule_identical_to_the_reference_is_not_reported_higher():
+    """uniform@32 at d_model 64 with 2 heads is uniform's layout: every paired Δ is exactly 0, sd 0. The t-test
+    branch read that as t = inf and printed "higher than uniform"."""
+    from headbudget.train.compare import verdicts
+
+    lay = {"heads": [2, 2, 2], "head_dims": [32, 32, 32]}
+    summary = {"seeds": [0, 1, 2], "baseline": "uniform", "schedules": {
+        "uniform": dict(lay), "uniform@32": {**lay, "delta_vs_baseline_mean": 0.0, "delta_vs_baseline_std": 0.0},
+        "other": {"heads": [2, 4, 8], "head_dims": [32, 16, 8], "delta_vs_baseline_mean": 0.0,
+                  "delta_vs_baseline_std": 0.0}}}
+    same, other = verdicts(summary)
+    assert "higher" not in same and "the same layout (heads 2,2,2, head dims 32,32,32)" in same
+    assert "higher" not in other and "Δ = 0 at every one of 3 seeds: identical results" in other
+
+
+def test_run_compare_marks_an_identical_layout_as_identical(tmp_path):
+    a = run_compare(tiny(tmp_path), ["uniform", "uniform@32", "prism"], 2, tmp_path / "a", save_models=False,
+                    plot=False, margin=0.5)
+    assert a["schedules"]["uniform@32"]["paired"]["diffs"] == [0.0, 0.0]
+    assert a["schedules"]["uniform@32"]["paired"]["decision"] == "identical"
+    assert a["schedules"]["prism"]["paired"]["decision"] == "equivalent"
+    assert "higher than uniform" not in (tmp_path / "a" / "report.md").read_text()

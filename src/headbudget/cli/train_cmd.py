@@ -225,7 +225,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     table, reading = (out / "report.md").read_text().split("## Reading", 1)
     print(table.split("\n\n", 2)[-1].strip())
     print("\n".join(["", *[line for line in reading.splitlines() if line.startswith("- ")]]))
-    written = [f for f in ("compare.json", "report.md", "loss_curves.png", "paired_curves.png") if (out / f).is_file()]
+    written = [f for f in ("compare.json", "report.md", "loss_curves.png", "paired_curves.png",
+                           "paired_differences.png") if (out / f).is_file()]
     print(f"\n{', '.join(written)} in {out}  ({summary['wall_s']:.0f}s)")
     return 0
 
@@ -278,7 +279,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_distill, validate=_validate_distill)
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
-                       description="Writes compare.json, report.md, loss_curves.png and paired_curves.png. Every config key is also "
+                       description="Writes compare.json, report.md, loss_curves.png, paired_curves.png and (2+ seeds) "
+                                   "paired_differences.png. Every config key is also "
                                    "a flag: --section.key VALUE.")
     _add_common(p, cls=CompareConfig, aliases={"train.tokens": ("--tokens",)})
     p.add_argument("--resume", action="store_true",

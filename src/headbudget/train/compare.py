@@ -245,7 +245,7 @@ def run_compare(
     flat_step = run_steps if until_flat and run_steps < max_steps else None
     for s in by_sched.values():  # the decision of each paired interval and what these seeds could detect
         p = s["paired"]
-        p["decision"] = decide(p["ci"], margin)
+        p["decision"] = "identical" if p["n"] and not any(p["diffs"]) else decide(p["ci"], margin)
         p["mdd_80"] = min_detectable_difference(p["std"], p["n"]) if p["n"] >= 2 else None
     summary = {
         "config": cfg.to_dict(), "data": data.meta, "baseline": reference, "reference": reference,
@@ -268,6 +268,8 @@ def run_compare(
         if len(schedules) > 1:
             curves = {s: dict(zip(seed_list, hs)) for s, hs in summary["curves"].items()}
             plot_paired_curves(paired_curves(curves, reference), reference, out / "paired_curves.png")
+            if len(seed_list) > 1:
+                plot_paired_differences(summary, out / "paired_differences.png")
     return summary
 
 
@@ -372,6 +374,10 @@ def render_report(summary: dict[str, Any]) -> str:
               "50 ms (approximate, includes the Python runtime and the data memmaps)."]
     lines += ["", "![loss curves](loss_curves.png)", ""]
     if len(summary["schedules"]) > 1:
+        if n > 1:
+            lines += ["The final paired differences, per seed and with their 95% intervals"
+                      + (f" against the ±{summary['margin']:g} margin" if summary.get("margin") else "") + ":", "",
+                      "![paired differences at the end](paired_differences.png)", ""]
         lines += [f"Each schedule's validation loss minus {summary['baseline']}'s at the same seed, over training "
                   "(is a difference still moving at the end?):", "", "![paired differences](paired_curves.png)", ""]
     return "\n".join(lines)
@@ -388,6 +394,15 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
         if name == base:
             continue
         d, sd = s["delta_vs_baseline_mean"], s["delta_vs_baseline_std"]
+        ref = summary["schedules"][base]
+        if s.get("heads") is not None and (s.get("heads"), s.get("head_dims")) == (ref.get("heads"), ref.get("head_dims")):
+            out.append(f"- {name} vs {base}: the same layout (heads {','.join(map(str, s['heads']))}, head dims "
+                       f"{','.join(map(str, s['head_dims']))}), so the same model trained on the same batches: "
+                       f"Δ = {d:+.4f}" + ("." if d == 0 and sd == 0 else " (not 0: the runs are not deterministic)."))
+            continue
+        if n >= 2 and d == 0 and sd == 0:  # no spread to test against: identical results, not a difference
+            out.append(f"- {name} vs {base}: Δ = 0 at every one of {n} seeds: identical results.")
+            continue
         if n < 2:
             out.append(f"- {name} vs {base}: Δ = {d:+.4f} from one seed; run --seeds 3 or more to tell it "
                        "from seed noise.")
@@ -479,6 +494,40 @@ def paired_curves(curves: dict[str, dict[int, Sequence[dict[str, Any]]]], refere
                      "per_seed": {seed: [v[st][1] for st in steps] for seed, v in per.items()},
                      "mean": [float(np.mean([v[st][1] for v in per.values()])) for st in steps]}
     return out
+
+
+def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) -> Path:
+    """The final paired differences as a forest plot: per schedule its per-seed differences (dots), their mean
+    and 95% interval (bar), zero (the reference) and the ``--margin`` band when one was set, so that
+    "equivalent" (the bar inside the band) and "inconclusive" (a bar reaching past it) are seen at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base, margin = summary["baseline"], summary.get("margin")
+    rows = [(name, s["paired"]) for name, s in summary["schedules"].items() if name != base]
+    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.55 * len(rows)))
+    if margin is not None:
+        ax.axvspan(-margin, margin, color="C2", alpha=0.12, label=f"±{margin:g} margin")
+    ax.axvline(0.0, color="C0", lw=1)
+    for y, (_, p) in enumerate(reversed(rows)):
+        ax.scatter(p["diffs"], [y] * len(p["diffs"]), s=14, color="0.5", zorder=2)
+        if p["ci"] is not None:
+            ax.plot(p["ci"], [y, y], color="C3", lw=2.5, zorder=3)
+        ax.scatter([p["mean"]], [y], s=40, color="C3", zorder=4)
+    ax.set_yticks(range(len(rows)), [f"{name} - {base}" for name, _ in reversed(rows)])
+    ax.set(xlabel="final val loss difference (nats/token); dots: seeds, bar: 95% interval",
+           title=f"paired by seed, {len(summary['seeds'])} seeds")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))  # tick labels of 4-digit losses overlap
+    ax.grid(axis="x", alpha=0.3)
+    if margin is not None:
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    try:
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def plot_paired_curves(paired: dict[str, dict[str, Any]], reference: str, path: str | os.PathLike,
