@@ -327,6 +327,8 @@ def test_cli_compare_resume(tmp_path, capsys):
     assert "--resume" in err and len(err.strip().splitlines()) == 1
     assert main(args + ["--resume"]) == 0
     assert _outcome(json.loads((out / "compare.json").read_text())) == _outcome(first)
+    printed = capsys.readouterr().out
+    assert "[1/2] uniform seed 0: val loss" in printed and printed.count("(finished earlier: read back)") == 2
 
 
 def test_decide_states_a_null_result_only_inside_the_margin():

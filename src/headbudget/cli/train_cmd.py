@@ -213,7 +213,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     def on_run(sched: str, seed: int, result) -> None:
         print(f"[{on_run.i}/{n}] {sched} seed {seed}: val loss {result.final_val_loss:.4f}, "
-              f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.1f}s", flush=True)
+              f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.1f}s"
+              + (" (finished earlier: read back)" if result.read_back else ""), flush=True)
         on_run.i += 1
 
     on_run.i = 1

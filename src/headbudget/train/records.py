@@ -38,12 +38,15 @@ class TrainResult:
     wall_s: float
     schedule: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
+    #: read back from a finished run's folder (``finished_result``), not trained by this process
+    read_back: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["out_dir"] = str(self.out_dir)
         d["model_dir"] = str(self.model_dir) if self.model_dir else None
         d.pop("history")
+        d.pop("read_back")
         return d
 
 
@@ -195,8 +198,8 @@ def finished_result(out: str | os.PathLike, cfg: RunConfig, steps: int | None = 
         import yaml
 
         check_compatible(cfg, out / "config.yaml", yaml.safe_load((out / "config.yaml").read_text()) or {})
-    keys = {f.name for f in TrainResult.__dataclass_fields__.values()} - {"history"}
-    result = TrainResult(**{k: summary[k] for k in keys if k in summary})
+    keys = {f.name for f in TrainResult.__dataclass_fields__.values()} - {"history", "read_back"}
+    result = TrainResult(**{k: summary[k] for k in keys if k in summary}, read_back=True)
     result.out_dir = out
     result.model_dir = Path(summary["model_dir"]) if summary.get("model_dir") else None
     result.history = read_metrics(out / "metrics.jsonl")
