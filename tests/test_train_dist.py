@@ -143,3 +143,46 @@ def test_kill_9_and_resume_is_bit_identical_and_resumes_on_one_process(tmp_path,
     assert max(abs(a["train_loss"] - b) for a, b in zip(result.history[3:], ref["train"][3:])) < 1e-5
     assert _max_diff(trainer.model.state_dict(), ref["state"]) < 1e-5
     assert read_trainer_state(latest_checkpoint(one / "checkpoints"))["world_size"] == 1
+
+
+# ---------------------------------------------------------------------------- compare under torchrun
+def _compare_worker(rank: int, world: int, port: int, cache: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import json
+
+    import torch.distributed as dist
+
+    from headbudget.train.compare import run_compare
+
+    called = []
+    cfg = _config(cache, fsdp=False).replace(train={"ckpt_every": 0})
+    run_compare(cfg, ["uniform", "prism"], 2, out, save_models=False, plot=False,
+                on_run=lambda sched, seed, result: called.append([sched, seed]))
+    Path(out, f"on_run_rank{rank}.json").write_text(json.dumps(called))
+    dist.destroy_process_group()
+
+
+def test_compare_under_torchrun_trains_each_run_on_both_processes_and_writes_once(tmp_path):
+    """2 processes (DDP): the same runs as one process to float tolerance, one prepared dataset (the first
+    process prepares it, the other waits), compare.json written once and on_run called on rank 0 only."""
+    import json
+
+    from headbudget.train.compare import run_compare
+
+    cache = str(tmp_path / "cache")  # a fresh cache: both processes start with nothing prepared
+    out = tmp_path / "cmp2"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_compare_worker, args=(2, port, cache, str(out)), nprocs=2, join=True)
+    one = run_compare(_config(cache, fsdp=False).replace(train={"ckpt_every": 0}), ["uniform", "prism"], 2,
+                      tmp_path / "cmp1", save_models=False, plot=False)
+    two = json.loads((out / "compare.json").read_text())
+    assert [(r["schedule"], r["seed"]) for r in two["runs"]] == [(r["schedule"], r["seed"]) for r in one["runs"]]
+    for a, b in zip(one["runs"], two["runs"]):
+        assert abs(a["final_val_loss"] - b["final_val_loss"]) < 1e-5, (a["schedule"], a["seed"])
+    assert json.loads((out / "on_run_rank0.json").read_text()) == [["uniform", 0], ["prism", 0], ["uniform", 1],
+                                                                   ["prism", 1]]
+    assert json.loads((out / "on_run_rank1.json").read_text()) == []
+    assert len(list(Path(cache).iterdir())) == 1  # one prepared dataset

@@ -218,10 +218,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         on_run.i += 1
 
     on_run.i = 1
-    with claim_output_dir(out, command="headbudget compare", resume=args.resume, overwrite=args.overwrite):
+    # one writer: rank 0 holds the folder for the whole job (under torchrun every run trains on all processes)
+    claim = claim_output_dir(out, command="headbudget compare", resume=args.resume, overwrite=args.overwrite) \
+        if _is_main() else contextlib.nullcontext(out)
+    with claim:
         summary = run_compare(cfg, schedules, c.seeds, out, save_models=c.save_models, on_run=on_run,
                               reference=reference, until_flat=c.until_flat, resume=args.resume,
                               margin=c.margin)
+    if not _is_main():
+        return 0
     print()
     table, reading = (out / "report.md").read_text().split("## Reading", 1)
     print(table.split("\n\n", 2)[-1].strip())

@@ -37,6 +37,7 @@ from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text, save_figure
 from headbudget.train.config import RunConfig
 from headbudget.train.config import steps_for_tokens as steps_for_tokens  # re-exported
+from headbudget.train.loop import distributed_env, init_distributed, training_device
 from headbudget.train.trainer import Trainer, TrainResult, build_schedule
 
 
@@ -173,6 +174,20 @@ def prepare_for(cfg: RunConfig, progress: bool = True) -> PreparedData:
                         max_chars=d.max_chars, split_blank_lines=d.split_blank_lines, progress=progress)
 
 
+def prepare_shared(cfg: RunConfig) -> PreparedData:
+    """:func:`prepare_for` once for all processes: under torchrun the first prepares the cache while the
+    others wait, then they read it (every run of a comparison shares one prepared dataset)."""
+    rank, world, local_rank = distributed_env()
+    if world == 1:
+        return prepare_for(cfg, cfg.train.progress)
+    import torch.distributed as dist
+
+    init_distributed(training_device(cfg.train.device, world, local_rank), world)
+    data = prepare_for(cfg, cfg.train.progress) if rank == 0 else None
+    dist.barrier()
+    return data or prepare_for(cfg, progress=False)
+
+
 def run_compare(
     cfg: RunConfig,
     schedules: Sequence[str],
@@ -210,7 +225,8 @@ def run_compare(
         build_schedule(cfg.replace(model={"schedule": s}))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    data = data or prepare_for(cfg, cfg.train.progress)
+    is_main = distributed_env()[0] == 0  # under torchrun every run trains on all processes (DDP/FSDP2)
+    data = data or prepare_shared(cfg)
     runs: list[dict[str, Any]] = []
     histories: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in schedules}
     t0 = time.perf_counter()
@@ -239,7 +255,7 @@ def run_compare(
                 "wall_s": result.wall_s, "run_dir": str(run_dir),
             })
             histories[sched].append(result.history)
-            if on_run is not None:
+            if on_run is not None and is_main:
                 on_run(sched, seed, result)
     by_sched = summarize_runs(runs, schedules, reference)
     flat_step = run_steps if until_flat and run_steps < max_steps else None
@@ -261,6 +277,8 @@ def run_compare(
         "curves": {s: [[{k: rec[k] for k in ("step", "tokens", "train_loss", "val_loss")} for rec in h]
                        for h in hs] for s, hs in histories.items()},
     }
+    if not is_main:  # one writer of the comparison's files
+        return summary
     atomic_write_text(out / "compare.json", json.dumps(summary, indent=2))
     atomic_write_text(out / "report.md", render_report(summary))
     if plot:

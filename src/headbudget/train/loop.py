@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 __all__ = ["LogRecord", "LoopResult", "TrainLoop", "TrainingDivergedError", "build_adamw", "distributed_env",
-           "fused_adamw_available", "init_distributed", "param_groups", "shard_or_replicate", "warmup_cosine",
+           "fused_adamw_available", "init_distributed", "param_groups", "shard_or_replicate", "training_device",
+           "warmup_cosine",
            "warmup_linear"]
 
 
@@ -150,6 +151,16 @@ def distributed_env() -> tuple[int, int, int]:
     """``(rank, world_size, local_rank)`` from torchrun's environment (``(0, 1, 0)`` without it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def training_device(spec: str, world: int = 1, local_rank: int = 0) -> torch.device:
+    """The device of ``train.device`` (``auto``: CUDA when there is one); under torchrun on CUDA, this
+    process's GPU (``LOCAL_RANK``), made the current one."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec == "auto" else spec)
+    if dev.type == "cuda" and world > 1:
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def init_distributed(device: torch.device, world: int) -> bool:

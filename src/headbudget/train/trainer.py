@@ -65,6 +65,7 @@ from headbudget.train.loop import (  # TrainingDivergedError and param_groups ar
     init_distributed,
     param_groups,
     shard_or_replicate,
+    training_device,
 )
 from headbudget.train.memory import PeakMemory
 from headbudget.train.records import (  # TrainResult is also imported from here
@@ -176,14 +177,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _device(self) -> torch.device:
-        d = self.cfg.train.device
-        if d == "auto":
-            d = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(d)
-        if dev.type == "cuda" and self.world > 1:
-            dev = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(dev)
-        return dev
+        return training_device(self.cfg.train.device, self.world, self.local_rank)
 
     def _prepare(self) -> PreparedData:
         if self.data is not None:
