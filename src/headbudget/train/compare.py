@@ -388,7 +388,10 @@ def render_report(summary: dict[str, Any]) -> str:
         )
     lines += ["", "## Reading", ""]
     lines += verdicts(summary)
-    lines += ["", "Peak memory is the CUDA allocator peak on GPU; on CPU it is the process RSS sampled every "
+    lines += ["", "Tokens/s is each run's mean over its logged steps, the runs trained one after another: on a "
+              "machine shared with other work it measures the load as much as the schedule (for a speed "
+              "comparison, `python benchmarks/throughput.py --loop` times the schedules interleaved). "
+              "Peak memory is the CUDA allocator peak on GPU; on CPU it is the process RSS sampled every "
               "50 ms (approximate, includes the Python runtime and the data memmaps)."]
     lines += ["", "![loss curves](loss_curves.png)", ""]
     if len(summary["schedules"]) > 1:
