@@ -228,7 +228,7 @@ _TRAIN_SET_DEFAULT = ["data.source=synthetic:6000", "data.val_fraction=0.25"]
 SMALL: dict[str, dict[str, str | None]] = {
     "quickstart": {"--tiny": None},
     "distill": {"--tokens": "256"},  # 2 steps of 2 x 64 tokens
-    "compare": {"--seeds": "1"},
+    "compare": {"--seeds": "1", "--tokens": "256"},  # --tokens sets train.steps: 2 steps of 2 x 64 tokens
     "eval": {"--limit": "2"},  # not --quiet: the printed accuracies are checked
     "perplexity": {"--max-windows": "2", "--quiet": None},
     "attention": {"--seq-len": "32", "--n-seqs": "1"},
