@@ -6,6 +6,7 @@
     headbudget compare configs/cpu-small.yaml --schedules uniform,prism,reverse,uniform@128 --seeds 3
     headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat
     headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat --resume  # after a crash
+    headbudget compare cpu-small --schedules uniform,prism,uniform@128 --seeds 5 --tokens 1M --margin 0.02
     headbudget prepare configs/cpu-small.yaml        # tokenize once into the cache
     headbudget prepare --source "jsonl:corpus.jsonl:text" --tokenizer bpe:4096
     headbudget distill runs/pruned/model --teacher runs/dense/model --data corpus.txt --tokens 1M --out runs/rec
