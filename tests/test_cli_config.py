@@ -304,10 +304,11 @@ def test_compare_print_config_shows_the_steps_tokens_sets(capsys):
 
 def test_compare_flags_are_its_compare_section_and_train_reads_the_same_file(tmp_path, capsys):
     first = _print_config(["compare", "quickstart", "--schedules", "uniform,reverse", "--seeds", "2", "--reference",
-                           "reverse", "--until-flat", "--no-save-models", "--out", "runs/c", "--print_config"], capsys)
+                           "reverse", "--until-flat", "--no-save-models", "--margin", "0.02", "--out", "runs/c",
+                           "--print_config"], capsys)
     d = yaml.safe_load(first)
     assert d["compare"] == {"schedules": "uniform,reverse", "seeds": 2, "reference": "reverse", "until_flat": True,
-                            "save_models": False}
+                            "save_models": False, "margin": 0.02}
     assert (d["out"], d["name"], d["train"]["steps"]) == ("runs/c", "quickstart", 150)
     cfg = tmp_path / "cmp.yaml"
     cfg.write_text(first)

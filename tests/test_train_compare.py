@@ -392,14 +392,14 @@ def test_cli_compare_margin_reports_equivalence_and_what_the_seeds_detect(tmp_pa
 
 
 def test_paired_differences_plot_draws_each_seed_interval_and_margin(tmp_path, monkeypatch):
-    import headbudget.train.compare as compare
+    import headbudget.train.compare_plots as compare_plots
 
     summary = {"baseline": "uniform", "margin": 0.02, "seeds": [0, 1, 2], "schedules": {
         "uniform": {}, "prism": {"paired": {"diffs": [0.01, -0.005, 0.004], "mean": 0.003, "ci": [-0.016, 0.022]}},
         "reverse": {"paired": {"diffs": [0.02, 0.03, 0.025], "mean": 0.025, "ci": [0.013, 0.037]}}}}
     figs = []
-    monkeypatch.setattr(compare, "save_figure", lambda fig, path: figs.append(fig) or Path(path))
-    compare.plot_paired_differences(summary, tmp_path / "d.png")
+    monkeypatch.setattr(compare_plots, "save_figure", lambda fig, path: figs.append(fig) or Path(path))
+    compare_plots.plot_paired_differences(summary, tmp_path / "d.png")
     ax = figs[0].axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["reverse - uniform", "prism - uniform"]
     bars = {tuple(line.get_ydata()): list(line.get_xdata()) for line in ax.lines if line.get_linewidth() == 2.5}

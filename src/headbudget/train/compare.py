@@ -34,10 +34,21 @@ import numpy as np
 from scipy import stats  # a dependency of scikit-learn, which headbudget requires
 
 from headbudget.data.prepare import PreparedData, prepare_data
-from headbudget.io import atomic_write_text, save_figure
+from headbudget.io import atomic_write_text
+from headbudget.train.compare_plots import (  # re-exported
+    plot_curves,
+    plot_paired_curves,
+    plot_paired_differences,
+)
 from headbudget.train.config import RunConfig
 from headbudget.train.config import steps_for_tokens as steps_for_tokens  # re-exported
 from headbudget.train.loop import distributed_env, init_distributed, training_device
+from headbudget.train.paired import (  # re-exported: the study and older callers import them from here
+    decide,
+    min_detectable_difference,
+    paired_differences,
+    sample_std,
+)
 from headbudget.train.trainer import Trainer, TrainResult, build_schedule
 
 
@@ -82,74 +93,6 @@ def is_flat(history: Sequence[dict[str, Any]], *, window: float = FLAT_WINDOW, t
     return len(recent) >= 2 and max(recent) - min(recent) < tolerance * abs(last)
 
 
-def paired_differences(values: dict[int, float], reference: dict[int, float],
-                       confidence: float = 0.95) -> dict[str, Any]:
-    """Per-seed differences ``values[seed] - reference[seed]`` over the seeds both have, their mean,
-    standard deviation (n-1) and a two-sided Student-t interval for the mean difference.
-
-    >>> d = paired_differences({0: 2.9, 1: 3.0, 2: 3.1}, {0: 3.0, 1: 3.2, 2: 3.4})
-    >>> round(d["mean"], 6), round(d["std"], 6), [round(x, 6) for x in d["ci"]]
-    (-0.2, 0.1, [-0.448414, 0.048414])
-    """
-    seeds = sorted(set(values) & set(reference))
-    diffs = [float(values[s]) - float(reference[s]) for s in seeds]
-    n = len(diffs)
-    mean = float(np.mean(diffs)) if n else math.nan
-    sd = _std(diffs)
-    out: dict[str, Any] = {"seeds": seeds, "diffs": diffs, "n": n, "mean": mean, "std": sd,
-                           "confidence": confidence, "ci": None, "t_crit": None, "t": None}
-    if n >= 2:
-        crit = float(stats.t.ppf(0.5 + confidence / 2, n - 1))
-        half = crit * sd / math.sqrt(n)
-        out.update(ci=[mean - half, mean + half], t_crit=crit, t=mean / (sd / math.sqrt(n)) if sd > 0 else None)
-    return out
-
-
-def min_detectable_difference(sd_diff: float, n: int, alpha: float = 0.05, power: float = 0.80) -> float:
-    """The smallest true mean paired difference that a two-sided paired t-test at level ``alpha`` over ``n``
-    seeds detects with probability ``power``, when per-seed differences have standard deviation ``sd_diff``
-    (exact, from the noncentral t distribution). What a comparison of this many seeds can tell apart.
-
-    >>> round(min_detectable_difference(1.0, 5), 3)
-    1.682
-    """
-    from scipy import optimize
-
-    if sd_diff <= 0:
-        return 0.0
-    df, crit = n - 1, float(stats.t.ppf(1 - alpha / 2, n - 1))
-
-    def power_at(effect: float) -> float:
-        nc = effect * math.sqrt(n) / sd_diff
-        upper, lower = float(stats.nct.sf(crit, df, nc)), float(stats.nct.cdf(-crit, df, nc))
-        return upper + (lower if math.isfinite(lower) else 0.0)  # the far tail is ~0 (scipy: NaN there)
-
-    hi = sd_diff
-    while power_at(hi) < power:  # bracket the root (a fixed wide bracket sends nct into NaN)
-        hi *= 2
-    return float(optimize.brentq(lambda e: power_at(e) - power, 1e-12, hi))
-
-
-def decide(ci: Sequence[float] | None, margin: float | None = None) -> str:
-    """What a paired 95% interval of (schedule - reference) loss says: ``lower``, ``higher``, ``equivalent``
-    (the whole interval inside ±``margin``, a null result stated as firmly as a win) or ``inconclusive``;
-    ``undecided`` with fewer than 2 seeds.
-
-    >>> decide([-0.03, -0.01]), decide([-0.01, 0.02], margin=0.05), decide([-0.01, 0.08], margin=0.05)
-    ('lower', 'equivalent', 'inconclusive')
-    """
-    if ci is None:
-        return "undecided"
-    lo, hi = ci
-    if hi < 0:
-        return "lower"
-    if lo > 0:
-        return "higher"
-    if margin is not None and -margin < lo and hi < margin:
-        return "equivalent"
-    return "inconclusive"
-
-
 def default_reference(schedules: Sequence[str], reference: str | None = None) -> str:
     """The schedule differences are taken to: ``reference`` if given (it must be compared), else
     ``uniform`` when compared, else the first schedule."""
@@ -162,10 +105,6 @@ def default_reference(schedules: Sequence[str], reference: str | None = None) ->
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9@._-]+", "_", name)
-
-
-def _std(values: list[float]) -> float:
-    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
 def prepare_for(cfg: RunConfig, progress: bool = True) -> PreparedData:
@@ -246,49 +185,51 @@ def run_compare(
                 result = trainer.run()
             if run_steps is None:
                 run_steps = result.steps
-            sch = build_schedule(run_cfg)
-            runs.append({
-                "schedule": sched, "seed": seed, "params": result.params, "steps": result.steps,
-                "heads": list(sch.heads), "head_dims": list(sch.head_dims),
-                "final_val_loss": result.final_val_loss, "final_train_loss": result.final_train_loss,
-                "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
-                "wall_s": result.wall_s, "run_dir": str(run_dir),
-            })
+            runs.append(_run_record(sched, seed, build_schedule(run_cfg), result, run_dir))
             histories[sched].append(result.history)
             if on_run is not None and is_main:
                 on_run(sched, seed, result)
-    by_sched = summarize_runs(runs, schedules, reference)
-    flat_step = run_steps if until_flat and run_steps < max_steps else None
-    for s in by_sched.values():  # the decision of each paired interval and what these seeds could detect
-        p = s["paired"]
-        p["decision"] = "identical" if p["n"] and not any(p["diffs"]) else decide(p["ci"], margin)
-        p["mdd_80"] = min_detectable_difference(p["std"], p["n"]) if p["n"] >= 2 else None
     summary = {
         "config": cfg.to_dict(), "data": data.meta, "baseline": reference, "reference": reference,
-        "margin": margin,
-        "seeds": seed_list, "steps_per_run": run_steps,
+        "margin": margin, "seeds": seed_list, "steps_per_run": run_steps,
         "tokens_per_run": run_steps * cfg.train.batch_size * cfg.train.context,
         "until_flat": None if not until_flat else {
             "rule": f"val loss spread < {FLAT_TOLERANCE:.0%} of the newest over the last {FLAT_WINDOW:.0%} of "
                     "the steps so far, at eval points after the warmup",
-            "decided_by": {"schedule": reference, "seed": seed_list[0]}, "flat_at_step": flat_step,
-            "max_steps": max_steps},
-        "schedules": by_sched, "runs": runs, "wall_s": time.perf_counter() - t0,
+            "decided_by": {"schedule": reference, "seed": seed_list[0]},
+            "flat_at_step": run_steps if run_steps < max_steps else None, "max_steps": max_steps},
+        "schedules": summarize_runs(runs, schedules, reference, margin), "runs": runs,
+        "wall_s": time.perf_counter() - t0,
         "curves": {s: [[{k: rec[k] for k in ("step", "tokens", "train_loss", "val_loss")} for rec in h]
                        for h in hs] for s, hs in histories.items()},
     }
-    if not is_main:  # one writer of the comparison's files
-        return summary
+    if is_main:  # one writer of the comparison's files
+        write_outputs(summary, out, plot)
+    return summary
+
+
+def _run_record(sched: str, seed: int, schedule: Any, result: TrainResult, run_dir: Path) -> dict[str, Any]:
+    """One run's row of ``compare.json``."""
+    return {"schedule": sched, "seed": seed, "params": result.params, "steps": result.steps,
+            "heads": list(schedule.heads), "head_dims": list(schedule.head_dims),
+            "final_val_loss": result.final_val_loss, "final_train_loss": result.final_train_loss,
+            "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
+            "wall_s": result.wall_s, "run_dir": str(run_dir)}
+
+
+def write_outputs(summary: dict[str, Any], out: Path, plot: bool = True) -> None:
+    """``compare.json``, ``report.md`` and (``plot``) the figures of a comparison's summary into ``out``."""
     atomic_write_text(out / "compare.json", json.dumps(summary, indent=2))
     atomic_write_text(out / "report.md", render_report(summary))
-    if plot:
-        plot_curves(summary, out / "loss_curves.png")
-        if len(schedules) > 1:
-            curves = {s: dict(zip(seed_list, hs)) for s, hs in summary["curves"].items()}
-            plot_paired_curves(paired_curves(curves, reference), reference, out / "paired_curves.png")
-            if len(seed_list) > 1:
-                plot_paired_differences(summary, out / "paired_differences.png")
-    return summary
+    if not plot:
+        return
+    plot_curves(summary, out / "loss_curves.png")
+    if len(summary["schedules"]) > 1:
+        curves = {s: dict(zip(summary["seeds"], hs)) for s, hs in summary["curves"].items()}
+        plot_paired_curves(paired_curves(curves, summary["reference"]), summary["reference"],
+                           out / "paired_curves.png")
+        if len(summary["seeds"]) > 1:
+            plot_paired_differences(summary, out / "paired_differences.png")
 
 
 def _finished_run(run_dir: Path, cfg: RunConfig, run_steps: int | None) -> TrainResult | None:
@@ -318,22 +259,26 @@ def _flat_rule(warmup: int) -> Callable[[Trainer, int, dict | None], None]:
     return callback
 
 
-def summarize_runs(runs: Sequence[dict[str, Any]], schedules: Sequence[str], reference: str) -> dict[str, Any]:
+def summarize_runs(runs: Sequence[dict[str, Any]], schedules: Sequence[str], reference: str,
+                   margin: float | None = None) -> dict[str, Any]:
     """Per schedule: layout, mean/std of the final val loss, tokens/s, peak memory, and the paired
-    differences to ``reference`` (:func:`paired_differences`, keyed ``paired``)."""
+    differences to ``reference`` (:func:`paired_differences`, keyed ``paired``, with the ``decision`` of
+    :func:`decide` at ``margin`` and ``mdd_80``, the difference these seeds detect with 80% power)."""
     ref = {r["seed"]: r["final_val_loss"] for r in runs if r["schedule"] == reference}
     by_sched: dict[str, Any] = {}
     for sched in schedules:
         rs = [r for r in runs if r["schedule"] == sched]
         vals = [r["final_val_loss"] for r in rs]
         paired = paired_differences({r["seed"]: r["final_val_loss"] for r in rs}, ref)
+        paired["decision"] = "identical" if paired["n"] and not any(paired["diffs"]) else decide(paired["ci"], margin)
+        paired["mdd_80"] = min_detectable_difference(paired["std"], paired["n"]) if paired["n"] >= 2 else None
         by_sched[sched] = {
             "heads": rs[0]["heads"], "head_dims": rs[0]["head_dims"], "params": rs[0]["params"],
-            "n_runs": len(rs), "val_loss_mean": float(np.mean(vals)), "val_loss_std": _std(vals),
+            "n_runs": len(rs), "val_loss_mean": float(np.mean(vals)), "val_loss_std": sample_std(vals),
             "delta_vs_baseline_mean": paired["mean"], "delta_vs_baseline_std": paired["std"],
             "paired": paired,
             "tokens_per_s_mean": float(np.mean([r["tokens_per_s"] for r in rs])),
-            "tokens_per_s_std": _std([r["tokens_per_s"] for r in rs]),
+            "tokens_per_s_std": sample_std([r["tokens_per_s"] for r in rs]),
             "peak_memory_mb_mean": float(np.mean([r["peak_memory_mb"] for r in rs])),
         }
     return by_sched
@@ -450,40 +395,6 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
     return out
 
 
-def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Validation (left) and training (right) loss against tokens: per-seed thin, mean thick."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (name, curves) in enumerate(summary["curves"].items()):
-        c = colors[i % len(colors)]
-        for ax, key in zip(axes, ("val_loss", "train_loss")):
-            series = []
-            for h in curves:
-                pts = [(r["tokens"], r[key]) for r in h if r[key] is not None]
-                if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, color=c, alpha=0.25, lw=0.8)
-                    series.append((xs, ys))
-            if series and all(len(s[1]) == len(series[0][1]) for s in series):
-                ax.plot(series[0][0], np.mean([s[1] for s in series], axis=0), color=c, lw=2, label=name)
-    for ax, title in zip(axes, ("validation loss", "training loss")):
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("cross-entropy (nats/token)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
-    try:
-        return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file
-    finally:
-        plt.close(fig)
-
-
 def paired_curves(curves: dict[str, dict[int, Sequence[dict[str, Any]]]], reference: str) -> dict[str, dict[str, Any]]:
     """Each schedule's validation loss minus ``reference``'s at the same seed and eval step, over training.
 
@@ -515,62 +426,3 @@ def paired_curves(curves: dict[str, dict[int, Sequence[dict[str, Any]]]], refere
                      "per_seed": {seed: [v[st][1] for st in steps] for seed, v in per.items()},
                      "mean": [float(np.mean([v[st][1] for v in per.values()])) for st in steps]}
     return out
-
-
-def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) -> Path:
-    """The final paired differences as a forest plot: per schedule its per-seed differences (dots), their mean
-    and 95% interval (bar), zero (the reference) and the ``--margin`` band when one was set, so that
-    "equivalent" (the bar inside the band) and "inconclusive" (a bar reaching past it) are seen at a glance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    base, margin = summary["baseline"], summary.get("margin")
-    rows = [(name, s["paired"]) for name, s in summary["schedules"].items() if name != base]
-    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.55 * len(rows)))
-    if margin is not None:
-        ax.axvspan(-margin, margin, color="C2", alpha=0.12, label=f"±{margin:g} margin")
-    ax.axvline(0.0, color="C0", lw=1)
-    for y, (_, p) in enumerate(reversed(rows)):
-        ax.scatter(p["diffs"], [y] * len(p["diffs"]), s=14, color="0.5", zorder=2)
-        if p["ci"] is not None:
-            ax.plot(p["ci"], [y, y], color="C3", lw=2.5, zorder=3)
-        ax.scatter([p["mean"]], [y], s=40, color="C3", zorder=4)
-    ax.set_yticks(range(len(rows)), [f"{name} - {base}" for name, _ in reversed(rows)])
-    ax.set(xlabel="final val loss difference (nats/token); dots: seeds, bar: 95% interval",
-           title=f"paired by seed, {len(summary['seeds'])} seeds")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))  # tick labels of 4-digit losses overlap
-    ax.grid(axis="x", alpha=0.3)
-    if margin is not None:
-        ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
-
-
-def plot_paired_curves(paired: dict[str, dict[str, Any]], reference: str, path: str | os.PathLike,
-                       title: str | None = None) -> Path:
-    """:func:`paired_curves` as a figure: thin lines per seed, thick the mean, zero is the reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for k, (name, d) in enumerate(paired.items(), start=1):
-        for v in d["per_seed"].values():
-            ax.plot(d["tokens"], v, color=f"C{k}", alpha=0.25, lw=0.8)
-        ax.plot(d["tokens"], d["mean"], color=f"C{k}", lw=2, label=f"{name} - {reference}")
-    ax.axhline(0.0, color="C0", lw=1)
-    ax.set(title=title or f"validation loss minus {reference}'s, paired by seed", xlabel="tokens",
-           ylabel="difference (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
