@@ -52,6 +52,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the paired test's power at level 0.05 and power 0.80, as registered; shared with ``headbudget compare``
+from headbudget.train.paired import min_detectable_difference
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 MOVIE_REVIEWS = SHARED / "text" / "movie_reviews.txt"
@@ -72,7 +75,6 @@ REGISTERED_TOKENS: dict[str, int | None] = {"cpu-tiny": 1_001_472, "cpu-mid": 1_
 REGISTERED_MDD: dict[str, float | None] = {"cpu-tiny": 0.0220, "cpu-mid": 0.0042, "cpu-small": None}
 SEEDS = 5
 STUDY_SIZES = ("cpu-tiny", "cpu-mid")  # the registered sizes (cpu-small fell back to cpu-mid, amendment of session 5)
-ALPHA, POWER = 0.05, 0.80
 
 
 def study_schedules(size: str, names: list[str] | tuple[str, ...] = SCHEDULES) -> list[str]:
@@ -116,31 +118,6 @@ def run_config(size: str, schedule: str, seed: int, tokens: int, threads: int, c
                   "ckpt_every": eval_every, "keep_last": 1, "threads": threads, "progress": False,
                   "device": "cpu", "precision": "fp32"},
     })
-
-
-def min_detectable_difference(sd_diff: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
-    """Smallest true mean paired difference a two-sided paired t-test over ``n`` seeds detects with
-    ``power`` at level ``alpha``, for a per-seed difference standard deviation ``sd_diff`` (exact,
-    noncentral t).
-
-    >>> round(min_detectable_difference(1.0, 5), 3)
-    1.682
-    """
-    from scipy import optimize, stats
-
-    if sd_diff <= 0:
-        return 0.0
-    df, crit = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
-
-    def power_at(effect: float) -> float:
-        nc = effect * math.sqrt(n) / sd_diff
-        upper, lower = float(stats.nct.sf(crit, df, nc)), float(stats.nct.cdf(-crit, df, nc))
-        return upper + (lower if math.isfinite(lower) else 0.0)  # the far tail is ~0 (scipy: NaN there)
-
-    hi = sd_diff
-    while power_at(hi) < power:  # bracket the root (a fixed wide bracket sends nct into NaN)
-        hi *= 2
-    return float(optimize.brentq(lambda e: power_at(e) - power, 1e-12, hi))
 
 
 def _token_ids(tokenizer, path: Path, limit: int) -> list[int]:
