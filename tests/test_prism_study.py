@@ -189,6 +189,8 @@ def test_report_waits_for_every_run_then_writes_verdicts_and_plots(study, tmp_pa
     assert saved["verdicts"]["cpu-tiny"]["1_progression_vs_uniform"]["decision"] == "beats"
     report = (tmp_path / "prism_study_report.md").read_text()
     assert "- 1. prism beats uniform: -0.0200 [" in report and "## cpu-mid" in report
+    assert report.count("Descriptive, not registered (`training_tail`)") == 2  # one per size, after its verdicts
+    assert saved["training_tail"]["cpu-mid"]["drop_over_tail"]["uniform"]["mean"] == 0.0  # one eval: no fall
     for png in ("prism_study_attention.png", "prism_study_curves_cpu-tiny.png", "prism_study_curves_cpu-mid.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -225,3 +227,22 @@ def test_paired_curves_subtract_uniform_at_the_same_seed_and_step(study):
     assert d["prism"]["tokens"] == [100, 200] and d["prism"]["per_seed"][0] == [0.0, pytest.approx(0.1)]
     assert d["prism"]["mean"] == [0.0, pytest.approx((0.1 - 0.3) / 5)]
     assert d["reverse"]["mean"] == [0.0, 0.0]
+
+
+def test_training_tail_measures_the_fall_over_the_last_fifth_and_the_paired_drift(study):
+    recs = _records(study, {})
+    for r in recs:  # evals at steps 10..100; uniform falls 0.01 a step-10 eval, prism 0.02 above it at the end
+        extra = {"prism": 0.02}.get(r["schedule"], 0.0)
+        r["curve"] = [{"step": st, "tokens": 10 * st, "val_loss": 6.0 - 0.001 * st + extra * (st / 100) ** 2}
+                      for st in range(10, 101, 10)]
+    t = study.training_tail(recs, "cpu-tiny")
+    # uniform: step 80 -> 100 (the first eval at >= 80% of 100) falls 0.02
+    assert t["drop_over_tail"]["uniform"] == pytest.approx({"mean": 0.02, "min": 0.02, "max": 0.02, "n": 5})
+    assert t["drop_over_tail"]["prism"]["mean"] == pytest.approx(0.02 - 0.02 * (1 - 0.64))
+    # paired to uniform: 0.02 x 0.5^2 at half the tokens (step 50), 0.02 at the end
+    assert t["paired_second_half"]["prism"] == {"tokens": [500, 1000], "mean_diff": [pytest.approx(0.005),
+                                                                                   pytest.approx(0.02)]}
+    assert t["paired_second_half"]["reverse"]["mean_diff"] == [0.0, 0.0]
+    lines = study.tail_markdown("cpu-tiny", t)
+    assert "- `uniform`: +0.0200 (+0.0200 to +0.0200)" in lines
+    assert "- `prism`: +0.0050 -> +0.0200 (500 -> 1,000 tokens)" in lines
