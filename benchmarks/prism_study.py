@@ -46,6 +46,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -639,7 +640,8 @@ def analyse_and_report(records: list[dict[str, Any]], sizes: list[str], results_
 
     atomic_write_text(results_path.with_name(f"{results_path.stem}_report{suffix}.md"), report + "\n")
     plot_attention_distance(analysis, records, results_path.with_name(f"{results_path.stem}_attention{suffix}.png"))
-    print("\n" + "\n".join(line for line in report.splitlines() if line.startswith(("- ", "## "))))
+    verdict_line = re.compile(r"^(- \d\. |## )")  # the verdicts under each size, not the descriptive lists
+    print("\n" + "\n".join(line for line in report.splitlines() if verdict_line.match(line)))
     return {"mdd_registered": mdd, "mdd_from_main_uniform_spread": observed, "analysis": analysis,
             "verdicts": verdict, "training_tail": tails}
 

@@ -170,7 +170,7 @@ def test_verdicts_follow_the_registered_rules(study):
     assert study.verdicts(a, recs, ["cpu-tiny"], mdd)["cpu-tiny"]["possibly_under_trained"] is True
 
 
-def test_report_waits_for_every_run_then_writes_verdicts_and_plots(study, tmp_path):
+def test_report_waits_for_every_run_then_writes_verdicts_and_plots(study, tmp_path, capsys):
     import json
 
     recs = _records(study, {("cpu-tiny", "prism"): [-0.01, -0.02, -0.03, -0.02, -0.02]})
@@ -182,7 +182,10 @@ def test_report_waits_for_every_run_then_writes_verdicts_and_plots(study, tmp_pa
     assert study.main(args) == 1                          # 49 of 50: no analysis, nothing written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prism_study.json"]
     results.write_text(json.dumps({"status": "partial", "runs": recs, "curves": curves}))
+    capsys.readouterr()
     assert study.main(args) == 0
+    summary = capsys.readouterr().out.split("\n\n## ", 1)[1]  # the verdicts printed after the table
+    assert "- 1. prism beats uniform" in summary and "`uniform`:" not in summary  # no descriptive list lines
     saved = json.loads(results.read_text())
     assert saved["status"] == "complete" and len(saved["runs"]) == 50
     assert saved["tokens_per_run"] == {"cpu-tiny": 1000, "cpu-mid": 2000}  # from the runs, not the last writer
