@@ -447,7 +447,7 @@ def report_markdown(analysis: dict[str, Any], verdict: dict[str, Any],
                   if isinstance(d, dict) and "statement" in d]
         lines.append("")
         if size in (tails or {}):
-            lines += tail_markdown(size, tails[size])
+            lines += tail_markdown(tails[size])
     if "4_grows_with_size" in verdict:
         lines += ["## Across sizes", "", f"- 4. {verdict['4_grows_with_size']['statement']}", ""]
     return "\n".join(lines)
@@ -522,7 +522,8 @@ def training_tail(records: list[dict[str, Any]], size: str, tail: float = 0.2) -
     return {"tail": tail, "drop_over_tail": drops, "paired_second_half": moves}
 
 
-def tail_markdown(size: str, t: dict[str, Any]) -> list[str]:
+def tail_markdown(t: dict[str, Any]) -> list[str]:
+    """:func:`training_tail` of one size as Markdown list lines (the report puts them after its verdicts)."""
     lines = [f"Descriptive, not registered (`training_tail`): validation loss fall over the last "
              f"{t['tail']:.0%} of the steps (mean, min-max over seeds; positive = still falling):", ""]
     lines += [f"- `{s}`: {d['mean']:+.4f} ({d['min']:+.4f} to {d['max']:+.4f})" for s, d in t["drop_over_tail"].items()]

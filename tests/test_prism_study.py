@@ -246,6 +246,6 @@ def test_training_tail_measures_the_fall_over_the_last_fifth_and_the_paired_drif
     assert t["paired_second_half"]["prism"] == {"tokens": [500, 1000], "mean_diff": [pytest.approx(0.005),
                                                                                    pytest.approx(0.02)]}
     assert t["paired_second_half"]["reverse"]["mean_diff"] == [0.0, 0.0]
-    lines = study.tail_markdown("cpu-tiny", t)
+    lines = study.tail_markdown(t)
     assert "- `uniform`: +0.0200 (+0.0200 to +0.0200)" in lines
     assert "- `prism`: +0.0050 -> +0.0200 (500 -> 1,000 tokens)" in lines
