@@ -290,10 +290,7 @@ def plot_curve(res: Mapping[str, Any], path: Path) -> Path:
     ax.set_title("CAHP vs baselines, all-MiniLM-L6-v2 / SST-5")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- running the cells

@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, out.with_suffix(".png"))
-    plt.close(fig)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

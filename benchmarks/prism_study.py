@@ -231,17 +231,12 @@ def _endpoint(rec: dict[str, Any], text: str) -> float:
 
 
 def _decide(ci: list[float] | None, mdd: float | None) -> str:
-    """The registered decision rule on one paired 95% interval of (schedule - control)."""
-    if ci is None:
-        return "not decidable (fewer than 2 paired seeds)"
-    lo, hi = ci
-    if hi < 0:
-        return "beats"
-    if lo > 0:
-        return "loses to"
-    if mdd is not None and -mdd < lo and hi < mdd:
-        return f"equivalent within ±{mdd:.4f}"
-    return "inconclusive"
+    """The registered decision rule on one paired 95% interval of (schedule - control): the rule of
+    ``headbudget compare`` (:func:`headbudget.train.paired.decide`, margin = MDD), in the protocol's words."""
+    from headbudget.train.paired import decide
+
+    return {"undecided": "not decidable (fewer than 2 paired seeds)", "lower": "beats", "higher": "loses to",
+            "equivalent": f"equivalent within ±{mdd or 0:.4f}", "inconclusive": "inconclusive"}[decide(ci, mdd)]
 
 
 def analyse(records: list[dict[str, Any]], sizes: list[str], mdd: dict[str, float | None]) -> dict[str, Any]:
@@ -478,10 +473,7 @@ def plot_attention_distance(analysis: dict[str, Any], records: list[dict[str, An
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)
 
 
 def paired_curves(records: list[dict[str, Any]], size: str) -> dict[str, dict[str, Any]]:

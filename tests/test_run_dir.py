@@ -388,3 +388,21 @@ def test_hidden_write_errors_become_os_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10 << 30, 1 << 30, 9 << 30))
     assert hio.as_os_error(torch_writer, tmp_path / "ck") is None  # space left: not a full disk, a bug
     assert hio.as_os_error(ZeroDivisionError(), tmp_path) is None
+
+
+def test_save_figure_closes_a_pyplot_figure_written_or_not(tmp_path):
+    """pyplot holds every figure until closed; every plot in headbudget goes through save_figure, which closes it."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    save_figure(fig, tmp_path / "ok.png")
+    assert (tmp_path / "ok.png").read_bytes()[:4] == b"\x89PNG" and fig.number not in plt.get_fignums()
+    (tmp_path / "file").write_text("x")
+    fig2, _ = plt.subplots()
+    with pytest.raises(OSError):
+        save_figure(fig2, tmp_path / "file" / "bad.png")  # the parent is a file: the write fails
+    assert fig2.number not in plt.get_fignums() and sorted(p.name for p in tmp_path.iterdir()) == ["file", "ok.png"]

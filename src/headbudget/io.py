@@ -206,9 +206,20 @@ def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
-    """Save a matplotlib figure atomically (format from the suffix, PNG by default)."""
+    """Save a matplotlib figure atomically (format from the suffix, PNG by default), then close it, written or
+    not: pyplot keeps every figure it made until closed, and a sweep drawing many would hold them all.
+
+        fig, ax = new_figure(); ax.plot([0, 1]); save_figure(fig, "runs/x/curve.png")
+    """
     fmt = Path(path).suffix[1:] or "png"
-    return atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=fmt))
+    try:
+        return atomic_write_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=fmt))
+    finally:
+        import sys
+
+        pyplot = sys.modules.get("matplotlib.pyplot")  # not imported: no figure of pyplot's to close
+        if pyplot is not None:
+            pyplot.close(fig)  # a no-op for new_figure's figures, which pyplot does not hold
 
 
 #: text readers that lived here before issue 21: old name -> name in :mod:`headbudget.data.text`

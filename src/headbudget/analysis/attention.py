@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from headbudget.io import save_figure
+
 __all__ = ["attention_stats", "attention_summary", "attention_summary_from_text",
            "plot_distance", "plot_distance_comparison", "write_json"]
 
@@ -194,17 +196,6 @@ def write_json(summary: Mapping[str, Any], path: str | Path) -> Path:
     return atomic_write_json(path, summary)
 
 
-def _save_fig(fig: Any, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    from headbudget.io import save_figure
-
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
-
-
 def _draw(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
     for row in summary["layers"]:
         xs = [row["layer"]] * row["n_heads"]
@@ -235,7 +226,7 @@ def plot_distance(summary: Mapping[str, Any], path: str | Path, title: str | Non
     ax.set_ylabel("mean attention distance (tokens)")
     ax.set_title(title or f"attention distance ({summary['n_sequences']}x{summary['n_tokens']} tokens)")
     ax.legend()
-    return _save_fig(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: str | Path,
@@ -261,7 +252,7 @@ def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: s
     axes[n].legend()
     if title:
         fig.suptitle(title)
-    return _save_fig(fig, path)
+    return save_figure(fig, path)
 
 
 def _draw_means(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:

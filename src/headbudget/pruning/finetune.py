@@ -243,10 +243,7 @@ def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Pat
     if splits:
         ax.legend()
     fig.tight_layout()
-    try:
-        return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file; closes fig
 
 
 def save_classifier(model: nn.Module, tokenizer: Any, out: str | os.PathLike[str]) -> Path:

@@ -234,13 +234,6 @@ def _plt():
     return plt
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
-    try:
-        return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure
-    finally:
-        _plt().close(fig)
-
-
 def plot_mss(mss: Sequence[tuple[int, float]], knee_k: int | None, path: str | os.PathLike[str],
              title: str = "Mean Simplified Silhouette") -> Path:
     """MSS vs k with the chosen k marked."""
@@ -256,7 +249,7 @@ def plot_mss(mss: Sequence[tuple[int, float]], knee_k: int | None, path: str | o
     ax.set_ylabel("MSS")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure; closes fig
 
 
 def plot_embedding(embedding: np.ndarray, labels: Sequence[int], heads: Sequence[tuple[int, int]],
@@ -286,7 +279,7 @@ def plot_embedding(embedding: np.ndarray, labels: Sequence[int], heads: Sequence
             cb.locator = MaxNLocator(integer=True)
             cb.update_ticks()
         ax.legend(loc="best", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure; closes fig
 
 
 def plot_heads_per_layer(kept_by_method: Mapping[str, Mapping[Any, Sequence[int]]], n_layers: int,
@@ -310,7 +303,7 @@ def plot_heads_per_layer(kept_by_method: Mapping[str, Mapping[Any, Sequence[int]
     ax.set_title("Heads kept per layer")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure; closes fig
 
 
 def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], path: str | os.PathLike[str],
@@ -335,4 +328,4 @@ def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], pa
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure; closes fig

@@ -46,10 +46,7 @@ def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
-    try:
-        return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)  # atomic, follows the umask, a failed write leaves no temp file; closes fig
 
 
 def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) -> Path:
@@ -80,10 +77,7 @@ def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) ->
     if margin is not None:
         ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)
 
 
 def plot_paired_curves(paired: dict[str, dict[str, Any]], reference: str, path: str | os.PathLike,
@@ -105,7 +99,4 @@ def plot_paired_curves(paired: dict[str, dict[str, Any]], reference: str, path: 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        return save_figure(fig, path)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)
