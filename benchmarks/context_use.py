@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", default="runs/prism_study/cpu-tiny", help="folder of RUN/model folders")
+    ap.add_argument("--runs", required=True,
+                    help="folder of RUN/model folders, e.g. runs/prism_study/cpu-tiny (benchmarks/prism_study.py)")
     ap.add_argument("--size", default="cpu-tiny", help="the study size the runs were trained at")
     ap.add_argument("--every", type=int, default=48, help="a target every N held-out tokens")
     ap.add_argument("--targets", type=int, default=2048, help="at most this many targets per model")

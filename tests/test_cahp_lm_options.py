@@ -156,3 +156,38 @@ def test_cli_flags_reach_the_job_and_unset_ones_stay_out_of_the_fingerprint():
     default = _job(p.parse_args(base))
     assert default.representative is default.allocation is default.n_clusters is None
     assert not {"representative", "allocation", "n_clusters"} & set(_job_fingerprint(default))
+
+
+def test_allocation_shares_are_of_all_slots():
+    """A cluster's share is ``keep * mass_c / mass`` over all ``keep`` slots, its first slot included."""
+    # two clusters of 10, cluster 0 holding 90% of the importance: shares 9 and 1 of the 10 slots (shares of
+    # the 8 slots left after one each, 7.2 and 0.8, would give 1 + 7 and 1 + 1)
+    labels = [0] * 10 + [1] * 10
+    assert allocate_by_importance(labels, [0.9] * 10 + [0.1] * 10, 10) == [*range(9), 10]
+
+
+def test_allocation_cluster_mass_is_the_summed_importance():
+    """``mass_c`` sums the cluster's importance: a big cluster of less important heads can outweigh a
+    small one of more important heads."""
+    # 8 heads of importance 1.0 (sum 8, 40%) and 24 of 0.5 (sum 12, 60%): 4 and 6 of 10 slots; by the mean
+    # importance (1.0 vs 0.5: two thirds to cluster 0) it would be 7 and 3
+    labels = [0] * 8 + [1] * 24
+    assert allocate_by_importance(labels, [1.0] * 8 + [0.5] * 24, 10) == [0, 1, 2, 3, *range(8, 14)]
+
+
+def test_importance_allocation_on_the_knee_path_clusters_into_n_clusters():
+    """Without ``keep``, the knee sets the head count only: the heads are allocated over the
+    ``n_clusters`` clustering of the same embedding, not over the knee's clusters."""
+    from headbudget.pruning.cahp import ensure_one_per_layer
+    from headbudget.pruning.clustering import cluster_sweep
+
+    feats = _groups(4, 6, seed=2)
+    heads = [(i // 12, i % 12) for i in range(24)]
+    fisher = np.random.default_rng(0).random(24)
+    sel = select_heads(feats, heads, np.zeros(24), seed=0, perplexity=5, scores=fisher,
+                       allocation="importance", n_clusters=2)
+    assert sel.knee_source == "mss" and sel.knee_k > 2  # the knee differs from n_clusters here
+    (two,) = cluster_sweep(sel.embedding, ks=[2], seed=0)
+    assert len(np.unique(sel.labels)) == 2 and sel.labels.tolist() == two.labels.tolist()
+    want, _ = ensure_one_per_layer(allocate_by_importance(two.labels, fisher, len(sel.kept)), heads, fisher)
+    assert sel.kept == want

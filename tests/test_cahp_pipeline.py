@@ -92,7 +92,7 @@ def test_prune_cahp_cli_end_to_end(tiny_bert, tmp_path):
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     assert list(rep) == ["method", "heads_total", "heads_kept", "kept", "mean_depth", "middle_third_share", "knee_k",
-                         "mss", "metric", "seconds", "cost"]
+                         "k_source", "mss", "metric", "seconds", "cost"]
     assert rep["method"] == "cahp" and rep["heads_total"] == 8
     # size before/after, from the shapes: a removed BERT head (hidden 32, head dim 8) takes q/k/v rows with
     # biases (3 * (8*32 + 8)) and 8 o_proj columns (8*32) = 1048 parameters, and 2 * 1024 linear FLOPs plus
@@ -350,9 +350,9 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
     calls = []
     real = pl.run_prune
 
-    def spy(sub, loaded=None):
+    def spy(sub, loaded=None, **kw):
         calls.append(sub.method)
-        return real(sub, loaded)
+        return real(sub, loaded, **kw)
 
     monkeypatch.setattr(pl, "run_prune", spy)
     seen = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from headbudget.cli.main import main
+from headbudget.cli.main import build_parser, main
 from headbudget.data.tokenizers import ByteTokenizer
 from headbudget.train import RunConfig, Trainer, train
 from headbudget.train.distill import distill_step_loss, distillation_kl, load_teacher
@@ -226,7 +226,7 @@ def test_distill_command_equals_train_init_teacher(tmp_path, models, capsys):
 def test_bad_distill_flags_are_one_line(tmp_path, models, capsys, flags, message):
     teacher, student = models
     rc = main(["distill", str(student), "--teacher", str(teacher), "--out", str(tmp_path / "o"),
-               "--set", f"data.cache_dir={tmp_path / 'cache'}", *flags])
+               "--data", "synthetic:20000", "--set", f"data.cache_dir={tmp_path / 'cache'}", *flags])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
@@ -265,3 +265,105 @@ def test_two_processes_distil_like_one(tmp_path, models, fsdp):
     ref = single.model.state_dict()
     worst = max((v - ref[k]).abs().max().item() for k, v in got["state"].items())
     assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("how", ["no flag", "config without data", "--data", "--set", "config with data"])
+def test_distill_without_data_is_refused_before_any_work(tmp_path, capsys, how):
+    """The default data.source is the built-in synthetic corpus: distill refuses to train on it unless the data is
+    named (--data, --set data.source or the config file's data.source); checked before torch is loaded."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("train: {lr: 1.0e-4}\n" + ("data: {source: 'corpus.txt'}\n" if how == "config with data" else ""))
+    argv = ["distill", "runs/s", "--teacher", "runs/t", "--out", str(tmp_path / "o")]
+    argv += {"no flag": [], "config without data": ["--config", str(cfg)], "--data": ["--data", "corpus.txt"],
+             "--set": ["--set", "data.source=corpus.txt"], "config with data": ["--config", str(cfg)]}[how]
+    args = build_parser("distill").parse_args(argv)
+    if how in ("no flag", "config without data"):
+        with pytest.raises(ValueError, match=r"--data SOURCE \(or data\.source"):
+            args.validate(args)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--data" in err and "data.source" in err, err
+        assert not (tmp_path / "o").exists()
+    else:
+        args.validate(args)
+        assert args.cfg.data.source == "corpus.txt"
+    # --print_config trains nothing: it shows the run either way
+    assert main([*argv, "--print_config"]) == 0
+
+
+def _word_level(vocab: dict[str, int]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=raw)
+
+
+def test_a_teacher_tokenizer_with_the_same_tokens_under_other_ids_is_refused():
+    from headbudget.train.distill import TokenizerMismatchError, check_same_tokenizer
+
+    student = _word_level({"[UNK]": 0, "cat": 1, "dog": 2, "mat": 3})
+    same = _word_level({"[UNK]": 0, "cat": 1, "dog": 2, "mat": 3})
+    check_same_tokenizer(student, same, "t")  # equal maps pass
+    # the same four strings, "cat" and "dog" swapped: every text becomes other ids, so the teacher's
+    # distribution over ids is not the student's
+    swapped = _word_level({"[UNK]": 0, "dog": 1, "cat": 2, "mat": 3})
+    assert sorted(swapped.get_vocab()) == sorted(student.get_vocab())
+    assert student.encode("cat dog") != swapped.encode("cat dog")
+    with pytest.raises(TokenizerMismatchError) as err:
+        check_same_tokenizer(student, swapped, "t")
+    assert str(err.value) == ("distill.teacher=t: its tokenizer differs from the student's (both 4 tokens, but "
+                              "token 'cat' is id 1 for the student and 2 for the teacher); distillation needs "
+                              "teacher and student to share one tokenizer")
+
+
+def test_the_teacher_runs_in_eval_mode_so_its_dropout_never_reaches_the_targets(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      attention_dropout=0.5, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dropout-teacher")
+    ByteTokenizer().save(tmp_path / "dropout-teacher")
+    teacher = load_teacher(str(tmp_path / "dropout-teacher"), ByteTokenizer().to_hf(), torch.device("cpu"))
+    assert [n for n, m in teacher.named_modules() if m.training] == []
+    x = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = teacher(input_ids=x).logits, teacher(input_ids=x).logits
+        assert torch.equal(a, b)  # the same targets on every call
+        teacher.train()  # the payload is live: with dropout on, two calls give other targets
+        assert not torch.equal(teacher(input_ids=x).logits, a)
+
+
+def test_a_padded_student_is_distilled_over_the_tokenizer_ids(tmp_path, models, monkeypatch):
+    """A fresh student pads the byte tokenizer's 257 ids to 320 output rows; the teacher has 257.  The KL
+    compares the 257 ids both share (the padded rows are no token), computed against a teacher in eval mode."""
+    from headbudget.train import trainer as trainer_mod
+    from headbudget.train.distill import distill_step_loss as real
+
+    teacher, _ = models
+    calls = []
+
+    def spy(student, teacher_model, x, y, temperature, alpha, vocab):
+        loss, parts = real(student, teacher_model, x, y, temperature, alpha, vocab)
+        with torch.no_grad():
+            s, t = student(input_ids=x).logits, teacher_model(input_ids=x).logits
+            by_hand = distillation_kl(s[..., :257], t, y, temperature)
+        calls.append((vocab, s.shape[-1], t.shape[-1], teacher_model.training, float(parts[0]), float(by_hand)))
+        return loss, parts
+
+    monkeypatch.setattr(trainer_mod, "distill_step_loss", spy)
+    cfg = RunConfig.from_dict({
+        "name": "padded", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2},
+        "data": {"source": "synthetic:20000", "tokenizer": "byte", "cache_dir": str(tmp_path / "cache")},
+        "train": {"steps": 2, "batch_size": 2, "context": 16, "eval_every": 1, "eval_batches": 1, "log_every": 1,
+                  "ckpt_every": 0, "warmup_steps": 1, "progress": False, "threads": 1},
+        "distill": {"teacher": str(teacher), "temperature": 2.0, "alpha": 1.0}})
+    Trainer(cfg, tmp_path / "run", save_model=False).run()
+    assert len(calls) == 2
+    for vocab, s_width, t_width, teacher_training, kl, by_hand in calls:
+        assert (vocab, s_width, t_width, teacher_training) == (257, 320, 257, False)
+        assert kl == pytest.approx(by_hand, rel=1e-5)
+    assert [r["distill_kl"] for r in _metrics(tmp_path / "run")] == pytest.approx([c[4] for c in calls], rel=1e-6)

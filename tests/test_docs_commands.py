@@ -49,6 +49,7 @@ SKIPPED = {
     "torchrun": "launches multi-process DDP training (tests/test_train_ddp.py covers DDP)",
     "lm_eval": "lm-evaluation-harness's own command line, not headbudget's",
     "cd": "changes directory only",
+    "bash": "a shell script for another machine (a GPU one); the Python it calls is tested on its own",
 }
 
 

@@ -178,3 +178,19 @@ def test_classifier_given_to_perplexity_is_a_one_line_error(tmp_path, capsys):
     assert main(["perplexity", str(tmp_path / "b"), "--data", str(text), "--tokenizer", "byte", "--quiet"]) == 2
     line = _one_error_line(capsys.readouterr().err, "perplexity")
     assert "BertForSequenceClassification is a sequence classifier, not a causal language model" in line
+
+
+def test_context_lengths_print_one_row_per_length_shortest_first(model_dir, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 8)
+    assert main(["perplexity", str(model_dir), "--data", str(text), "--context", "64", "--context-lengths", "8,4",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out if line.startswith("  k=")] == ["k=4", "k=8"]
+    assert "gain: loss with 4 minus loss with k" in out[1]
+    # a repeated length is a typo, refused before the model loads (it does not exist here)
+    assert main(["perplexity", str(tmp_path / "no-model"), "--data", str(text), "--context", "64",
+                 "--context-lengths", "8,4,4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("headbudget perplexity: error: --context-lengths: 4 ")
+    assert "'8,4,4'" in err[0]

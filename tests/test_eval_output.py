@@ -311,3 +311,28 @@ def test_builtin_stderr_is_na_where_lm_eval_gives_none(model_dir):
         assert len(rows) == 2 and all(("N/A" in line) == want_na for line in rows)
         printed = format_report(rep)  # headbudget's own table: N/A there too, not nan
         assert printed.count("|piqa") == 1 and ("|   N/A|" in printed) == want_na and "nan" not in printed
+
+
+def test_output_path_in_a_read_only_folder_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    """A real write probe where the results file would go, before the tasks and the model load (the model
+    path does not exist: loading it would be another error)."""
+    import errno
+    import tempfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):  # root ignores chmod: refuse where the first byte would be written
+        if dir is not None and Path(dir) == ro:
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return real_mkstemp(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    for out in (ro, ro / "new" / "deeper"):  # the folder itself, or one to be made inside it
+        rc = main(["eval", str(tmp_path / "no-such-model"), "--tasks", "piqa", "--output-path", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith(f"headbudget eval: error: --output-path {out}/") and "Traceback" not in err[0]
+        assert err[0].endswith(f"cannot write in {ro} (Permission denied)")
+    assert list(ro.iterdir()) == []

@@ -493,3 +493,36 @@ def test_is_greedy_matches_the_plain_argmax(gpt2, tok):
         with torch.no_grad():
             logits = gpt2(torch.tensor([whole[:-1]])).logits[0]
         assert scores[2][1] == all(int(logits[t - 1].argmax()) == whole[t] for t in range(n, len(whole)))
+
+
+@pytest.mark.parametrize("branched", [False, True], ids=["unbranched-rows", "branched-and-unbranched"])
+def test_padding_is_a_subtree_of_its_own(gpt2, tok, branched):
+    """Rows of unequal length in one pass: the padded pass is a masked one, in which every real token sees
+    exactly its trie ancestors and every pad position is a subtree of its own (it sees itself only: pads
+    never share a subtree end, so no pad is an ancestor of another position); each choice scores as it
+    does alone, and the pass is self-checked as the masked kind it is."""
+    first = ("Once upon a time there was a small red fox who", " ran")  # 49 + 4 bytes
+    items = [[first, (first[0], " hid away")] if branched else [first],
+             [("The quick brown dog jumps over it", " again")]]  # 33 + 6 bytes: too long to share a row
+    fast = Scorer(gpt2, tok, batch_size=4, progress=False)
+    seen = []
+    inner = fast._tree_forward
+    fast._tree_forward = lambda ids, mask, *a: seen.append((ids, mask)) or inner(ids, mask, *a)
+    got = fast.score_pairs(items)
+    for item, scores in zip(items, got, strict=True):
+        want = [hand_score(gpt2, tok, c, k) for c, k in item]
+        assert [ll for ll, _ in scores] == pytest.approx(want, abs=1e-4)
+    ((ids, mask),) = seen
+    assert ids.shape[0] == 2 and mask is not None
+    allowed = mask[:, 0] == 0
+    T = ids.shape[1]
+    layouts = [fast._layout([s[:-1] for s, _ in fast._sequences(item)]) for item in items]  # rows: longest first
+    assert len(layouts[0][0]) == T > len(layouts[1][0])  # the second row is padded
+    for r, (t_ids, _, t_ends, _) in enumerate(layouts):
+        n = len(t_ids)
+        key = torch.arange(n)
+        trie = (key[None, :] <= key[:, None]) & (key[:, None] < torch.tensor(t_ends)[None, :])
+        assert torch.equal(allowed[r, :n, :n], trie) and not allowed[r, :n, n:].any()
+        assert torch.equal(allowed[r, n:], torch.eye(T, dtype=torch.bool)[n:]), f"row {r}: pads see other positions"
+    kind = "branched trie" if branched else "unbranched row"
+    assert f"{kind} (loglikelihood) (float32, cpu)" in fast.stats.checked

@@ -342,3 +342,124 @@ def test_llamacpp_perplexity_matches_the_model(tmp_path, kind):
             count += ctx - first - 1
     ours = math.exp(nll / count)
     assert _llamacpp_perplexity(binary, tmp_path / "m.gguf", text, ctx) == pytest.approx(ours, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- where the file goes
+def _read_only(monkeypatch, folder: Path) -> None:
+    """``folder`` refuses new files (root ignores chmod: refuse where the first byte would be written)."""
+    import errno
+    import tempfile
+
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, prefix="", suffix="", **k):
+        if dir is not None and Path(dir) == folder:  # mkstemp's own error names the file it tried
+            raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir, f"{prefix}abcd1234{suffix}"))
+        return real_mkstemp(*a, dir=dir, prefix=prefix, suffix=suffix, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+def test_out_in_a_read_only_folder_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import headbudget.loading
+
+    model_dir = save_model_dir(tiny_llama(), tiny_bpe_tokenizer(), tmp_path / "m")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _read_only(monkeypatch, ro)
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(headbudget.loading, "load_model_and_tokenizer", no_loading)
+    for out in (ro / "m.gguf", ro / "sub" / "m.gguf"):
+        assert main(["export", str(model_dir), "--out", str(out), "--tokenizer-pre", "gpt-2"]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert line == f"headbudget export: error: --out {out}: cannot write in {ro} (Permission denied)"
+    assert list(ro.iterdir()) == []
+
+
+def test_a_late_write_failure_names_out_not_the_temporary_file(tmp_path, monkeypatch):
+    """The folder turns read-only between the check and the write: the error names the file asked for."""
+    from headbudget.models.export_gguf import export_gguf
+
+    out = tmp_path / "late" / "m.gguf"
+    out.parent.mkdir()
+    model = tiny_llama()
+    _read_only(monkeypatch, out.parent)
+    with pytest.raises(PermissionError) as info:
+        export_gguf(model, tiny_bpe_tokenizer(), out, tokenizer_pre="gpt-2")
+    assert info.value.filename == str(out)
+    assert list(out.parent.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- unequal groups, GGUF sources
+def test_unequal_groups_are_split_by_their_greatest_common_divisor(tmp_path):
+    """Groups of 2 and 3 query heads split into 5 groups of 1 (gcd 1), groups of 4 and 6 into 5 of 2: every
+    query head keeps its own key/value head.  Splitting by the smallest group (2, 4) would leave a head over."""
+    from headbudget.models import HeadBudgetConfig
+    from headbudget.models.export_gguf import plan_gguf
+
+    def cfg(groups):
+        return HeadBudgetConfig(schedule={"d_model": 32, "layers": [
+            {"n_heads": sum(groups), "head_dim": 8, "n_kv_heads": len(groups), "kv_groups": groups}]},
+            vocab_size=100, norm="rmsnorm", mlp="gated_silu", position="rotary", bias=False)
+
+    p = plan_gguf(cfg([2, 3]))
+    assert (p.n_heads, p.n_kv_heads, p.kv_copies) == ([5], [5], [[0, 0, 1, 1, 1]])
+    p = plan_gguf(cfg([4, 6]))
+    assert (p.n_heads, p.n_kv_heads, p.kv_copies) == ([10], [5], [[0, 0, 1, 1, 1]])
+
+    # end to end: 6 query heads on 2 kv heads, layer 0 pruned to groups [2, 3]; llama.cpp's graph gives
+    # the model's logits
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from headbudget.models import to_headbudget
+    from headbudget.models.export_gguf import export_gguf
+
+    torch.manual_seed(0)
+    model = to_headbudget(LlamaForCausalLM(LlamaConfig(
+        vocab_size=264, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)).eval())
+    model.prune_heads({0: [0]})
+    out = tmp_path / "g.gguf"
+    plan = export_gguf(model, tiny_bpe_tokenizer(), out, tokenizer_pre="gpt-2")
+    assert plan.kv_copies == [[0, 0, 1, 1, 1], [0, 1]]
+    kv = fields(out)
+    assert kv["deci.attention.head_count"] == [5, 6] and kv["deci.attention.head_count_kv"] == [5, 2]
+    ids = torch.randint(0, 264, (12,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    assert torch.allclose(llamacpp_reference_logits(out, ids), ref, atol=1e-4)
+
+
+def test_a_gguf_source_keeps_its_tokenizer_unless_another_is_named(tmp_path, capsys):
+    """Read from a GGUF file, the model keeps that file's tokenizer metadata; ``--tokenizer`` names another,
+    which is then written instead (here: the same bytes, its end token spelled ``<|end|>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from tiny_gguf import write_tiny_llama_gguf
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(src)
+    u = bytes_to_unicode()
+    raw = Tokenizer(models.BPE(vocab={**{u[b]: b for b in range(256)}, "<|end|>": 256}, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|end|>", bos_token="<|end|>").save_pretrained(
+        tmp_path / "tok")
+
+    assert main(["export", str(src), "--out", str(tmp_path / "copied.gguf")]) == 0
+    assert f"tokenizer copied from {src}" in capsys.readouterr().out
+    copied = fields(tmp_path / "copied.gguf")
+    assert copied["tokenizer.ggml.tokens"][256] == "<|endoftext|>" and copied["tokenizer.ggml.pre"] == "default"
+
+    assert main(["export", str(src), "--out", str(tmp_path / "named.gguf"), "--tokenizer", str(tmp_path / "tok"),
+                 "--tokenizer-pre", "gpt-2"]) == 0
+    assert "tokenizer written from the tokenizer" in capsys.readouterr().out
+    named = fields(tmp_path / "named.gguf")
+    assert named["tokenizer.ggml.tokens"] == [u[b] for b in range(256)] + ["<|end|>"]
+    assert named["tokenizer.ggml.pre"] == "gpt-2"
+    assert named["tokenizer.ggml.bos_token_id"] == named["tokenizer.ggml.eos_token_id"] == 256

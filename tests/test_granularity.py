@@ -226,3 +226,51 @@ def test_balanced_after_a_method_without_scores_keeps_its_heads_first(tmp_path):
     kv = rep["cost"]["kv_cache_bytes_per_token"]
     kv_heads = sum(len({h // 2 for h in heads}) for heads in rep["kept"].values())
     assert kv == {"before": 2 * LAYERS * KV * HEAD_DIM * 4, "after": 2 * kv_heads * HEAD_DIM * 4}
+
+
+def _layouts(granularity: str, scores: list[float], groups: list[int]) -> dict[int, tuple[float, list[int]]]:
+    from headbudget.pruning.granularity import layer_layouts
+
+    return layer_layouts(granularity, np.array(scores, dtype=np.float64), groups)
+
+
+def test_group_layouts_are_indexed_by_query_heads_kept_not_groups_kept():
+    # unequal groups (a pruned layer): group 0 holds 3 query heads, groups 1 and 2 one each.  One group may
+    # be 1 or 3 heads, two groups 2 or 4: the budget counts query heads, so every head count is a layout
+    scores, groups = [1.0, 1.0, 1.0, 2.0, 1.5], [0, 0, 0, 1, 2]
+    assert _layouts("group", scores, groups) == {
+        1: (2.0, [3]), 2: (3.5, [3, 4]), 3: (3.0, [0, 1, 2]), 4: (5.0, [0, 1, 2, 3]), 5: (6.5, [0, 1, 2, 3, 4])}
+    assert apply_granularity("group", [scores], [groups], 1) == [3]
+    assert apply_granularity("group", [scores], [groups], 2) == [3, 4]
+    # equal groups of one head: the best group of each size replaces an earlier, worse one
+    assert _layouts("group", [1.0, 5.0, 3.0], [0, 1, 2]) == {1: (5.0, [1]), 2: (8.0, [1, 2]), 3: (9.0, [0, 1, 2])}
+
+
+def test_balanced_layouts_take_each_groups_best_heads_and_the_best_layout_of_each_size():
+    # each group's best heads first: group 0 keeps head 0 (3.0), group 1 head 2 (2.0)
+    assert _layouts("balanced", [3.0, 1.0, 2.0, 0.0], [0, 0, 1, 1]) == {
+        1: (3.0, [0]), 2: (5.0, [0, 2]), 4: (6.0, [0, 1, 2, 3])}
+    assert apply_granularity("balanced", [[3.0, 1.0, 2.0, 0.0]], [[0, 0, 1, 1]], 2) == [0, 2]
+    # two heads either as 1 x 2 groups (heads 0, 2: 6.0) or 2 x 1 group (heads 0, 1: 9.0): the better one
+    assert _layouts("balanced", [5.0, 4.0, 1.0, 0.0], [0, 0, 1, 1]) == {
+        1: (5.0, [0]), 2: (9.0, [0, 1]), 4: (10.0, [0, 1, 2, 3])}
+
+
+def test_balanced_takes_the_best_scoring_groups_first_not_the_lowest_index():
+    # group 1 (heads 2, 3) is the better group for one head and for two: it is taken before group 0
+    assert _layouts("balanced", [0.0, 1.0, 5.0, 4.0], [0, 0, 1, 1]) == {
+        1: (5.0, [2]), 2: (9.0, [2, 3]), 4: (10.0, [0, 1, 2, 3])}
+    assert apply_granularity("balanced", [[0.0, 1.0, 5.0, 4.0]], [[0, 0, 1, 1]], 1) == [2]
+    assert apply_granularity("balanced", [[0.0, 1.0, 5.0, 4.0]], [[0, 0, 1, 1]], 2) == [2, 3]
+
+
+def test_the_layer_programme_keeps_the_best_scoring_split_of_the_budget():
+    # 3 heads over two layers as 1 + 2 (5 + 5 = 10) or 2 + 1 (10 + 5 = 15): the programme meets 1 + 2 first
+    # but must keep 2 + 1
+    scores, groups = [[5.0, 5.0, 0.0], [5.0, 0.0, 0.0]], [[0, 1, 2], [0, 1, 2]]
+    for granularity in ("group", "balanced"):
+        assert apply_granularity(granularity, scores, groups, 3) == [0, 1, 3], granularity
+    # with grouped heads: layer 0's second group is worth more than layer 1's
+    scores = [[4.0, 4.0, 3.0, 3.0], [1.0, 1.0, 0.0, 0.0]]
+    groups = [[0, 0, 1, 1], [0, 0, 1, 1]]
+    assert apply_granularity("group", scores, groups, 6) == [0, 1, 2, 3, 4, 5]

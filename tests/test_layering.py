@@ -38,6 +38,8 @@ LAYERS: dict[str, int] = {
     # base utilities: no headbudget imports beyond each other
     "io": 0, "threads": 0, "devices": 0, "run_dir": 0, "weight_shapes": 0, "typed_config": 0,
     "data.text": 0,  # the one text/JSONL reader; config files are read with it at every layer
+    "model_files": 0,  # checks on a model folder's files and a GGUF header, before any loader opens them
+    "progress": 0,  # the one progress bar (plain lines off a terminal), used at every layer
     # schedules: types and generators, budgets and their cost accounting, and the spec parser above them
     "schedules": 1, "accounting": 1, "budget_report": 1, "budget": 1, "schedule_spec": 1,
     # the model family, head surgery for every family, and the loader that opens any model and tokenizer

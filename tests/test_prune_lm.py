@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,161 @@ def test_prune_lm_knee_warns_when_perplexity_blows_up(run_dir, tmp_path, capsys)
     # a forced count is the user's choice: never warned about
     assert main([*base, "--out", str(tmp_path / "k"), "--keep", "3", "--knee-warn-ratio", "0.5"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_cahp_forced_count_is_not_called_a_knee(run_dir, tmp_path, capsys, monkeypatch):
+    """With --keep-ratio the cluster count k follows from the forced head count: report.md, report.json, the
+    printed line and the MSS plot say so instead of calling it a knee; a knee-chosen k stays "knee k"."""
+    from headbudget.cli.main import main
+    from headbudget.pruning import report as rpt
+
+    titles = []
+    real_plot = rpt.plot_mss
+    monkeypatch.setattr(rpt, "plot_mss", lambda mss, k, path, title="": titles.append(title) or real_plot(
+        mss, k, path, title))
+    base = ["prune", str(run_dir), "--task", "lm", "--data", str(TEXT), "--method", "cahp", *COMMON]
+    out = tmp_path / "forced"
+    assert main([*base, "--keep-ratio", "0.5", "--allocation", "importance", "--clusters", "4",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    said = "clusters k = 4, forced by --keep-ratio 0.5; no knee computed"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["knee_k"] == 4 and rep["k_source"] == "forced" and rep["heads_kept"] == 7
+    assert f"Kept **7 / 14** heads ({said})." in (out / "report.md").read_text()
+    assert f"cahp: kept 7/14 heads ({said});" in printed and "knee" not in printed.replace("no knee computed", "")
+    assert titles == [f"MSS (mean), {said}"]
+
+    # --keep: the same, naming that flag
+    assert main([*base, "--keep", "6", "--out", str(tmp_path / "keep")]) == 0
+    rep = json.loads((tmp_path / "keep" / "report.json").read_text())
+    assert rep["k_source"] == "forced"
+    assert f"(clusters k = {rep['knee_k']}, forced by --keep 6; no knee computed);" in capsys.readouterr().out
+
+    # no forced count: CAHP's own k from the MSS curve, a knee (or, on this random model possibly, no knee at all)
+    titles.clear()
+    assert main([*base, "--out", str(tmp_path / "knee")]) == 0
+    printed = capsys.readouterr().out
+    rep = json.loads((tmp_path / "knee" / "report.json").read_text())
+    source = json.loads((tmp_path / "knee" / "details.json").read_text())["knee_source"]
+    k = rep["knee_k"]
+    said = {"mss": f"knee k = {k}", "fallback-max-mss": f"clusters k = {k}, no knee found: the k of the highest MSS"}
+    assert rep["k_source"] == {"mss": "knee", "fallback-max-mss": "fallback"}[source]
+    assert f"({said[source]})." in (tmp_path / "knee" / "report.md").read_text()
+    assert f"({said[source]});" in printed and titles == [f"MSS (mean), {said[source]}"]
+
+
+def test_describe_k_wording():
+    from headbudget.pruning.report import build_report, describe_k
+
+    assert describe_k(30, "keep", keep_ratio=0.5) == "clusters k = 30, forced by --keep-ratio 0.5; no knee computed"
+    assert describe_k(12, "keep", keep=13) == "clusters k = 12, forced by --keep 13; no knee computed"
+    assert describe_k(9, "mss") == describe_k(9, "accuracy") == describe_k(9, "knee") == "knee k = 9"
+    assert describe_k(5, "fallback-max-accuracy") == "clusters k = 5, no knee found: the k of the highest accuracy"
+    assert describe_k(None, None) is None
+    rep = build_report("random", 8, {0: [1]}, None, None, {"dense": 1.0, "pruned": 2.0}, {})
+    assert rep["knee_k"] is None and rep["k_source"] is None
+
+
+def test_prune_compare_says_each_stage_with_no_progress(run_dir, tmp_path, capsys):
+    """--no-progress draws no bar, yet every method's stages are printed as they finish, with their seconds
+    (the ones report.json records)."""
+    from headbudget.cli.main import main
+
+    out = tmp_path / "cmp"
+    assert main(["prune-compare", str(run_dir), "--task", "lm", "--data", str(TEXT), "--methods", "cahp,fisher",
+                 "--keep", "6", "--out", str(out), *COMMON]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"load model and data \d+\.\d s", lines[0]), lines
+    for label, stages in (("cahp", ["dense evaluation", "signatures", "salience", "cluster", "selection (all of it)",
+                                    "head removal", "pruned evaluation", "save model", "method total"]),
+                          ("fisher", ["selection (all of it)", "head removal", "pruned evaluation", "save model",
+                                      "method total"])):
+        mine = [ln for ln in lines if ln.startswith(f"{label}: ") and ln.endswith(" s")]
+        assert [re.sub(r" \d+\.\d s$", "", ln[len(label) + 2:]) for ln in mine] == stages, lines
+        seconds = json.loads((out / label / "report.json").read_text())["seconds"]
+        total = float(mine[-1].rsplit(" ", 2)[1])
+        assert total == pytest.approx(seconds["total"], abs=0.051)
+    # as they ran: all of cahp's stages before fisher's, then the summary
+    staged = [ln.split(":")[0] for ln in lines[1:] if re.search(r" \d+\.\d s$", ln)]
+    assert staged == ["cahp"] * 9 + ["fisher"] * 5
+    assert lines[15].startswith("cahp: 6 heads; heldout pruned")
+
+
+def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, monkeypatch):
+    """A comparison stopped after its first method has compare.json / compare.md with that method's row."""
+    import headbudget.pruning.pipeline as pl
+    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.pipeline import PruneJob
+
+    real = pl.run_prune
+    calls = []
+
+    def stop_at_second(sub, loaded=None, **kw):
+        calls.append(sub.method)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the run cut short, e.g. Ctrl-C or a job's time limit
+        return real(sub, loaded, **kw)
+
+    monkeypatch.setattr(pl, "run_prune", stop_at_second)
+    out = tmp_path / "cmp"
+    job = PruneJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8, pool_size=8,
+                   batch_size=4, keep=6, progress=False, device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(job, "magnitude,random,fisher")
+    summary = json.loads((out / "compare.json").read_text())
+    rep = json.loads((out / "magnitude" / "report.json").read_text())
+    assert [r["label"] for r in summary["rows"]] == ["magnitude"]
+    assert summary["methods_planned"] == ["magnitude", "random", "fisher"]
+    assert summary["rows"][0]["heads_kept"] == 6 and summary["rows"][0]["kept"] == rep["kept"]
+    assert summary["rows"][0]["metric"]["heldout"]["pruned"] == rep["metric"]["pruned"]
+    md = (out / "compare.md").read_text()
+    assert "**Partial:** 1 of 3 methods finished (random, fisher not yet)." in md and "| magnitude | 6 |" in md
+
+    # the finished comparison has every row and no partial marks
+    monkeypatch.setattr(pl, "run_prune", real)
+    summary = run_compare(job, "magnitude,random,fisher", resume=True)
+    assert [r["label"] for r in summary["rows"]] == ["magnitude", "random", "fisher"]
+    assert "methods_planned" not in json.loads((out / "compare.json").read_text())
+    assert "Partial" not in (out / "compare.md").read_text()
+
+
+def test_prune_compare_seeds_cut_short_keep_the_finished_seeds(run_dir, tmp_path, monkeypatch):
+    import headbudget.pruning.pipeline as pl
+    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.pipeline import PruneJob
+
+    real = pl.run_prune
+
+    def stop_in_seed_1(sub, loaded=None, **kw):
+        if sub.calib_seed == 1:
+            raise KeyboardInterrupt
+        return real(sub, loaded, **kw)
+
+    monkeypatch.setattr(pl, "run_prune", stop_in_seed_1)
+    out = tmp_path / "cmp"
+    job = PruneJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8, pool_size=8,
+                   batch_size=4, keep=6, progress=False, device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(job, "magnitude,random", calibration_seeds=[0, 1])
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["calibration_seeds"] == [0] and summary["calibration_seeds_planned"] == [0, 1]
+    seed0 = json.loads((out / "seed0" / "compare.json").read_text())
+    assert summary["values"]["pruned"]["random"]["tiny_corpus (held-out tail)"] == [
+        seed0["rows"][1]["metric"]["heldout"]["pruned"]]
+    assert "**Partial:** seeds 0 of 0, 1 finished." in (out / "compare.md").read_text()
+
+
+def test_one_calibration_seed_prints_no_spread(run_dir, tmp_path, capsys):
+    """One seed has no spread: no "± 0.0000" (which reads as "no variation") on stdout or in compare.md."""
+    from headbudget.cli.main import main
+
+    out = tmp_path / "one"
+    assert main(["prune-compare", str(run_dir), "--task", "lm", "--data", str(TEXT), "--methods", "magnitude,random",
+                 "--keep", "6", "--calibration-seeds", "0", "--out", str(out), *COMMON]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "compare.json").read_text())
+    v = summary["values"]["pruned"]["random"]["tiny_corpus (held-out tail)"][0]
+    assert "pruned (one calibration seed):" in printed and f"random: tiny_corpus (held-out tail) {v:.4f}\n" in printed
+    md = (out / "compare.md").read_text()
+    assert "±" not in printed and "±" not in md
+    assert "## Pruned: one seed (0), no spread" in md and f"| {v:.4f} |" in md

@@ -218,3 +218,14 @@ def test_prune_compare_seed_flags_need_task_lm(tmp_path, capsys):
     rc = main(["prune-compare", str(tmp_path / "none"), "--task", "sst5", "--data-dir", str(tmp_path),
                "--calibration-seeds", "0,1", "--keep", "3", "--out", str(tmp_path / "o"), "--no-progress"])
     assert rc == 2 and "need --task lm, not sst5" in capsys.readouterr().err
+
+
+def test_ranking_table_of_one_seed_shows_no_spread():
+    from headbudget.evaluation.rankings import format_spread, ranking_markdown, spread
+
+    one = ranking_markdown({"cahp": {"wiki": [51.0]}, "fisher": {"wiki": [60.5]}}, lower_is_better=True)
+    assert "±" not in one and "| cahp | **51.00** |" in one and "| fisher | 60.50 |" in one
+    assert "(lower is better; one seed, no spread): **cahp**" in one
+    two = ranking_markdown({"cahp": {"wiki": [51.0, 53.0]}, "fisher": {"wiki": [60.0, 62.0]}}, lower_is_better=True)
+    assert "| cahp | **52.00 ± 1.41 [51.00–53.00]** |" in two and "over 2 seeds" in two
+    assert format_spread(spread([0.25]), 4) == "0.2500" and format_spread(spread([1.0, 3.0]), 1) == "2.0 ± 1.4"

@@ -406,3 +406,76 @@ def test_save_figure_closes_a_pyplot_figure_written_or_not(tmp_path):
     with pytest.raises(OSError):
         save_figure(fig2, tmp_path / "file" / "bad.png")  # the parent is a file: the write fails
     assert fig2.number not in plt.get_fignums() and sorted(p.name for p in tmp_path.iterdir()) == ["file", "ok.png"]
+
+
+def _no_flock(monkeypatch) -> None:
+    """A filesystem without flock (some NFS/FUSE mounts): every flock fails with ENOLCK."""
+    import fcntl
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def _stale_lock(out: Path, pid: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "command": "holder"}))
+
+
+def test_without_flock_a_live_writers_lock_is_refused_and_a_dead_ones_taken_over(tmp_path, monkeypatch):
+    _no_flock(monkeypatch)
+    # the recorded pid decides: a live process (sleeping) keeps the folder ...
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = tmp_path / "live"
+        _stale_lock(live, sleeper.pid)
+        with pytest.raises(OutputDirError) as info:
+            with claim_output_dir(live):
+                pass
+        assert str(info.value) == (
+            f"--out {live} is being written by another headbudget process (pid {sleeper.pid} on "
+            f"{socket.gethostname()}, holder; lock {live / LOCK_NAME}): wait for it to end or choose another --out")
+        assert json.loads((live / LOCK_NAME).read_text())["pid"] == sleeper.pid  # its lock left alone
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+    # ... and once it has died (reaped: its pid names no process) the lock is taken over
+    dead = tmp_path / "dead"
+    _stale_lock(dead, sleeper.pid)
+    with claim_output_dir(dead, command="me"):
+        holder = json.loads((dead / LOCK_NAME).read_text())
+        assert (holder["pid"], holder["command"]) == (os.getpid(), "me")
+    assert not (dead / LOCK_NAME).exists()
+
+
+def test_overwrite_keeps_the_data_cache_byte_identical_and_it_alone_is_no_previous_run(tmp_path):
+    # quickstart's data-cache/ is kept by name, whatever it holds: here prepared data and entries whose
+    # names are also result names (a tokenizer folder, a meta file named config.json)
+    from headbudget.data.prepare import prepare_data
+
+    out = tmp_path / "out"
+    prepare_data("synthetic:3000", "byte", out / "data-cache", progress=False)
+    (out / "data-cache" / "tokenizer").mkdir()
+    (out / "data-cache" / "tokenizer" / "tokenizer_spec.json").write_text('{"kind": "byte"}')
+    (out / "data-cache" / "config.json").write_text("{}")
+    cache = _snapshot(out / "data-cache")
+    assert len(cache) >= 6
+
+    # a folder holding only the cache holds no other run's results: claimed without --overwrite
+    assert previous_results(out, keep=("data-cache",)) == []
+    with claim_output_dir(out, command="headbudget quickstart", keep=("data-cache",)) as claimed:
+        (claimed / "summary.json").write_text("{}")
+        (claimed / "compare.md").write_text("# results")
+    assert _snapshot(out / "data-cache") == cache
+
+    # now it holds results: refused without --overwrite, and --overwrite deletes them but not the cache
+    assert previous_results(out, keep=("data-cache",)) == ["compare.md", "summary.json"]
+    with pytest.raises(OutputDirError, match=r"already holds another run's results \(compare\.md, summary\.json\)"):
+        with claim_output_dir(out, keep=("data-cache",)):
+            pass
+    with claim_output_dir(out, overwrite=True, keep=("data-cache",)) as claimed:
+        (claimed / "summary.json").write_text('{"new": true}')
+    assert sorted(os.listdir(out)) == ["data-cache", "summary.json"]  # the old results replaced
+    assert (out / "summary.json").read_text() == '{"new": true}'
+    assert _snapshot(out / "data-cache") == cache

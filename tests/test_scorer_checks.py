@@ -305,3 +305,50 @@ def test_prune_and_compress_write_the_requested_dtype(tmp_path):
                  "--data", str(TEXT), "--context", "32", "--max-windows", "20", "--out", str(tmp_path / "c"),
                  "--dtype", "bfloat16", "--no-progress"]) == 0
     assert {p.dtype for p in load_model(tmp_path / "c" / "model").parameters()} == {torch.bfloat16}
+
+
+def test_verify_units_flags_a_nan_difference():
+    """A NaN on the fast path is a mismatch, never a pass: NaN compares false with everything, so it must
+    survive the running maximum (max(0.0, nan) is 0.0) and fail the tolerance test (nan > tol is False)."""
+    from headbudget.evaluation.scorer_check import _TreeMismatch, verify_units
+
+    def plain(rows):
+        return [(i, torch.tensor([-0.5, -1.0]), True) for i in range(len(rows))]
+
+    nan = float("nan")
+    for tree in ([torch.tensor([-0.5, nan]), torch.tensor([-0.5, -1.0])],   # NaN row, then a right one
+                 [torch.tensor([-0.5, -1.0]), torch.tensor([nan, -1.0])],   # a right row, then NaN
+                 [torch.tensor([nan, nan])]):
+        rows = [([1, 2, 3, 4], 2)] * len(tree)
+        with pytest.raises(_TreeMismatch, match=r"differ from the plain scores by up to nan nats"):
+            verify_units({"branched trie (loglikelihood)": (rows, tree)}, plain, torch.float32)
+    # the same rows without a NaN pass
+    verify_units({"branched trie (loglikelihood)": ([([1, 2, 3, 4], 2)], [torch.tensor([-0.5, -1.0])])},
+                 plain, torch.float32)
+
+
+class NaNOnTreeMask(torch.nn.Module):
+    """A model whose fast path (a 4-D tree mask) returns NaN logits -- as a kernel overflowing on a
+    masked row can -- and whose plain path is right."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, input_ids=None, attention_mask=None, **kw):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            out.logits = torch.full_like(out.logits, float("nan"))
+        return out
+
+
+def test_nan_on_the_fast_path_falls_back_to_the_plain_scores(gpt2, tok):
+    """The self-check meets NaN tree scores: one warning saying so, strategy full, finite plain scores."""
+    model = NaNOnTreeMask(gpt2).eval()
+    plain, got, msgs, lm = _plain_and_fast(model, tok, ("mc",))
+    assert len(msgs) == 1 and "by up to nan nats per token" in msgs[0], msgs
+    assert lm.scorer.strategy == "full" and len(lm.scorer.stats.fallbacks) == 1
+    lls = _lls(got["mc"])
+    assert len(lls) == 9 and all(ll == ll for ll in lls)
+    assert lls == pytest.approx(_lls(plain["mc"]), abs=1e-5)

@@ -117,3 +117,43 @@ def test_acc_norm_through_the_eval_command(setup, tmp_path: Path, capsys):
         (samples,) = tmp_path.glob(f"samples_{task}_*.jsonl")  # per document, in lm-eval's form
         records = sorted(map(json.loads, samples.read_text().splitlines()), key=lambda rec: rec["doc_id"])
         assert [rec["acc_norm"] for rec in records] == setup["per_doc"][task], task
+
+
+# non-ASCII choices: "é" is one character and two UTF-8 bytes (two tokens of the byte tokenizer)
+ACCENTED = "é" * 10
+
+
+def test_acc_norm_counts_characters_not_bytes_of_non_ascii_choices():
+    """lm-eval's acc_norm divides by ``len(choice)`` of the Python string: characters, not UTF-8 bytes."""
+    from headbudget.evaluation.tasks import get_task
+    from headbudget.evaluation.zeroshot import mc_metrics
+
+    ex = get_task("piqa").example({"goal": "g", "sol1": "ééééé", "sol2": "abcdefg", "label": 1})
+    assert ex.norm_lengths == [5.0, 7.0]  # bytes would be 10 and 7
+    arc = get_task("arc_easy").example({"question": "q", "answerKey": "A",
+                                        "choices": {"text": ["naïve café", "x"], "label": ["A", "B"]}})
+    assert arc.norm_lengths == [10.0, 1.0]
+    # -6 / 5 = -1.2 < -7.5 / 7 = -1.07: choice 1 per character (per byte, -6 / 10 = -0.6: choice 0)
+    res, preds = mc_metrics([ex], [[-6.0, -7.5]])
+    assert preds == [0] and res["acc"] == 0.0 and res["acc_norm"] == 1.0
+
+
+def test_acc_norm_of_non_ascii_choices_through_the_built_in_task(tmp_path):
+    """piqa from a local file with an accented choice: evaluate_tasks reports lm-eval's acc_norm, the
+    argmax of log-likelihood / characters, on data where dividing by bytes picks the other choice."""
+    rows = [{"goal": "Say it", "sol1": ACCENTED, "sol2": "abcde", "label": 1},
+            {"goal": "Say it again", "sol1": "vwxyz", "sol2": ACCENTED, "label": 0}]
+    (tmp_path / "piqa_validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    model, tok = tiny_gpt2(), byte_tokenizer()
+    torch.set_num_threads(1)
+    by_chars, by_bytes = [], []
+    for r in rows:
+        choices = [r["sol1"], r["sol2"]]
+        lls = np.array([hand_score(model, tok, f"Question: {r['goal']}\nAnswer:", " " + c) for c in choices])
+        chars = np.array([len(c) for c in choices], dtype=float)
+        nbytes = np.array([len(c.encode("utf-8")) for c in choices], dtype=float)
+        by_chars.append(float(np.argmax(lls / chars) == r["label"]))
+        by_bytes.append(float(np.argmax(lls / nbytes) == r["label"]))
+    assert by_chars == [1.0, 1.0] and by_bytes == [0.0, 0.0]  # the data tells the two apart
+    report = evaluate_tasks(model, tok, ["piqa"], data_dir=str(tmp_path), batch_size=2, progress=False)
+    assert report["results"]["piqa"]["acc_norm"] == 1.0

@@ -57,6 +57,28 @@ def test_missing_or_stale_latest_pointer_falls_back_to_the_newest_complete_check
     assert _loaded_weight(latest_checkpoint(d)) == 2.0
 
 
+@pytest.mark.parametrize(("text", "problem"), [
+    ("garbage\n", "holds 'garbage', not the name of a checkpoint"),
+    ("step_000009\n", "names step_000009, which does not exist"),
+    ("", "is empty"),
+    (b"\xff\xfe\x00junk\nmore", r"holds '\xff\xfe\x00junk\nmore', not the name of a checkpoint"),
+    ("../ck/step_000001\n", "holds '../ck/step_000001', not the name of a checkpoint"),
+])
+def test_a_corrupt_latest_pointer_is_said_in_one_line_naming_it_and_the_checkpoint_used(tmp_path, capsys, text,
+                                                                                         problem):
+    d = tmp_path / "ck"
+    _linear_checkpoints(d, (1, 2, 3))
+    assert latest_checkpoint(d).name == "step_000003" and capsys.readouterr().err == ""  # a good pointer: silent
+    (d / "latest").write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert latest_checkpoint(d).name == "step_000003"
+    assert latest_checkpoint(d).name == "step_000003"  # looked up again (a resume does): said once
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"headbudget: warning: {d / 'latest'} {problem}; using the newest complete "
+                                f"checkpoint, {d / 'step_000003'}, instead"], err
+    (d / "latest").unlink()  # no pointer (e.g. none written yet): the newest, silently
+    assert latest_checkpoint(d).name == "step_000003" and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("missing", [ckpt.STATE_FILE, ".metadata"])
 def test_a_folder_missing_its_trainer_state_or_tensors_is_never_resumed_or_pruned(tmp_path, missing):
     d = tmp_path / "ck"
@@ -178,6 +200,16 @@ def test_trainer_resumes_from_the_newest_good_checkpoint(straight_and_killed, da
     trainer = _resume(straight_and_killed, damage, hurt)
     assert trainer.resumed_steps == [5, 6]  # from step 4, not from the oldest (step 2)
     _assert_bit_identical(trainer, straight_and_killed)
+
+
+def test_trainer_resumes_from_the_newest_past_a_garbage_latest_and_says_so(straight_and_killed, capsys):
+    trainer = _resume(straight_and_killed, "garbage_latest", lambda ck: (ck / "latest").write_text("garbage\n"))
+    assert trainer.resumed_steps == [5, 6]  # from step 4, the newest complete checkpoint
+    _assert_bit_identical(trainer, straight_and_killed)
+    ck = straight_and_killed["root"] / "garbage_latest" / "checkpoints"
+    said = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert said == [f"headbudget: warning: {ck / 'latest'} holds 'garbage', not the name of a checkpoint; using "
+                    f"the newest complete checkpoint, {ck / 'step_000004'}, instead"], said
 
 
 def test_trainer_resumes_after_a_crash_before_latest_moved(straight_and_killed):

@@ -78,7 +78,7 @@ def test_the_experiments_use_the_one_thread_helper():
 def test_train_like_threads_spellings_write_one_field(command, flag):
     """--threads (documented) and --train.threads (hidden, old command lines) set train.threads, and cli.main's
     thread policy (args.threads) follows it: no two flags writing different places."""
-    argv = [command, "cpu-small"] + (["--teacher", "t"] if command == "distill" else []) + [flag, "3"]
+    argv = [command, "cpu-small"] + (["--teacher", "t", "--data", "x"] if command == "distill" else []) + [flag, "3"]
     args = build_parser(command).parse_args(argv)
     args.validate(args)
     assert args.cfg.train.threads == 3 and args.threads == 3

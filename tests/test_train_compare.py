@@ -432,3 +432,30 @@ def test_run_compare_marks_an_identical_layout_as_identical(tmp_path):
     assert a["schedules"]["uniform@32"]["paired"]["decision"] == "identical"
     assert a["schedules"]["prism"]["paired"]["decision"] == "equivalent"
     assert "higher than uniform" not in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_one_seed_report_shows_no_spread(tmp_path):
+    """One seed has no spread: the report gives each value alone, never "± 0.0000" (which reads as "no
+    variation")."""
+    s = run_compare(tiny(tmp_path), ["uniform", "prism"], 1, tmp_path / "one", save_models=False, plot=False)
+    md = (tmp_path / "one" / "report.md").read_text()
+    assert "±" not in md
+    assert "same seed (same batches), from one seed: no spread." in md
+    prism = s["schedules"]["prism"]
+    assert f"| {prism['val_loss_mean']:.4f} | {prism['delta_vs_baseline_mean']:.4f} |" in md
+
+
+def test_paired_differences_pair_by_seed_whatever_the_order_or_the_gaps():
+    from headbudget.train.paired import paired_differences
+
+    # the reference lists its seeds in another order and has seed 1, which the schedule lacks; the
+    # schedule has seed 9, which the reference lacks: only seeds 0, 2 and 3 pair, each with its own
+    values = {3: 3.3, 0: 3.0, 9: 1.0, 2: 3.2}
+    reference = {0: 3.5, 1: 7.0, 2: 3.4, 3: 3.4}
+    d = paired_differences(values, reference)
+    assert d["seeds"] == [0, 2, 3] and d["n"] == 3
+    assert d["diffs"] == pytest.approx([-0.5, -0.2, -0.1], abs=1e-12)
+    assert d["mean"] == pytest.approx(-0.8 / 3, abs=1e-12)
+    # swapping the arguments negates every difference, seed by seed
+    back = paired_differences(reference, values)
+    assert back["seeds"] == [0, 2, 3] and back["diffs"] == pytest.approx([0.5, 0.2, 0.1], abs=1e-12)

@@ -90,3 +90,54 @@ def test_replace_and_round_trip_through_yaml(tmp_path):
     p = tmp_path / "rt.yaml"
     p.write_text(cfg.to_yaml())
     assert RunConfig.load(p) == cfg
+
+
+@pytest.mark.parametrize("tokens", ["1e30", "1e20", "2e15", "inf", "nan", "-5", "0"])
+def test_absurd_token_counts_are_one_line_naming_the_flag_and_value(tokens, capsys):
+    from headbudget.cli.main import main
+
+    with pytest.raises(ValueError, match=rf"^train\.tokens \(--tokens\) '{tokens}': "):
+        RunConfig.from_dict({"train": {"tokens": tokens}})
+    assert main(["compare", "quickstart", "--tokens", tokens, "--print_config"]) == 2  # inf: was a traceback
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--tokens) '{tokens}'" in err, err
+
+
+def test_token_counts_and_steps_no_run_can_take_are_refused():
+    from headbudget.train.config import MAX_STEPS, parse_token_count
+
+    assert parse_token_count("1e15") == 10**15  # the most tokens a run may read
+    # tiny batches: a plausible token count, an impossible number of steps (1e12 / 8 = 1.2e11)
+    with pytest.raises(ConfigError, match=r"^train\.tokens \(--tokens\) '1e12': 1\.2e11 optimizer steps of 1 x 8"):
+        RunConfig.from_dict({"train": {"tokens": "1e12", "batch_size": 1, "context": 8}})
+    with pytest.raises(ConfigError, match=r"^train\.steps 1000000000001: more optimizer steps"):
+        apply_overrides(RunConfig(), [f"train.steps={MAX_STEPS * 1000 + 1}"])
+    assert apply_overrides(RunConfig(), [f"train.steps={MAX_STEPS}"]).train.steps == MAX_STEPS
+
+
+@pytest.mark.parametrize("item", ["train.lr=inf", "train.lr=nan", "train.grad_clip=nan", "train.min_lr_ratio=nan",
+                                  "train.weight_decay=-inf", "model.dropout=nan", "distill.temperature=inf",
+                                  "data.val_fraction=nan"])
+def test_non_finite_float_settings_are_one_line_naming_the_key(item, capsys):
+    """inf or nan in a float setting is a typo (lr=inf diverged at step 1, grad_clip=nan turned clipping off):
+    refused with the config, before any work."""
+    from headbudget.cli.main import main
+
+    key, value = item.split("=")
+    with pytest.raises(ConfigError, match=rf"^{key} must be a finite number, got {value}$"):
+        apply_overrides(RunConfig(), [item])
+    assert main(["train", "quickstart", "--set", item, "--print_config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"headbudget train: error: {key} must be a finite number, got {value}"]
+
+
+@pytest.mark.parametrize("margin", ["inf", "nan", "0", "-1"])
+def test_compare_margin_must_be_finite_and_positive(margin, capsys):
+    from headbudget.cli.main import main
+    from headbudget.train.compare import run_compare
+
+    assert main(["compare", "quickstart", "--margin", margin, "--print_config"]) == 2  # inf was accepted
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compare.margin (--margin)" in err and f"got {float(margin)}" in err, err
+    with pytest.raises(ValueError, match=r"--margin must be a finite positive"):  # Python callers: the same rule
+        run_compare(RunConfig(), ["uniform"], 1, "never-written", margin=float(margin))

@@ -113,7 +113,7 @@ def test_fifo_inside_the_folder_is_refused_as_not_a_regular_file(two_runs, name)
     before = _params(model)
     with _deadline(20), pytest.raises(CheckpointError) as err:
         load_checkpoint(victim, model)
-    assert str(err.value) == f"{target}: not a regular file; refusing to read it"
+    assert str(err.value) == f"{target}: a FIFO, not a regular file; refusing to read it"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -183,10 +183,10 @@ metric_list:
 
 
 def test_include_path_runs_python_only_for_the_tasks_requested(tmp_path):
-    """``--include-path`` runs a task's ``!function`` module (documented, as lm-eval); indexing the folder
-    or requesting another task of it must not."""
+    """``--include-path`` runs a requested task's ``!function`` module only with ``allow_code`` (documented);
+    indexing the folder or requesting another task of it never does."""
     pytest.importorskip("lm_eval")
-    from headbudget.evaluation.harness import load_harness_tasks
+    from headbudget.evaluation.harness import TaskCodeError, load_harness_tasks
 
     data = tmp_path / "docs.jsonl"
     data.write_text('{"q": "pick one"}\n')
@@ -200,7 +200,189 @@ def test_include_path_runs_python_only_for_the_tasks_requested(tmp_path):
     (tasks / "plain.yaml").write_text(_TASK_YAML.format(name="plain_task", data=data, text="'{{q}}'"))
     _, loaded = load_harness_tasks(["plain_task"], include_path=str(tasks))
     assert list(loaded["tasks"]) == ["plain_task"] and not marker.exists()
-    load_harness_tasks(["coded_task"], include_path=str(tasks))
-    assert marker.exists()  # what docs/evaluation.md warns about
+    with pytest.raises(TaskCodeError, match=r"coded\.yaml: !function payload\.doc_to_text .*--allow-code"):
+        load_harness_tasks(["coded_task"], include_path=str(tasks))
+    assert not marker.exists()
+    load_harness_tasks(["coded_task"], include_path=str(tasks), allow_code=True)
+    assert marker.exists()  # the payload is live: the refusal is what kept it from running
     docs = (Path(__file__).resolve().parents[1] / "docs" / "evaluation.md").read_text()
-    assert "**`--include-path` runs Python from that folder**" in docs
+    assert "**A task file of yours runs Python only with `--allow-code`.**" in docs
+
+
+def _coded_task_folder(folder: Path, marker: Path, name: str = "hb_coded") -> Path:
+    """``folder/t.yaml`` (task ``name``) whose ``process_docs`` is ``!function utils.process_docs``, and
+    ``folder/utils.py``, which creates ``marker`` when imported."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "docs.jsonl"
+    data.write_text('{"q": "pick one"}\n{"q": "or two"}\n')
+    (folder / "utils.py").write_text(f"open({str(marker)!r}, 'w').close()\n\n\n"
+                                     "def process_docs(ds):\n    return ds\n")
+    (folder / "t.yaml").write_text(_TASK_YAML.format(name=name, data=data, text="'{{q}}'")
+                                   + "process_docs: !function utils.process_docs\n")
+    return folder / "t.yaml"
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_a_task_file_in_tasks_runs_python_only_with_allow_code(tmp_path, capsys):
+    """``eval --tasks DIR/t.yaml``: the ``!function`` module beside the file is refused in one line naming the
+    file, the function and the Python file; ``--allow-code`` runs it.  (The model does not exist: the tasks
+    load before it, so the marker tells whether the module ran.)"""
+    pytest.importorskip("lm_eval")
+    from headbudget.cli.main import main
+
+    marker = tmp_path / "IMPORTED"
+    task = _coded_task_folder(tmp_path / "mine", marker)
+    missing = str(tmp_path / "no-model")
+    assert main(["eval", missing, "--tasks", str(task), "--quiet"]) == 2
+    line = _one_line(capsys)
+    assert line == (f"headbudget eval: error: {task}: !function utils.process_docs would run Python from "
+                    f"{task.parent.resolve() / 'utils.py'}; pass --allow-code to allow it")
+    assert not marker.exists()
+    assert main(["eval", missing, "--tasks", str(task), "--quiet", "--allow-code"]) == 2  # (no model)
+    assert marker.exists() and "--allow-code" not in capsys.readouterr().err
+
+
+def test_include_chains_and_groups_of_include_path_need_allow_code(tmp_path, capsys):
+    """A YAML under --include-path with no !function of its own that pulls one in -- by ``include:`` of
+    another folder's file, or as a group listing such a task -- is refused too, naming the file that holds
+    the !function."""
+    pytest.importorskip("lm_eval")
+    from headbudget.cli.main import main
+
+    marker = tmp_path / "IMPORTED"
+    coded = _coded_task_folder(tmp_path / "elsewhere", marker)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "child.yaml").write_text(f"include: {Path('..') / 'elsewhere' / 't.yaml'}\ntask: hb_child\n")
+    group_dir = tmp_path / "groups"
+    _coded_task_folder(group_dir / "member", marker, name="hb_member")
+    (group_dir / "g.yaml").write_text("group: hb_group\ntask:\n  - hb_member\n")
+    missing = str(tmp_path / "no-model")
+    assert main(["eval", missing, "--tasks", "hb_child", "--include-path", str(tasks), "--quiet"]) == 2
+    line = _one_line(capsys)
+    assert f"(included by {tasks / 'child.yaml'}): !function utils.process_docs would run Python from " \
+           f"{coded.parent.resolve() / 'utils.py'}" in line
+    assert main(["eval", missing, "--tasks", "hb_group", "--include-path", str(group_dir), "--quiet"]) == 2
+    assert f"{group_dir / 'member' / 't.yaml'}: !function utils.process_docs" in _one_line(capsys)
+    assert not marker.exists()
+
+
+def test_the_loader_guard_refuses_what_the_early_check_missed(tmp_path, monkeypatch):
+    """Behind the early check, lm-eval's loader itself refuses a user's !function without allow_code (so a
+    path into it the check did not foresee still runs nothing); the built-in task files keep working."""
+    pytest.importorskip("lm_eval")
+    from headbudget.evaluation import harness
+
+    marker = tmp_path / "IMPORTED"
+    task = _coded_task_folder(tmp_path / "mine", marker)
+    monkeypatch.setattr(harness, "check_task_code", lambda *a, **k: None)
+    with pytest.raises(harness.TaskCodeError, match=r"!function utils\.process_docs would run Python from"):
+        harness.load_harness_tasks([str(task)])
+    assert not marker.exists()
+    # headbudget's own task files (prompts.py) need no consent
+    _, loaded = harness.load_harness_tasks(["piqa"], data_dir=str(Path(__file__).parent / "fixtures" / "zeroshot"))
+    assert list(loaded["tasks"]) == ["piqa"]
+
+
+def test_sibling_folder_sharing_the_name_prefix_is_outside_the_checkpoint(two_runs, tmp_path):
+    # "step_0000011" starts with the string "step_000001" but is another folder: containment is by path
+    # components, so a string-prefix comparison would read (and load) the sibling's weights
+    victim, other_weights = two_runs
+    sibling = victim.parent / (victim.name + "1")
+    sibling.mkdir()
+    (sibling / "__0_0.distcp").write_bytes((tmp_path / "other" / "step_000001" / "__0_0.distcp").read_bytes())
+    rel = f"../{sibling.name}/__0_0.distcp"
+    _rewrite_paths(victim, rel)
+    model = _model(3)
+    before = _params(model)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(victim, model)
+    assert str(err.value) == (f"{victim}: .metadata points at {rel!r}, outside the checkpoint folder; "
+                              "refusing to read it")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not all(torch.equal(other_weights[k], before[k]) for k in before)  # the payload would change them
+
+
+def _torch_save_call(path: Path) -> bytes:
+    """A pickle calling ``torch.save({}, path)``, written opcode by opcode so the global is named ``torch.save``
+    (pickling the function itself would name ``torch.serialization``, the module that defines it)."""
+    import struct
+
+    arg = str(path).encode()
+    return b"ctorch\nsave\n(}X" + struct.pack("<I", len(arg)) + arg + b"tR."
+
+
+def test_metadata_unpickler_admits_dtypes_but_no_other_torch_attribute(two_runs, tmp_path):
+    victim, _ = two_runs
+    # the payload is live: a plain unpickler writes the file
+    live = tmp_path / "live_marker"
+    pickle.loads(_torch_save_call(live))
+    assert live.exists()
+    marker = tmp_path / "marker"
+    (victim / ".metadata").write_bytes(_torch_save_call(marker))
+    with pytest.raises(CheckpointError, match=r"\.metadata: not a headbudget checkpoint \(refusing to load "
+                                              r"torch\.save \(not part of DCP metadata\)\)"):
+        load_checkpoint(victim, _model(3))
+    assert not marker.exists()
+
+    def find(module: str, name: str):
+        import io
+
+        return ckpt._MetadataUnpickler(io.BytesIO(b"")).find_class(module, name)
+
+    # the dtypes DCP's tensor properties name are admitted ...
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        assert find("torch", str(dtype).removeprefix("torch.")) is dtype
+    assert find("torch", "Size") is torch.Size
+    # ... and nothing else torch has: functions, classes, modules
+    for module, name in [("torch", "load"), ("torch", "save"), ("torch", "tensor"), ("torch", "Tensor"),
+                         ("torch", "nn"), ("torch", "from_file"), ("torch.serialization", "load"),
+                         ("torch.distributed.checkpoint.metadata", "pickle")]:
+        with pytest.raises(pickle.UnpicklingError, match=f"refusing to load {module}.{name} "):
+            find(module, name)
+
+
+@pytest.mark.parametrize("writer", ["pickle", "torch.save"])
+def test_pickle_payload_in_the_tensor_bytes_never_runs(two_runs, tmp_path, writer):
+    victim, _ = two_runs
+    marker = tmp_path / "marker"
+    distcp = victim / "__0_0.distcp"
+    size = distcp.stat().st_size
+    if writer == "pickle":
+        body = pickle.dumps(_Marker(marker))
+    else:
+        torch.save(_Marker(marker), tmp_path / "payload.pt")
+        body = (tmp_path / "payload.pt").read_bytes()
+    assert len(body) <= size
+    distcp.write_bytes(body + b"\0" * (size - len(body)))  # same length: the slice offsets stay valid
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(victim, _model(3))
+    assert str(err.value).startswith(f"{distcp}: not the tensors of a headbudget checkpoint (")
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def test_a_task_template_runs_no_code_without_allow_code(tmp_path, capsys):
+    """lm-eval renders templates with plain Jinja, where ``cycler.__init__.__globals__.os`` reaches any
+    function: without --allow-code templates render in Jinja's sandbox, and the run stops in one line."""
+    pytest.importorskip("lm_eval")
+    from headbudget.cli.main import main
+
+    marker = tmp_path / "MADE"
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"q": "pick one"}\n')
+    task = tmp_path / "j.yaml"
+    task.write_text(_TASK_YAML.format(
+        name="hb_jinja", data=data, text=f"\"{{{{ cycler.__init__.__globals__.os.mkdir('{marker}') or q }}}}\""))
+    missing = str(tmp_path / "no-model")
+    assert main(["eval", missing, "--tasks", str(task), "--quiet"]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("headbudget eval: error: a task's Jinja template was stopped: ") and "__init__" in line
+    assert line.endswith("pass --allow-code to allow it)") and not marker.exists()
+    assert main(["eval", missing, "--tasks", str(task), "--quiet", "--allow-code"]) == 2  # (no model)
+    assert marker.is_dir()  # the payload is live

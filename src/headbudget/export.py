@@ -27,7 +27,10 @@ def export_model(model: str | os.PathLike, out: str | os.PathLike, *, fmt: str =
     the one-line cost of duplicated key/value heads, or None)."""
     from headbudget.loading import load_model_and_tokenizer, resolve_model
     from headbudget.models.export_gguf import OUTTYPES, export_gguf
+    from headbudget.run_dir import check_not_an_input, check_output_file
 
+    # a GGUF exported onto itself, or into the model folder it reads, would replace or mix with its input
+    check_not_an_input(out, {"MODEL": str(model), "--tokenizer": tokenizer}, "--out")
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if outtype not in OUTTYPES:
@@ -37,6 +40,7 @@ def export_model(model: str | os.PathLike, out: str | os.PathLike, *, fmt: str =
         raise ValueError(f"--out {out}: is a folder (name the .gguf file to write)")
     if out.exists() and not overwrite:
         raise ValueError(f"--out {out}: exists (pass --overwrite to replace it)")
+    check_output_file(out, "--out")  # a real write probe (a read-only folder): now, not after loading the model
     src = resolve_model(model, gguf_file)
     source_gguf = Path(src.where) / src.gguf_file if src.gguf_file is not None and tokenizer is None else None
     hf_model, tok = load_model_and_tokenizer(model, tokenizer=tokenizer, gguf_file=gguf_file, as_headbudget=True)

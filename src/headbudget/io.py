@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,26 @@ def refused_pickle_reason(exc: BaseException) -> str:
         if ln.startswith("WeightsUnpickler error:"):
             return ln.split(":", 1)[1].strip().split(" Please use `torch.serialization", 1)[0]
     return next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else type(exc).__name__)
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def regular_file(path: str | os.PathLike, error: type[Exception] = ValueError) -> Path:
+    """``path`` if it is a regular file (a symbolic link to one is), else ``error`` naming what it is: opening
+    a FIFO blocks until a writer comes, a device never ends, so a model folder, tokenizer or checkpoint file
+    is refused before it is opened.  A missing file is the ``FileNotFoundError`` of ``os.stat``.
+
+    >>> regular_file("runs/demo/model/config.json")   # a FIFO: "...config.json: a FIFO, not a regular file; ..."
+    PosixPath('runs/demo/model/config.json')
+    """
+    path = Path(path)
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), "a special file")
+        raise error(f"{path}: {kind}, not a regular file; refusing to read it")
+    return path
 
 
 def current_umask() -> int:
@@ -72,11 +93,53 @@ def follow_umask(path: str | os.PathLike) -> Path:
     return path
 
 
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` (on this host) alive?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _temp_prefix(path: Path) -> str:
+    """The prefix of ``path``'s temporary siblings: ``.NAME.<pid>-`` (then 8 random characters and ``.tmp``).
+    The pid lets the next write to ``path`` tell a dead writer's leftover from a live writer's file."""
+    return f".{path.name}.{os.getpid()}-"
+
+
+def remove_dead_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary siblings of ``path`` left by writers that died (``kill -9`` mid-write): a killed
+    GGUF export leaves hundreds of MB.  Live writers' files stay.  Returns what was removed.
+
+    >>> remove_dead_temporaries("runs/m.gguf")   # [PosixPath('runs/.m.gguf.4242-k2j9x0ab.tmp')] after a kill
+    []
+    """
+    path = Path(path)
+    pattern = re.compile(re.escape(f".{path.name}.") + r"(\d+)-[a-z0-9_]{8}\.tmp$")
+    removed = []
+    try:
+        siblings = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in siblings:
+        m = pattern.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            try:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                removed.append(entry)
+            except OSError:
+                pass
+    return removed
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` (parents created) through a temporary file and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -152,7 +215,8 @@ def atomic_write_file(path: str | os.PathLike, write: Callable[[Path], Any]) -> 
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_dead_temporaries(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
@@ -177,7 +241,8 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    remove_dead_temporaries(path)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp"))
     try:
         write(tmp)
         follow_umask(tmp)

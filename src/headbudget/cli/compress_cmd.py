@@ -38,6 +38,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _validate(args: argparse.Namespace) -> None:
     """The job of the flags, --config and --set, before torch is imported."""
     args.job = dataclass_from_args(CompressJob, args, positional=("model",))
+    _check_merge_kv_flags(args.job)
+
+
+def _check_merge_kv_flags(job: CompressJob) -> None:
+    """merge-kv's flags: exactly one target, a budget in (0, 1], and none of them with another method."""
+    given = [f for f, v in (("--kv-heads", job.kv_heads), ("--kv-budget", job.kv_budget),
+                            ("--calib-data", job.calib_data)) if v is not None]
+    if job.method != "merge-kv":
+        if given:
+            raise ValueError(f"{given[0]} only applies to --method merge-kv")
+        return
+    if (job.kv_heads is None) == (job.kv_budget is None):
+        raise ValueError("--method merge-kv needs --kv-heads N or --kv-budget FRACTION (one of them)")
+    if job.kv_heads is not None and job.kv_heads < 1:
+        raise ValueError(f"--kv-heads must be >= 1, got {job.kv_heads}")
+    if job.kv_budget is not None:
+        _fraction(job.kv_budget, "--kv-budget")
+    for flag, value in (("--calib-tokens", job.calib_tokens), ("--sensitivity-tokens", job.sensitivity_tokens)):
+        if value < 2:
+            raise ValueError(f"{flag} must be >= 2, got {value}")
+    if job.sweep or job.groups:
+        raise ValueError(f"{'--sweep' if job.sweep else '--groups'} does not apply to --method merge-kv")
 
 
 def _fraction(value: float, flag: str) -> float:
@@ -77,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     job: CompressJob = getattr(args, "job", None) or dataclass_from_args(CompressJob, args, positional=("model",))
     if args.print_config:
         return print_config(job)
+    if job.method == "merge-kv":
+        return _run_merge_kv(job, args)
     from headbudget.compression.pipeline import format_report, run_compress
     from headbudget.loading import resolve_device, resolve_dtype
     from headbudget.run_dir import claim_output_dir
@@ -92,9 +116,11 @@ def run(args: argparse.Namespace) -> int:
     groups = read_groups(job.groups) if job.groups else None
     if groups is not None and job.method != "group":
         raise ValueError("--groups only applies to --method group")
-    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite):
+    inputs = {"MODEL": job.model, "--data": job.data, "--tokenizer": job.tokenizer, "--groups": job.groups,
+              "--config": getattr(args, "config", None)}
+    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite, inputs=inputs) as out:
         report = run_compress(
-            job.model, job.method, job.keep, job.allocation, job.out, data=job.data,
+            job.model, job.method, job.keep, job.allocation, str(out), data=job.data,
             tokenizer=job.tokenizer, sweep=sweep, groups=groups, context=job.context, stride=job.stride,
             max_windows=job.max_windows, max_tokens=job.max_tokens, strength=job.strength,
             progress=job.progress, threads=args.threads, dtype=job.dtype, device=job.device,
@@ -102,4 +128,29 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}"
           + (f", {Path(job.out) / 'sweep.png'}" if sweep else ""))
+    return 0
+
+
+def _run_merge_kv(job: CompressJob, args: argparse.Namespace) -> int:
+    """--method merge-kv: the library's run_merge_kv in a claimed --out, then its summary."""
+    from headbudget.compression.merge_kv_pipeline import format_merge_report, run_merge_kv
+    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.run_dir import claim_output_dir
+
+    _check_merge_kv_flags(job)
+    resolve_dtype(job.dtype)
+    resolve_device(job.device)
+    if job.context < 2:
+        raise ValueError(f"--context must be >= 2, got {job.context}")
+    inputs = {"MODEL": job.model, "--data": job.data, "--calib-data": job.calib_data, "--tokenizer": job.tokenizer,
+              "--config": getattr(args, "config", None)}
+    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite, inputs=inputs) as out:
+        report = run_merge_kv(
+            job.model, str(out), kv_heads=job.kv_heads, kv_budget=job.kv_budget, merge_rule=job.merge_rule,
+            kv_allocation=job.kv_allocation, data=job.data, calib_data=job.calib_data, calib_tokens=job.calib_tokens,
+            sensitivity_tokens=job.sensitivity_tokens, tokenizer=job.tokenizer, context=job.context,
+            stride=job.stride, max_windows=job.max_windows, max_tokens=job.max_tokens, progress=job.progress,
+            threads=args.threads, dtype=job.dtype, device=job.device)
+    print(format_merge_report(report))
+    print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}")
     return 0

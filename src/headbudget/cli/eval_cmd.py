@@ -22,7 +22,7 @@ from typing import Any
 
 from headbudget.cli.dataclass_flags import add_settings, printed
 from headbudget.io import atomic_write_json
-from headbudget.run_dir import check_output_file
+from headbudget.run_dir import check_not_an_input, check_output_file
 from headbudget.typed_config import device_option, dtype_option, option
 
 
@@ -46,8 +46,10 @@ class EvalSettings(ModelSettings):
                         help="comma-separated: built in (piqa,hellaswag,arc_easy,arc_challenge,openbookqa,winogrande,"
                              "copa) or lm-eval task/group names and YAML files (pip install \"headbudget[lmeval]\")")
     include_path: str | None = option(
-        None, help="folder of lm-eval task YAML files of your own (as lm-eval's flag); a requested task's "
-                   "!function imports and runs Python files from that folder, so use only folders you trust")
+        None, help="folder of lm-eval task YAML files of your own (as lm-eval's flag)")
+    allow_code: bool = option(False, help="let your task YAML files (in --tasks, under --include-path, or pulled "
+                                          "in by include: or a group) run the Python they name with !function; "
+                                          "without it such a task is refused before anything loads")
     num_fewshot: int | None = option(None, help="few-shot examples for lm-eval tasks (as lm-eval; a built-in "
                                                 "name with N > 0 runs lm-eval's task of that name)")
     seed: str | None = option(None, help="lm-eval's seeds: one integer for all, or PYTHON,NUMPY,TORCH,FEWSHOT "
@@ -118,27 +120,41 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
                                     device=args.device, dtype=resolve_dtype(args.dtype))
 
 
+def _inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``eval``/``perplexity``/``attention`` read, by flag: no output may be, contain or lie in one."""
+    kind, _, arg = str(args.tokenizer or "").partition(":")
+    return {"MODEL": args.model, "--tokenizer": arg if kind in ("gpt2", "hf") else args.tokenizer,
+            "--data": getattr(args, "data", None), "--data-dir": getattr(args, "data_dir", None),
+            "--include-path": getattr(args, "include_path", None), "--compare": getattr(args, "compare", None),
+            "--tasks": [t.strip() for t in str(getattr(args, "tasks", "") or "").split(",")
+                        if t.strip().endswith((".yaml", ".yml"))],
+            "--config": getattr(args, "config", None)}
+
+
 def run_eval(args: argparse.Namespace) -> int:
     if printed(args):
         return 0
     from headbudget.evaluation.lm_eval_files import check_output_args, write_lm_eval_files
     from headbudget.evaluation.suite import evaluate_suite, format_report, prepare_suite
 
-    check_output_args(output_path=args.output_path, json_path=args.json, log_samples=args.log_samples)
+    if args.output_path:
+        check_not_an_input(args.output_path, _inputs(args), "--output-path")
+    check_output_args(output_path=args.output_path, json_path=args.json, log_samples=args.log_samples,
+                      model_name=str(args.model))
     if args.json:  # a real write probe too (a read-only folder), before the evaluation, not after it
-        check_output_file(args.json, "--json")
+        check_output_file(args.json, "--json", inputs=_inputs(args))
     _check_model_flags(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     with _library_bars(not args.quiet):
         harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
                                       num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
-                                      log_samples=args.log_samples)
+                                      log_samples=args.log_samples, allow_code=args.allow_code)
         model, tok = _load(args)
         report = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, include_path=args.include_path,
                                 num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
                                 batch_size=args.batch_size, strategy=args.strategy, device=args.device,
                                 log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
-                                progress=not args.quiet, harness_tasks=harness_tasks)
+                                progress=not args.quiet, harness_tasks=harness_tasks, allow_code=args.allow_code)
     if not args.quiet:
         _print_report(report, format_report)
     report["details"]["model"] = str(args.model)
@@ -203,8 +219,13 @@ def run_perplexity(args: argparse.Namespace) -> int:
     from headbudget.experiments._common import parse_int_list
 
     if args.json:  # checked before the model loads, not after the scoring
-        check_output_file(args.json, "--json")
+        check_output_file(args.json, "--json", inputs=_inputs(args))
     lengths = parse_int_list(args.context_lengths, "--context-lengths") if args.context_lengths else None
+    if lengths:  # one row per length, shortest first (the gains are against the shortest)
+        twice = next((k for i, k in enumerate(lengths) if k in lengths[:i]), None)
+        if twice is not None:
+            raise ValueError(f"--context-lengths: {twice} is given twice in {args.context_lengths!r}")
+        lengths = sorted(lengths)
     if lengths and max(lengths) >= args.context:
         raise ValueError(f"--context-lengths: {max(lengths)} is not below --context {args.context}")
     _check_model_flags(args)
@@ -231,7 +252,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_attention(args: argparse.Namespace) -> int:
+def run_attention(args: argparse.Namespace, out: Path | None = None) -> int:
+    """``headbudget attention`` writing into ``out`` (default ``--out``: the claim may give a staging folder)."""
     from headbudget.analysis.attention import (
         attention_summary_from_text,
         plot_distance,
@@ -243,7 +265,7 @@ def run_attention(args: argparse.Namespace) -> int:
 
     _check_model_flags(args)
     text = read_text(args.data)
-    out = Path(args.out)
+    out = Path(out or args.out)
     models = [args.model] + ([args.compare] if args.compare else [])
     summaries: dict[str, Any] = {}
     for i, name in enumerate(models):
@@ -263,7 +285,7 @@ def run_attention(args: argparse.Namespace) -> int:
               + f" (a plain average over the prefix: {s['plain_average_distance']:.2f})")
     if len(summaries) > 1:
         plot_distance_comparison(summaries, out / "distance_comparison.png")
-    print(f"wrote {out}/")
+    print(f"wrote {args.out}/")
     return 0
 
 
@@ -273,8 +295,9 @@ def _attention_in_out(args: argparse.Namespace) -> int:
 
     if printed(args):
         return 0
-    with claim_output_dir(args.out, command="headbudget attention", overwrite=args.overwrite):
-        return run_attention(args)
+    with claim_output_dir(args.out, command="headbudget attention", overwrite=args.overwrite,
+                          inputs=_inputs(args)) as out:
+        return run_attention(args, out)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from headbudget.cli.dataclass_flags import (
@@ -92,11 +93,12 @@ def run_saturation_cmd(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(args.cfg)
     out = args.cfg.out  # --out, or the out: of --config
-    with claim_output_dir(out, command="headbudget experiment saturation", overwrite=args.overwrite):
+    with claim_output_dir(out, command="headbudget experiment saturation", overwrite=args.overwrite,
+                          inputs={"--config": getattr(args, "config", None)}) as write_to:
         result = run_saturation(args.cfg)
-        json_path, png_path = write_saturation(result, out)
+        json_path, png_path = write_saturation(result, write_to)
     print(format_saturation(result))
-    print(f"wrote {json_path} and {png_path}")
+    print(f"wrote {Path(out) / Path(json_path).name} and {Path(out) / Path(png_path).name}")
     return 0
 
 
@@ -106,9 +108,10 @@ def run_ngram_cmd(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(args.cfg)
     out = args.cfg.out  # --out, or the out: of --config
-    with claim_output_dir(out, command="headbudget experiment ngram", overwrite=args.overwrite):
+    with claim_output_dir(out, command="headbudget experiment ngram", overwrite=args.overwrite,
+                          inputs={"--config": getattr(args, "config", None)}) as write_to:
         result = run_ngram(args.cfg)
-        json_path, png_path = write_ngram(result, out)
+        json_path, png_path = write_ngram(result, write_to)
     print(format_ngram(result))
-    print(f"wrote {json_path} and {png_path}")
+    print(f"wrote {Path(out) / Path(json_path).name} and {Path(out) / Path(png_path).name}")
     return 0

@@ -78,6 +78,12 @@ def _add_common(p: argparse.ArgumentParser, cls: type[PruneJob], skip: tuple[str
     p.set_defaults(validate=validate)
 
 
+def prune_inputs(job: PruneJob, args: argparse.Namespace) -> dict[str, Any]:
+    """What a prune job reads, by flag: the output folder must be none of them (nor contain or lie in one)."""
+    return {"MODEL": job.model, "--data": job.data, "--data-dir": job.data_dir, "--tokenizer": job.tokenizer,
+            "--eval-data": list(job.eval_data), "--config": getattr(args, "config", None)}
+
+
 def _job(args: argparse.Namespace, cls: type[PruneJob] = PruneJob) -> Any:
     """The job of the flags, --config and --set."""
     d = settings_mapping(cls, args, base=LEGACY_SIGNATURES if args.legacy_signatures else None)
@@ -88,13 +94,16 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     job: FinetuneJob = getattr(args, "job", None) or dataclass_from_args(FinetuneJob, args, positional=("model",))
     if args.print_config:
         return print_config(job)
+    from headbudget.devices import resolve_device
     from headbudget.pruning.finetune import run_finetune
 
     if job.epochs < 1:
         raise ValueError(f"--epochs must be >= 1, got {job.epochs}")
-    with claim_output_dir(job.out, command="headbudget finetune", overwrite=args.overwrite):
+    resolve_device(job.device)  # the flags first, then the folders
+    with claim_output_dir(job.out, command="headbudget finetune", overwrite=args.overwrite,
+                          inputs={"MODEL": job.model, "--data-dir": job.data_dir}) as out:
         summary = run_finetune(
-            job.model, job.task, job.data_dir, job.out, epochs=job.epochs, lr=job.lr,
+            job.model, job.task, job.data_dir, str(out), epochs=job.epochs, lr=job.lr,
             warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay, batch_size=job.batch_size,
             seed=job.seed, max_length=job.max_length, train_limit=job.limit_train, eval_limit=job.limit_eval,
             max_steps=job.max_steps, device=job.device, progress=job.progress,
@@ -108,14 +117,20 @@ def _validate_finetune(args: argparse.Namespace) -> None:
     args.job = dataclass_from_args(FinetuneJob, args, positional=("model",))
 
 
-def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy") -> None:
+def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy",
+                  details: dict[str, Any] | None = None) -> None:
+    from headbudget.pruning.report import describe_k
+
     m = rep["metric"]
+    job = (details or {}).get("job") or {}
+    k_text = describe_k(rep["knee_k"], (details or {}).get("knee_source") or rep.get("k_source"),
+                        keep=job.get("keep"), keep_ratio=job.get("keep_ratio"))
 
     def f(v: Any) -> str:
         return "-" if v is None else f"{v:.4f}"
 
     print(f"{rep['method']}: kept {rep['heads_kept']}/{rep['heads_total']} heads"
-          + (f" (knee k={rep['knee_k']})" if rep["knee_k"] is not None else "")
+          + (f" ({k_text})" if k_text else "")
           + f"; {metric_name} dense {f(m['dense'])}, pruned {f(m['pruned'])}, fine-tuned {f(m['finetuned'])}; "
           f"report in {out}/report.md")
     cost = rep.get("cost") or {}
@@ -132,12 +147,24 @@ def _cmd_prune(args: argparse.Namespace) -> int:
         return print_config(job)
     from headbudget.pruning.pipeline import run_prune
 
-    with claim_output_dir(job.out, command="headbudget prune", overwrite=args.overwrite):
-        res = run_prune(job)
+    with claim_output_dir(job.out, command="headbudget prune", overwrite=args.overwrite,
+                          inputs=prune_inputs(job, args)) as out:
+        res = run_prune(dataclasses.replace(job, out=str(out)))
     if res["report"].get("warning"):
         print(f"warning: {res['report']['warning']}", file=sys.stderr)
-    _print_report(res["report"], job.out, res["details"].get("metric_name", "accuracy"))
+    _print_report(res["report"], job.out, res["details"].get("metric_name", "accuracy"), res["details"])
     return 0
+
+
+#: report.json's stage names as a reader says them
+STAGE_NAMES = {"load": "load model and data", "dense_eval": "dense evaluation", "select": "selection (all of it)",
+               "prune": "head removal", "pruned_eval": "pruned evaluation", "finetune": "fine-tune",
+               "save": "save model", "total": "method total", "reused": "reused (finished earlier; its total)"}
+
+
+def _print_stage(where: str, stage: str, seconds: float) -> None:
+    """One line per finished stage, so a long comparison (and its log) says where it is, bars on or off."""
+    print(f"{where + ': ' if where else ''}{STAGE_NAMES.get(stage, stage)} {seconds:.1f} s", flush=True)
 
 
 def _comma_list(flag: str, raw: str | None, cast: Any = str) -> list[Any] | None:
@@ -158,6 +185,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         return print_config(settings)
     from pathlib import Path
 
+    from headbudget.evaluation.rankings import format_spread
     from headbudget.pruning.compare import run_compare
     from headbudget.pruning.workloads import eval_text_name
 
@@ -177,14 +205,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if seeds is not None and len(set(seeds)) != len(seeds):
         raise ValueError(f"--calibration-seeds {settings.calibration_seeds!r}: repeated seed")
     with claim_output_dir(job.out, command="headbudget prune-compare", resume=args.resume,
-                          overwrite=args.overwrite):
-        summary = run_compare(job, settings.methods, resume=args.resume, calibration_seeds=seeds,
-                              ranking_rule=settings.ranking_rule)
+                          overwrite=args.overwrite, inputs=prune_inputs(job, args)) as out:
+        summary = run_compare(dataclasses.replace(job, out=str(out)), settings.methods, resume=args.resume, calibration_seeds=seeds,
+                              ranking_rule=settings.ranking_rule, on_stage=_print_stage)
     if seeds is not None:
         for stage, rank in summary["ranking"].items():
-            lines = [f"{lbl}: " + ", ".join(f"{t} {a['mean']:.4f} ± {a['std']:.4f}" for t, a in d.items())
+            lines = [f"{lbl}: " + ", ".join(f"{t} {format_spread(a, 4)}" for t, a in d.items())
                      for lbl, d in summary["aggregate"][stage].items()]
-            print(f"{stage} ({len(seeds)} calibration seeds, mean ± std):\n  " + "\n  ".join(lines))
+            how = f"{len(seeds)} calibration seeds, mean ± std" if len(seeds) > 1 else "one calibration seed"
+            print(f"{stage} ({how}):\n  " + "\n  ".join(lines))
             print(f"ranking ({stage}, rule {rank['rule']}): {rank['label']}")
         print(f"table in {job.out}/compare.md")
         return 0

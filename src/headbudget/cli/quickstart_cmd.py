@@ -60,7 +60,7 @@ def _attention_stage(summary: dict[str, Any], data, cfg: RunConfig, out: Path) -
     ids = val_batches(data.val, n_batches=1, batch_size=n_seqs, context=cfg.train.context)[0][0]
     summaries = {}
     for run in summary["runs"]:
-        model = HeadBudgetForCausalLM.from_pretrained(str(Path(run["run_dir"]) / "model"))
+        model = HeadBudgetForCausalLM.from_pretrained(str(out / run["run_dir"] / "model"))
         summaries[run["schedule"]] = attention_summary(model, ids, local_window=8, batch_size=2)
     write_json(summaries, out / "attention.json")
     plot_distance_comparison(summaries, out / "attention_distance.png",
@@ -107,20 +107,22 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         return print_config(args.cfg)
     cfg = args.cfg.replace(out=args.cfg.out or "runs/quickstart")
     # its data-cache/ is a cache, not a result: kept by --overwrite, never a reason to refuse
-    with claim_output_dir(cfg.out, command="headbudget quickstart", overwrite=args.overwrite, keep=("data-cache",)):
-        return _quickstart(cfg)
+    if cfg.data.cache_dir is None:  # in the claimed folder itself, not in an --overwrite's staging folder
+        cfg = cfg.replace(data={"cache_dir": str(Path(cfg.out) / "data-cache")})
+    with claim_output_dir(cfg.out, command="headbudget quickstart", overwrite=args.overwrite, keep=("data-cache",),
+                          inputs={"--config": getattr(args, "config", None)}) as write_to:
+        return _quickstart(cfg, write_to)
 
 
-def _quickstart(cfg: RunConfig) -> int:
+def _quickstart(cfg: RunConfig, write_to: Path) -> int:
+    """The quickstart writing into ``write_to`` (``cfg.out``, or the staging folder of an --overwrite)."""
     _quiet_transformers()
     from headbudget.train.compare import prepare_for, run_compare
 
     t_all = time.perf_counter()
-    out = Path(cfg.out)
-    if cfg.data.cache_dir is None:
-        cfg = cfg.replace(data={"cache_dir": str(out / "data-cache")})
+    out, shown = Path(write_to), Path(cfg.out)
     timings: dict[str, float] = {}
-    print(f"headbudget quickstart -> {out}")
+    print(f"headbudget quickstart -> {shown}")
     print(f"[1/4] preparing {cfg.data.source} with tokenizer {cfg.data.tokenizer} ...", flush=True)
     t0 = time.perf_counter()
     data = prepare_for(cfg, progress=False)
@@ -164,10 +166,11 @@ def _quickstart(cfg: RunConfig) -> int:
     atomic_write_text(report, text)
     atomic_write_json(out / "timings.json", timings)
     print("      stage times: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
-    print(f"      report: {report}\n      curves: {out / 'loss_curves.png'}\n      numbers: {out / 'compare.json'}")
+    print(f"      report: {shown / 'report.md'}\n      curves: {shown / 'loss_curves.png'}\n"
+          f"      numbers: {shown / 'compare.json'}")
     if att is not None:
-        print(f"      attention: {out / 'attention_distance.png'}, {out / 'attention.json'}")
-    print(f"      models: {out / 'uniform-seed0' / 'model'}, {out / 'prism-seed0' / 'model'}")
+        print(f"      attention: {shown / 'attention_distance.png'}, {shown / 'attention.json'}")
+    print(f"      models: {shown / 'uniform-seed0' / 'model'}, {shown / 'prism-seed0' / 'model'}")
     return 0
 
 

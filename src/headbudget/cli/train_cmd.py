@@ -142,19 +142,33 @@ def _validate_train(args: argparse.Namespace) -> None:
     _threads_from(args, args.cfg)
 
 
+def run_inputs(cfg: RunConfig, args: argparse.Namespace, command: str = "train") -> dict[str, object]:
+    """What a run reads, by flag: its output folder must be none of them (nor contain or lie in one)."""
+    import glob
+
+    kind, _, arg = str(cfg.data.tokenizer).partition(":")  # byte, bpe:N, model: no path; gpt2:DIR, hf:PATH
+    tokenizer = arg if kind in ("gpt2", "hf") else None if kind in ("byte", "bpe", "model") else cfg.data.tokenizer
+    source = str(cfg.data.source)  # a file, folder or glob; jsonl:PATH[:FIELD]; hf:NAME and synthetic:N read none
+    source = source.split(":")[1] if source.startswith("jsonl:") else source
+    return {("STUDENT" if command == "distill" else "--init"): cfg.model.init, "--teacher": cfg.distill.teacher,
+            "--data": glob.glob(source) or source, "--tokenizer": tokenizer,
+            "--config": getattr(args, "config", None)}
+
+
 def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
     """Claim ``out`` and train (or distill: ``cfg.distill.teacher``) into it; what train and distill share."""
     _quiet_transformers()
-    from headbudget.run_dir import claim_output_dir
+    from headbudget.run_dir import claim_output_dir, write_dir
     from headbudget.train.trainer import Trainer, TrainingDivergedError
 
     t0 = time.perf_counter()
     # one writer: rank 0 holds the folder for the whole job (torchrun stops the others if it refuses)
-    claim = claim_output_dir(out, command=f"headbudget {command}", resume=args.resume, overwrite=args.overwrite) \
-        if _is_main() else contextlib.nullcontext(out)
+    claim = claim_output_dir(out, command=f"headbudget {command}", resume=args.resume, overwrite=args.overwrite,
+                             inputs=run_inputs(cfg, args, command)) \
+        if _is_main() else contextlib.nullcontext(write_dir(out, args.overwrite))
     try:
-        with claim:
-            trainer = Trainer(cfg, out, resume=args.resume)
+        with claim as write_to:
+            trainer = Trainer(cfg, write_to, resume=args.resume)
             result = trainer.run()
     except TrainingDivergedError as exc:
         print(f"headbudget {command}: stopped: {exc}", file=sys.stderr)
@@ -169,7 +183,8 @@ def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: 
         print(f"trained {what} ({result.params:,} params) for {result.steps} steps in "
               f"{time.perf_counter() - t0:.1f}s: val loss {val}, {result.tokens_per_s:,.0f} tokens/s, "
               f"peak {result.peak_memory_mb:,.0f} MB")
-        print(f"model: {result.model_dir}   metrics: {out / 'metrics.jsonl'}")
+        model_dir = out / Path(result.model_dir).name if result.model_dir else None
+        print(f"model: {model_dir}   metrics: {out / 'metrics.jsonl'}")
     return 0
 
 
@@ -182,7 +197,24 @@ def _distill_config(args: argparse.Namespace) -> RunConfig:
     cfg = _with_init(_load(args, DISTILL_DEFAULTS), args.student, args)
     if not cfg.distill.teacher:
         raise ValueError("distill needs a teacher: --teacher MODEL (or distill.teacher in the config)")
+    # the default data.source is the built-in synthetic corpus: recovering a model on it is surely a mistake,
+    # so the data must be named (--print_config trains nothing and may show the rest of the run without it)
+    if not args.print_config and not _given(args, "data.source") and not _file_sets(args, "data.source"):
+        raise ValueError("distill needs training text: --data SOURCE (or data.source in the config); without it "
+                         "the student would train on the built-in synthetic corpus")
     return cfg
+
+
+def _file_sets(args: argparse.Namespace, key: str) -> bool:
+    """Does the config file (CONFIG or --config) set ``section.name`` itself (not by default)?"""
+    name = _config_name(args)
+    if not name:
+        return False
+    from headbudget.typed_config import load_yaml
+
+    section, field_name = key.split(".")
+    raw = load_yaml(resolve_config_path(name)).get(section)
+    return isinstance(raw, dict) and raw.get(field_name) is not None
 
 
 def _validate_distill(args: argparse.Namespace) -> None:
@@ -203,7 +235,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.print_config:  # the run config and its compare: section, one file train and compare both read
         return print_config(settings)
     _quiet_transformers()
-    from headbudget.run_dir import claim_output_dir
+    from headbudget.run_dir import claim_output_dir, write_dir
     from headbudget.train.compare import default_reference, parse_schedules, run_compare
 
     cfg, c = settings.run_config(), settings.compare
@@ -220,10 +252,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     on_run.i = 1
     # one writer: rank 0 holds the folder for the whole job (under torchrun every run trains on all processes)
-    claim = claim_output_dir(out, command="headbudget compare", resume=args.resume, overwrite=args.overwrite) \
-        if _is_main() else contextlib.nullcontext(out)
-    with claim:
-        summary = run_compare(cfg, schedules, c.seeds, out, save_models=c.save_models, on_run=on_run,
+    claim = claim_output_dir(out, command="headbudget compare", resume=args.resume, overwrite=args.overwrite,
+                             inputs=run_inputs(cfg, args)) \
+        if _is_main() else contextlib.nullcontext(write_dir(out, args.overwrite))
+    with claim as write_to:
+        summary = run_compare(cfg, schedules, c.seeds, write_to, save_models=c.save_models, on_run=on_run,
                               reference=reference, until_flat=c.until_flat, resume=args.resume,
                               margin=c.margin)
     if not _is_main():
@@ -270,8 +303,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("distill", help="recover a pruned/compressed model by logit distillation from a teacher",
                        description="train --init STUDENT --teacher TEACHER: loss alpha*T^2*KL(teacher||student) + "
-                                   "(1-alpha)*CE on --data, same loop, checkpoints, resume and outputs as train "
-                                   "(model/ opens with AutoModelForCausalLM).")
+                                   "(1-alpha)*CE on --data (required: no built-in corpus), same loop, checkpoints, "
+                                   "resume and outputs as train (model/ opens with AutoModelForCausalLM).")
     p.add_argument("student", help="the model to recover (model folder, run folder or GGUF); its tokenizer is used")
     p.add_argument("--config", help="run config (YAML or bundled name) for the training settings (default: the "
                    "built-in defaults with " + ", ".join(DISTILL_DEFAULTS) + ")")

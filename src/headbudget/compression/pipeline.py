@@ -30,7 +30,7 @@ from headbudget.compression.grouping import adjacent_groups, check_groups, group
 from headbudget.compression.svd import CompressionError, rotary_reason, svd_compress
 from headbudget.io import atomic_write_dir, atomic_write_json
 
-METHODS = ("svd", "group")
+METHODS = ("svd", "group", "merge-kv")  # merge-kv: headbudget.compression.merge_kv (needs calibration)
 HELDOUT_SEED = 1_000_003  # synthetic evaluation text: a seed no training config uses
 
 
@@ -89,6 +89,9 @@ def compress_model(
         raise CompressionError(f"unknown compression method {method!r}; choose from {', '.join(METHODS)}")
     if allocation not in ALLOCATIONS:
         raise CompressionError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
+    if method == "merge-kv":
+        raise CompressionError("merge-kv takes key/value head counts, not --keep: use "
+                               "headbudget.compression.merge_kv.merge_kv_model (or merge_kv_pipeline.run_merge_kv)")
     blocks = model.transformer.h
     heads = [b.attn.n_heads for b in blocks]
     info: dict[str, Any] = {"method": method, "keep": keep, "allocation": allocation, "strength": strength}
@@ -341,7 +344,7 @@ def _sweep(model: nn.Module, method: str, sweep: Sequence[float], groups: Any, s
            ppl: Any, before: dict[str, Any], progress: bool) -> dict[str, Any]:
     """Perplexity of ``model`` compressed at every kept fraction of ``sweep`` by every allocation, and the best
     allocation per fraction (``sweep.json``)."""
-    from tqdm.auto import tqdm
+    from headbudget.progress import ProgressBar as tqdm
 
     runs = []
     jobs = [(k, a) for k in sweep for a in ALLOCATIONS]

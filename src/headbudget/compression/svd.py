@@ -228,7 +228,7 @@ def svd_compress(model: nn.Module, qk_ranks: Sequence[int], v_ranks: Sequence[in
     if len(qk_ranks) != len(blocks) or len(v_ranks) != len(blocks):
         raise CompressionError(f"need one rank per layer ({len(blocks)}), got {len(qk_ranks)} qk and "
                                f"{len(v_ranks)} v ranks")
-    from tqdm.auto import tqdm
+    from headbudget.progress import ProgressBar as tqdm
 
     per_layer = []
     for i, block in enumerate(tqdm(blocks, desc="svd", disable=not progress, leave=False)):

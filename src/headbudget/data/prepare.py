@@ -150,7 +150,7 @@ class _TokenWriter:
 
 def _write_tokens(path: Path, docs: list[str], tok: Tokenizer, dtype: np.dtype, desc: str,
                   progress: bool) -> int:
-    from tqdm.auto import tqdm
+    from headbudget.progress import ProgressBar as tqdm
 
     with tqdm(total=sum(len(d) for d in docs), unit="char", unit_scale=True, desc=desc,
               disable=not progress, leave=False) as bar:

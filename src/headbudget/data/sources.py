@@ -141,7 +141,7 @@ def iter_hf_documents(spec: str, max_chars: int | None, progress: bool = True) -
         import datasets
     except ImportError:
         raise SourceError("hf: data sources need the `datasets` package (pip install datasets)") from None
-    from tqdm.auto import tqdm
+    from headbudget.progress import ProgressBar as tqdm
 
     name, _, config = rest.partition(":")
     ds = datasets.load_dataset(name, config or None, split="train", streaming=True)

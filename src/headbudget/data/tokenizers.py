@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from headbudget.data.text import read_text
-from headbudget.io import atomic_write_text
+from headbudget.io import atomic_write_text, regular_file
 
 #: Default folder of the offline GPT-2 BPE files (relative to the project root / current directory).
 DEFAULT_GPT2_DIR = "../shared/data/tokenizers/gpt2"
@@ -169,8 +169,9 @@ class TiktokenGPT2(Tokenizer):
         d = Path(directory)
         enc_json, vocab_bpe = d / "encoder.json", d / "vocab.bpe"
         for f in (enc_json, vocab_bpe):
-            if not f.is_file():
+            if not f.exists():
                 raise TokenizerError(f"gpt2 tokenizer: {f} not found (give gpt2:DIR with encoder.json and vocab.bpe)")
+            regular_file(f, TokenizerError)  # a FIFO would block the reader forever
         ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(vocab_bpe), encoder_json_file=str(enc_json))
         self.enc = tiktoken.Encoding("gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": 50256})
@@ -243,15 +244,27 @@ def gpt2_hf_tokenizer(directory: str | os.PathLike) -> Any:
 
     d = Path(directory)
     for f in (d / "encoder.json", d / "vocab.bpe"):
-        if not f.is_file():
+        if not f.exists():
             raise TokenizerError(f"gpt2 tokenizer: {f} not found (a GPT-2 tokenizer folder holds encoder.json "
                                  "and vocab.bpe)")
-    vocab = json.loads(read_text(d / "encoder.json"))  # not UTF-8: names the file, offset and line
+        regular_file(f, TokenizerError)
+    vocab = _read_json(d / "encoder.json")
     lines = read_text(d / "vocab.bpe").splitlines()
     merges = [tuple(line.split()) for line in lines if line.strip() and not line.startswith("#version")]
     tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
     tok.pad_token = tok.eos_token
     return tok
+
+
+def _read_json(path: Path) -> Any:
+    """A tokenizer's JSON file; a FIFO, malformed or too deeply nested file is one TokenizerError naming it."""
+    regular_file(path, TokenizerError)
+    try:
+        return json.loads(read_text(path))  # not UTF-8: names the file, offset and line
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TokenizerError(f"{path}: JSON nested too deeply to read") from None
 
 
 def make_tokenizer(spec: str, train_texts: Iterable[str] | None = None) -> Tokenizer:
@@ -289,10 +302,12 @@ def read_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """
     d = Path(directory)
     f = d / SPEC_FILE
-    if not f.is_file():
+    if not f.exists():
         raise TokenizerError(f"{d} holds no saved tokenizer ({SPEC_FILE} missing)")
-    info = json.loads(f.read_text())
-    spec = info["spec"]
+    info = _read_json(f)
+    spec = info.get("spec") if isinstance(info, dict) else None
+    if not isinstance(spec, str):
+        raise TokenizerError(f"{f}: no tokenizer spec in it (expected an object with a \"spec\" string)")
     kind = spec.split(":", 1)[0]
     if kind == "byte":
         return ByteTokenizer()
@@ -300,7 +315,12 @@ def read_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         from tokenizers import Tokenizer as RawTokenizer
         from tokenizers.implementations import BaseTokenizer
 
-        raw = RawTokenizer.from_file(str(d / "tokenizer.json"))
+        raw_file = regular_file(d / "tokenizer.json", TokenizerError)
+        _read_json(raw_file)  # the Rust reader's errors name no file
+        try:
+            raw = RawTokenizer.from_file(str(raw_file))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+            raise TokenizerError(f"{raw_file}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
         return BPETokenizer(BaseTokenizer(raw), spec)
     if kind == "gpt2":
         tok = TiktokenGPT2(d)

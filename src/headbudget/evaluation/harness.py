@@ -41,6 +41,13 @@ import torch
 
 from headbudget.data.text import NotUTF8Error, read_text
 from headbudget.evaluation.scorer import Scorer
+from headbudget.evaluation.task_code import (  # noqa: F401 (TaskCodeError: part of this module's errors)
+    BUILTIN_TASKS_DIR,
+    TaskCodeError,
+    check_task_code,
+    code_guard,
+    sandboxed_templates,
+)
 
 try:
     from lm_eval.api.model import LM
@@ -250,7 +257,6 @@ def _bool_or_none(value: Any) -> bool | None:
 
 
 #: headbudget's built-in tasks (piqa, hellaswag, ...) as lm-eval YAML files, shipped with the package
-BUILTIN_TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")
 
 
 def task_manager(tasks: Sequence[str], include_path: str | Sequence[str] | None = None) -> Any:
@@ -352,17 +358,20 @@ def _unknown_task(name: str, tm: Any, include_path: Any) -> ValueError:
 
 
 def load_harness_tasks(tasks: Sequence[str], include_path: Any = None, data_dir: str | Path | None = None,
-                       limit: int | float | None = None) -> tuple[Any, dict[str, Any]]:
+                       limit: int | float | None = None, allow_code: bool = False) -> tuple[Any, dict[str, Any]]:
     """``(TaskManager, loaded)`` for lm-eval task names, groups, tags or YAML paths, the built-in
     tasks' data read from ``data_dir`` when given; unknown names and generation tasks are ValueErrors
-    naming them (before any model work)."""
+    naming them (before any model work), and so is a user's task YAML naming Python without
+    ``allow_code`` (:func:`check_task_code`)."""
     tm = task_manager(tasks, include_path)
     for name in tasks:
         if name not in tm.all_tasks and not Path(name).is_file():
             raise _unknown_task(name, tm, include_path)
+    check_task_code(tm, tasks, allow_code)
     specs = [builtin_task_spec(tm, name, data_dir, limit) for name in tasks]
     try:
-        loaded = tm.load(specs)
+        with code_guard(allow_code):
+            loaded = tm.load(specs)
     except (KeyError, FileNotFoundError) as exc:
         msg = exc.args[0] if exc.args else exc
         raise ValueError(f"cannot build lm-eval task(s) {', '.join(tasks)}: {msg}") from None
@@ -411,7 +420,8 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
                      limit: int | float | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                      strategy: str = "prefix", device: str | None = None, log_samples: bool = False,
                      bootstrap_iters: int = 100000, progress: bool = True,
-                     lm: HeadBudgetLM | None = None, loaded: dict[str, Any] | None = None) -> dict[str, Any]:
+                     lm: HeadBudgetLM | None = None, loaded: dict[str, Any] | None = None,
+                     allow_code: bool = False) -> dict[str, Any]:
     """Evaluate ``model`` on lm-eval tasks as ``lm_eval.simple_evaluate`` does (same seeds, same
     ``num_fewshot`` override rule, same ``evaluate``), scoring with :class:`HeadBudgetLM`.
 
@@ -420,7 +430,8 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     ``predictions`` (per multiple-choice task, the argmax choice of each document, by doc id),
     ``seconds`` and ``model_seconds``.  ``loaded``: the tasks as :func:`load_harness_tasks` returned
     them (to fail on a task before loading a model), else they are loaded here; ``data_dir``: where
-    the built-in tasks' files are (:func:`builtin_task_spec`), the hub otherwise.
+    the built-in tasks' files are (:func:`builtin_task_spec`), the hub otherwise; ``allow_code``: run the
+    Python a task YAML of the user's names (:func:`check_task_code`).
     """
     from lm_eval import evaluator
     from lm_eval.utils import set_torch_seed
@@ -430,7 +441,7 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     t0 = time.perf_counter()
     seeds = parse_seed(seed)
     if loaded is None:
-        _, loaded = load_harness_tasks(tasks, include_path, data_dir, limit)
+        _, loaded = load_harness_tasks(tasks, include_path, data_dir, limit, allow_code=allow_code)
     if lm is None:
         lm = HeadBudgetLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                           strategy=strategy, device=device, progress=progress)
@@ -450,7 +461,7 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
         task.set_fewshot_seed(seed=seeds[3])
     model_s0, passes0 = lm.seconds, lm.scorer.stats.forward_passes
     lm.records.clear()  # predictions of this run only
-    with lm_eval_bars(progress):
+    with lm_eval_bars(progress), sandboxed_templates(allow_code):
         res = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
                                  log_samples=log_samples, fewshot_as_multiturn=True)
     out = dict(res)

@@ -158,9 +158,11 @@ def output_paths(output_path: str | Path, model_name: str, tasks: list[str],
 
 
 def check_output_args(*, output_path: str | None = None, json_path: str | None = None,
-                      log_samples: bool = False) -> None:
+                      log_samples: bool = False, model_name: str | None = None) -> None:
     """The cheap checks of ``--output-path``/``--log-samples``, before any evaluation (one-line
-    ValueErrors naming the flag); ``--json``, one file, is :func:`headbudget.run_dir.check_output_file`'s."""
+    ValueErrors naming the flag); ``--json``, one file, is :func:`headbudget.run_dir.check_output_file`'s.
+    With ``model_name`` also a real write probe where ``--output-path``'s results file would go (a
+    read-only folder), so that it fails now and not after the evaluation."""
     if log_samples and not (output_path or json_path):
         raise ValueError("--log-samples writes lm-eval's samples_<task>_<datetime>.jsonl files: give "
                          "--output-path DIR (or --json FILE: written next to it)")
@@ -175,6 +177,10 @@ def check_output_args(*, output_path: str | None = None, json_path: str | None =
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"--output-path: {parent} is a file, not a folder, so {output_path} cannot be written")
+    if model_name is not None:
+        from headbudget.run_dir import check_output_file
+
+        check_output_file(output_paths(output_path, model_name, [], "<datetime>")[0], "--output-path")
 
 
 def write_lm_eval_files(report: dict[str, Any], *, model_name: str, output_path: str | Path | None = None,

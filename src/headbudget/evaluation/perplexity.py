@@ -19,9 +19,9 @@ import time
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from headbudget.data.text import read_text  # re-exported: callers and docs import it from here
+from headbudget.progress import ProgressBar as tqdm
 
 __all__ = ["loss_by_context_length", "perplexity", "read_text", "window_plan"]
 

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["NO_BEST", "RULES", "rank_methods", "ranking_markdown", "spread"]
+__all__ = ["NO_BEST", "RULES", "format_spread", "rank_methods", "ranking_markdown", "spread"]
 
 NO_BEST = "no method best"
 RULES = {
@@ -46,6 +46,19 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
     mean = math.fsum(vals) / n
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
     return {"n": n, "mean": mean, "std": std, "min": min(vals), "max": max(vals), "values": vals}
+
+
+def format_spread(s: Mapping[str, Any], digits: int = 2, brackets: bool = False) -> str:
+    """``mean ± std`` (with ``[min–max]`` when ``brackets``) of a :func:`spread`; one value alone, as there is
+    no spread to show from one seed (a "± 0" would read as "no variation").
+
+        >>> format_spread(spread([1.0, 2.0, 3.0])), format_spread(spread([1.5]), brackets=True)
+        ('2.00 ± 1.00', '1.50')
+    """
+    if s["n"] < 2:
+        return f"{s['mean']:.{digits}f}"
+    out = f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
+    return out + (f" [{s['min']:.{digits}f}–{s['max']:.{digits}f}]" if brackets else "")
 
 
 def _better(a: float, b: float, lower_is_better: bool) -> bool:
@@ -100,11 +113,11 @@ def ranking_markdown(values: Mapping[str, Mapping[str, Sequence[float]]], *, low
     for m in methods:
         cells = []
         for t in texts:
-            s = spread(values[m][t])
-            c = f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+            c = format_spread(spread(values[m][t]), digits, brackets=True)
             cells.append(f"**{c}**" if rank["per_text"][t] == m else c)
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     n = max(len(values[m][t]) for m in methods for t in texts)
-    lines += ["", f"Ranking ({'lower' if lower_is_better else 'higher'} is better; mean ± sample std [min–max] "
-              f"over {n} seed{'s' if n != 1 else ''}): **{rank['label']}** -- rule: {rank['rule_text']}."]
+    over = f"mean ± sample std [min–max] over {n} seeds" if n > 1 else "one seed, no spread"
+    lines += ["", f"Ranking ({'lower' if lower_is_better else 'higher'} is better; {over}): **{rank['label']}** "
+              f"-- rule: {rank['rule_text']}."]
     return "\n".join(lines) + "\n"

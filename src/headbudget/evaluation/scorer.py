@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from headbudget.evaluation.encoding import HarnessEncoder, model_max_length
 from headbudget.evaluation.scorer_check import _TreeMismatch, _unit_kind, verify_units
@@ -39,6 +38,7 @@ from headbudget.evaluation.scorer_check import logprob_tolerance as logprob_tole
 from headbudget.evaluation.tasks import MCExample
 from headbudget.evaluation.token_trie import common_prefix_len as _common_prefix_len
 from headbudget.evaluation.token_trie import trie_layout
+from headbudget.progress import ProgressBar as tqdm
 
 # Rows of (scored positions, vocab) logits computed at once (bounds memory: 512 x 50k floats = 100 MB).
 HEAD_ROWS = 512

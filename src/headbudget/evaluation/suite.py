@@ -77,10 +77,12 @@ def check_eval_args(tasks: Sequence[str], *, data_dir: str | None = None, includ
 
 def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
                   num_fewshot: int | None = None, seed: Any = None, limit: int | None = None,
-                  log_samples: bool = False) -> dict[str, Any] | None:
+                  log_samples: bool = False, allow_code: bool = False) -> dict[str, Any] | None:
     """Check the arguments and load the tasks through lm-eval (their data included), so that a bad
     flag, an unknown or generation task, a malformed row or unreachable data fails before the model
     is loaded; returns what :func:`evaluate_suite` takes as ``harness_tasks`` (None without lm-eval).
+    ``allow_code``: let a task YAML of the user's run the Python it names with ``!function``
+    (:func:`headbudget.evaluation.task_code.check_task_code`; refused otherwise).
 
         >>> pre = prepare_suite(["arc_easy_local"], include_path="benchmarks/lm_eval_tasks")  # doctest: +SKIP
         >>> evaluate_suite(model, tok, ["arc_easy_local"], include_path=..., harness_tasks=pre)  # doctest: +SKIP
@@ -93,7 +95,7 @@ def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_
         return None
     from headbudget.evaluation.harness import load_harness_tasks
 
-    return load_harness_tasks(tasks, include_path, data_dir, limit)[1]
+    return load_harness_tasks(tasks, include_path, data_dir, limit, allow_code=allow_code)[1]
 
 
 def _lm_eval_keys(res: dict[str, Any], filt: str = "none") -> dict[str, Any]:
@@ -112,11 +114,11 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
                    limit: int | None = None, batch_size: int = 16, strategy: str = "prefix",
                    device: str | None = None, log_samples: bool = False,
                    bootstrap_iters: int = 100000, progress: bool = True,
-                   harness_tasks: dict[str, Any] | None = None) -> dict[str, Any]:
+                   harness_tasks: dict[str, Any] | None = None, allow_code: bool = False) -> dict[str, Any]:
     """Evaluate ``tasks`` and return the report (module docstring).
 
     ``harness_tasks``: the tasks already loaded by :func:`prepare_suite` (which fails on a bad task
-    before any model is loaded).  ``details`` holds run facts: ``lm_eval`` (its tasks, seconds, model
+    before any model is loaded); ``allow_code``: as :func:`prepare_suite`'s.  ``details`` holds run facts: ``lm_eval`` (its tasks, seconds, model
     seconds and forward passes) -- or without lm-eval ``task_seconds`` and ``forward_passes`` per
     task -- and ``limit``, ``num_fewshot``, ``batch_size``.
     """
@@ -131,7 +133,7 @@ def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir
         rep = _lm_eval_report(model, tokenizer, tasks, details, include_path=include_path,
                               data_dir=data_dir, num_fewshot=num_fewshot, seed=seed,
                               log_samples=log_samples, bootstrap_iters=bootstrap_iters,
-                              loaded=harness_tasks, **run)
+                              loaded=harness_tasks, allow_code=allow_code, **run)
     else:
         rep = _builtin_report(model, tokenizer, tasks, details, data_dir=data_dir, seed=seed,
                               bootstrap_iters=bootstrap_iters, **run)

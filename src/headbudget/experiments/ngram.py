@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from headbudget.experiments._common import (
     new_figure,
@@ -37,6 +36,7 @@ from headbudget.experiments._common import (
     torch_threads,
     write_result,
 )
+from headbudget.progress import ProgressBar as tqdm
 from headbudget.train.loop import TrainLoop
 from headbudget.typed_config import option
 

@@ -339,8 +339,18 @@ def export_gguf(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike,
         writer.write_tensors_to_file()
         writer.close()
 
-    atomic_write_file(path, write)
+    try:
+        atomic_write_file(path, write)
+    except OSError as exc:  # a temporary sibling's name (mkstemp's own error) is gone when the message is read
+        if exc.filename is not None and _is_temporary_of(Path(os.fsdecode(exc.filename)), Path(path)):
+            exc.filename = str(path)
+        raise
     return plan
+
+
+def _is_temporary_of(name: Path, path: Path) -> bool:
+    """Is ``name`` one of :func:`headbudget.io.atomic_write_file`'s temporary siblings of ``path``?"""
+    return name.parent == path.parent and name.name.startswith(f".{path.name}.") and name.suffix == ".tmp"
 
 
 __all__ = ["CHECK_TEXT", "GGUFExportError", "GGUFPlan", "OUTTYPES", "detect_pre_tokenizer", "export_gguf",

@@ -96,9 +96,8 @@ def attattr_scores(
     """Per layer, every head's AttAttr score: max over the head's ``[T, T]`` attribution map, summed over
     ``examples`` (:class:`headbudget.data.classification.Example`, one forward batch of ``steps`` scaled copies
     per example and layer).  Model weights get no gradient; the model is left in its train/eval mode."""
-    from tqdm.auto import tqdm
-
     from headbudget.data.classification import ClassificationCollator
+    from headbudget.progress import ProgressBar as tqdm
     from headbudget.pruning.importance import frozen_params
 
     if steps < 1:

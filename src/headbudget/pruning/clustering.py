@@ -128,7 +128,8 @@ def cluster_sweep(
     """FasterPAM k-medoids for every ``k`` in ``ks`` (default 2..N-1) on Euclidean distances of
     ``points``, each scored with :func:`mean_simplified_silhouette`."""
     import kmedoids
-    from tqdm.auto import tqdm
+
+    from headbudget.progress import ProgressBar as tqdm
 
     pts = np.asarray(points, dtype=np.float64)
     n = pts.shape[0]

@@ -51,6 +51,12 @@ def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
     return out
 
 
+def _as_method(job: PruneJob, method: str, **changes: Any) -> PruneJob:
+    """``job`` for one entry: ``layer_floor`` off reaches the baselines only; cahp keeps its floor (its paper's)."""
+    floor = job.layer_floor or get_importance(method).keeps_layer_floor
+    return replace(job, method=method, layer_floor=floor, **changes)
+
+
 def _finished(sub: PruneJob) -> dict[str, Any] | None:
     """``{"report", "details"}`` of a method already finished in ``sub.out`` with the same settings, else None."""
     out = Path(sub.out)
@@ -66,14 +72,19 @@ def _finished(sub: PruneJob) -> dict[str, Any] | None:
 
 def run_compare(job: PruneJob, methods: str, resume: bool = False,
                 on_row: Callable[[dict[str, Any]], None] | None = None,
-                calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean") -> dict[str, Any]:
+                calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean",
+                on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
     """Run several methods. Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry finds
     its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one, every entry
     uses it. Each row records where its count came from (``count_from``).
 
     ``resume`` reuses every method already finished in ``job.out`` with the same settings (its
     ``details.json`` records them), so an interrupted comparison continues with the next method;
-    ``on_row(row)`` is called after each method (e.g. to write partial results).
+    ``on_row(row)`` is called after each method; ``compare.md`` / ``compare.json`` are rewritten then too, so a
+    comparison cut short keeps every method it finished.  ``on_stage(where, stage, seconds)`` is called as each
+    stage finishes (``where`` is the method's label, ``seed<s>/<label>`` with calibration seeds, ``""`` for loading
+    the model and data; ``stage`` a name of ``report.json``'s ``seconds``, or ``reused`` for a method ``resume``
+    read back).
 
     ``calibration_seeds`` (task lm): the whole comparison once per seed ``s`` in ``job.out/seed<s>`` --
     calibration windows drawn with ``s`` (:func:`headbudget.pruning.lm.calibration_offsets`), run seed
@@ -90,22 +101,24 @@ def run_compare(job: PruneJob, methods: str, resume: bool = False,
     if not forced and not get_importance(entries[0][1]).finds_count:
         raise ValueError(f"without a forced head count (keep / keep_ratio) the first method must find its own "
                          f"head count, as cahp does ({entries[0][1]} needs one)")
-    check_job(replace(job, method="cahp"))
+    check_job(_as_method(job, "cahp"))
     for method in dict.fromkeys(m for _, m, _ in entries):  # e.g. attattr with task lm: before any method runs
         check = get_importance(method).check
         if check is not None:
-            check(replace(job, method=method))
+            check(_as_method(job, method))
     if calibration_seeds is not None:
-        return _run_compare_seeds(job, entries, list(calibration_seeds), resume, on_row, ranking_rule)
+        return _run_compare_seeds(job, entries, list(calibration_seeds), resume, on_row, ranking_rule, on_stage)
     loaded = load_workload(job)
-    rows = _compare_rows(job, entries, loaded, resume, on_row)
+    if on_stage is not None:
+        on_stage("", "load", loaded.load_seconds)
+    rows = _compare_rows(job, entries, loaded, resume, on_row, on_stage)
     return _write_compare(job, loaded, rows)
 
 
 def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]], seeds: list[int], resume: bool,
-                       on_row: Callable[[dict[str, Any]], None] | None, rule: str) -> dict[str, Any]:
-    from headbudget.evaluation.rankings import RULES, rank_methods, ranking_markdown, spread
-    from headbudget.pruning import report as rpt
+                       on_row: Callable[[dict[str, Any]], None] | None, rule: str,
+                       on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
+    from headbudget.evaluation.rankings import RULES
 
     if job.task != "lm":
         raise ValueError(f"calibration seeds re-draw an LM's calibration windows: they need task lm, not {job.task}")
@@ -117,6 +130,8 @@ def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]]
         raise ValueError(f"ranking rule must be one of {', '.join(RULES)}, got {rule!r}")
     loaded = load_workload(replace(job, calib_seed=seeds[0]))
     assert isinstance(loaded, LMWorkload)
+    if on_stage is not None:
+        on_stage("", "load", loaded.load_seconds)
     out = Path(job.out)
     per_seed: dict[str, Any] = {}
     for s in seeds:
@@ -128,9 +143,26 @@ def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]]
             if on_row is not None:
                 on_row(row)
 
-        rows = _compare_rows(sub, entries, loaded, resume, tagged)
+        def staged(where: str, stage: str, secs: float, s: int = s) -> None:
+            if on_stage is not None:
+                on_stage(f"seed{s}/{where}" if where else "", stage, secs)
+
+        rows = _compare_rows(sub, entries, loaded, resume, tagged, staged)
         _write_compare(sub, loaded, rows)
-        per_seed[str(s)] = {"calib_offsets": list(loaded.data.calib_offsets), "out": sub.out, "rows": rows}
+        per_seed[str(s)] = {"calib_offsets": list(loaded.data.calib_offsets), "out": f"seed{s}", "rows": rows}
+        if len(per_seed) < len(seeds):  # a run cut short keeps the summary of the seeds it finished
+            _write_seeds_summary(job, loaded, entries, seeds[:len(per_seed)], per_seed, rule, planned=seeds)
+    return _write_seeds_summary(job, loaded, entries, seeds, per_seed, rule)
+
+
+def _write_seeds_summary(job: PruneJob, loaded: LMWorkload, entries: list[tuple[str, str, int | None]],
+                         seeds: list[int], per_seed: dict[str, Any], rule: str,
+                         planned: list[int] | None = None) -> dict[str, Any]:
+    """The top ``compare.md`` / ``compare.json`` over the finished ``seeds`` (of ``planned``, when not all)."""
+    from headbudget.evaluation.rankings import rank_methods, ranking_markdown, spread
+    from headbudget.pruning import report as rpt
+
+    out = Path(job.out)
     labels = [lbl for lbl, _, _ in entries]
     splits = list(loaded.evals)
     names = {sp: (f"{Path(str(job.data)).stem} (held-out tail)" if sp == "heldout" else sp) for sp in splits}
@@ -146,6 +178,8 @@ def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]]
                    for s in seeds] for lbl in labels}
     md = [f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads), calibration seeds "
           f"{', '.join(map(str, seeds))}\n",
+          f"**Partial:** seeds {', '.join(map(str, seeds))} of {', '.join(map(str, planned))} finished.\n"
+          if planned is not None else "",
           f"Calibration: {len(loaded.data.calib)} windows of {loaded.data.context} tokens of {job.data} per seed "
           "(offsets in compare.json); scored: " + ", ".join(names.values())
           + f" ({loaded.metric_name}, {'lower' if lower else 'higher'} is better). Heads kept per seed: "
@@ -153,7 +187,9 @@ def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]]
           "Dense: " + ", ".join(f"{names[sp]} {rpt._fmt(loaded.dense_acc[sp])}" for sp in splits) + "\n"
           if loaded.dense_acc else ""]
     for st in stages:
-        md.append(f"## {st.capitalize()}: mean ± std [min–max] over the seeds\n")
+        # one seed has no spread to show: a "± 0" would read as "no variation"
+        md.append(f"## {st.capitalize()}: " + ("mean ± std [min–max] over the seeds\n" if len(seeds) > 1
+                                               else f"one seed ({seeds[0]}), no spread\n"))
         if len(labels) > 1:
             md.append(ranking_markdown(values[st], lower_is_better=lower, rule=rule, digits=4))
         md.append("Per seed:\n\n| method | text | " + " | ".join(f"seed {s}" for s in seeds) + " |\n|---|---|"
@@ -163,7 +199,8 @@ def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]]
     md.append("Each seed's own table: " + ", ".join(f"[seed {s}](seed{s}/compare.md)" for s in seeds) + ".\n")
     rpt.atomic_write_text(out / "compare.md", "\n".join(md))
     summary = {"task": job.task, "model": job.model, "metric_name": loaded.metric_name,
-               "heads_total": loaded.heads_total, "calibration_seeds": seeds, "texts": names,
+               "heads_total": loaded.heads_total, "calibration_seeds": seeds,
+               **({"calibration_seeds_planned": planned} if planned is not None else {}), "texts": names,
                "per_seed": {s: {k: v for k, v in d.items() if k != "rows"} for s, d in per_seed.items()},
                "values": values, "aggregate": aggregate, "ranking": ranking,
                "rows": [r for s in seeds for r in per_seed[str(s)]["rows"]]}
@@ -172,7 +209,8 @@ def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]]
 
 
 def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loaded: Workload, resume: bool,
-                  on_row: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+                  on_row: Callable[[dict[str, Any]], None] | None,
+                  on_stage: Callable[[str, str, float], None] | None = None) -> list[dict[str, Any]]:
     from headbudget.pruning import report as rpt
 
     forced = job.keep is not None or job.keep_ratio is not None
@@ -193,13 +231,20 @@ def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loa
         else:
             assert last_cahp is not None  # the first entry is cahp
             keep, ratio, count_from = last_cahp[0], None, f"{last_cahp[1]} knee"
-        sub = replace(job, method=method, out=str(out / label), keep=keep, keep_ratio=ratio,
-                      poly_degree=degree if degree is not None else job.poly_degree)
+        sub = _as_method(job, method, out=str(out / label), keep=keep, keep_ratio=ratio,
+                         poly_degree=degree if degree is not None else job.poly_degree)
         res = _finished(sub) if resume else None
+
+        def staged(stage: str, secs: float, label: str = label) -> None:
+            if on_stage is not None:
+                on_stage(label, stage, secs)
+
         if res is None:
-            res = pipeline.run_prune(sub, loaded)  # looked up on the module: tests spy on it there
-        elif loaded.dense_acc is None:
-            loaded.dense_acc = {s: v["dense"] for s, v in res["details"][loaded.metric_name].items()}
+            res = pipeline.run_prune(sub, loaded, on_stage=staged)  # looked up on the module: tests spy on it there
+        else:
+            staged("reused", float(res["report"]["seconds"].get("total", 0.0)))
+            if loaded.dense_acc is None:
+                loaded.dense_acc = {s: v["dense"] for s, v in res["details"][loaded.metric_name].items()}
         rep = res["report"]
         if not forced and get_importance(method).finds_count:
             last_cahp = (rep["heads_kept"], label)
@@ -216,11 +261,15 @@ def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loa
         rows.append(row)
         if on_row is not None:
             on_row(row)
+        if len(rows) < len(entries):  # a comparison cut short keeps the methods it finished
+            _write_compare(job, loaded, rows, planned=[lbl for lbl, _, _ in entries])
     return rows
 
 
-def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """``compare.md``, ``compare.json`` and the plots of one comparison in ``job.out``."""
+def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]],
+                   planned: Sequence[str] | None = None) -> dict[str, Any]:
+    """``compare.md``, ``compare.json`` and the plots of one comparison in ``job.out``; ``planned``: every
+    method's label while only ``rows``' have finished."""
     from headbudget.pruning import report as rpt
 
     out = Path(job.out)
@@ -238,13 +287,17 @@ def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]]) 
     rpt.plot_accuracy_vs_heads(points, out / "accuracy_vs_heads.png",
                                dense=(loaded.heads_total, loaded.dense_acc[p]) if loaded.dense_acc else None,
                                ylabel=f"{p} {mname}", title=f"{mname.capitalize()} vs heads kept")
+    if planned is not None:
+        table = (f"**Partial:** {len(rows)} of {len(planned)} methods finished ({', '.join(planned[len(rows):])} "
+                 "not yet).\n\n" + table)
     md = (f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads)\n\n{table}\n"
           "![heads per layer](heads_per_layer.png)\n\n![accuracy vs heads](accuracy_vs_heads.png)\n")
     if mname == "perplexity":
         md += "\nMetric: held-out perplexity (lower is better).\n"
     rpt.atomic_write_text(out / "compare.md", md)
     summary = {"task": job.task, "model": job.model, "metric_name": mname, "heads_total": loaded.heads_total,
-               "load_seconds": loaded.load_seconds, "rows": rows}
+               "load_seconds": loaded.load_seconds, **({"methods_planned": list(planned)} if planned else {}),
+               "rows": rows}
     rpt.write_json(out / "compare.json", summary)
     return summary
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from headbudget.data.classification import Example, TaskData, get_task, load_task, make_loader, subsample
 from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_json, follow_umask, save_figure
+from headbudget.progress import ProgressBar as tqdm
 from headbudget.pruning.adapters import get_adapter, save_pruned
 from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
 

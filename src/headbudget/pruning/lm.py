@@ -129,8 +129,7 @@ def finetune_lm(model: torch.nn.Module, data: LMData, *, epochs: int, lr: float 
     """Recovery fine-tuning on the calibration windows: AdamW, linear warmup then decay, ``epochs``
     passes in a seeded order (:class:`headbudget.train.loop.TrainLoop`, gradients clipped to norm 1).
     Returns the mean training loss of every epoch."""
-    from tqdm.auto import tqdm
-
+    from headbudget.progress import ProgressBar as tqdm
     from headbudget.train.loop import TrainLoop, build_adamw, warmup_linear
 
     device = next(model.parameters()).device

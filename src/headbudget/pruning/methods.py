@@ -12,7 +12,8 @@ Like Torch-Pruning's ``Importance``, a method is a plug-in registered under a na
   is then ``None`` unless the job forces a count; without it a method needs ``keep`` / ``keep_ratio``).
 
 Every built-in method registers here: ``cahp``, ``michel``, ``fisher``, ``magnitude``, ``random``,
-``pipelined-dsp``, ``joint-dsp``, ``pass``, ``attattr``.  A new one is usable by
+``pipelined-dsp``, ``joint-dsp``, ``joint-dsp-finetuned``, ``pass``, ``pass-frozen``, ``attattr``.  Every method
+but ``cahp`` (``keeps_layer_floor``: its paper keeps a head per layer) follows the job's ``layer_floor``.  A new one is usable by
 :func:`headbudget.pruning.pipeline.run_prune`, :func:`headbudget.pruning.compare.run_compare` and the CLI
 as soon as it is registered:
 
@@ -127,7 +128,8 @@ class PruningMethod:
 
     ``job_fields``: :class:`~headbudget.pruning.job.PruneJob` fields only this method reads (a resumed
     comparison reruns it when they change); ``check(job)``: raises a one-line ``ValueError`` for a job
-    this method cannot run."""
+    this method cannot run.  ``keeps_layer_floor``: the method always keeps a head in every layer (a job with
+    ``layer_floor`` off is refused for it)."""
 
     name: str
     importance: Importance | None = None
@@ -135,11 +137,13 @@ class PruningMethod:
     finds_count: bool = False
     job_fields: tuple[str, ...] = ()
     check: Callable[[Any], None] | None = None
+    keeps_layer_floor: bool = False
 
     def select(self, run: MethodRun) -> Selection:
+        floor = self.keeps_layer_floor or layer_floor_of(run.job)
         if self.selector is not None:
             sel = self.selector(run)
-            sel.kept = _checked_kept(self.name, sel.kept, run.head_counts)
+            sel.kept = _checked_kept(self.name, sel.kept, run.head_counts, floor)
             return sel
         assert self.importance is not None and run.target is not None
         counts = run.head_counts
@@ -147,10 +151,15 @@ class PruningMethod:
         if [len(s) for s in scores] != counts:
             raise ValueError(f"importance {self.name!r} returned {[len(s) for s in scores]} scores per layer; "
                              f"the model has {counts} heads per layer")
-        return Selection(kept=select_top(scores, run.target), details={"scores": flatten(scores)})
+        return Selection(kept=select_top(scores, run.target, layer_floor=floor), details={"scores": flatten(scores)})
 
 
-def _checked_kept(name: str, kept: Sequence[int], counts: Sequence[int]) -> list[int]:
+def layer_floor_of(job: Any) -> bool:
+    """Whether ``job`` keeps at least one head per layer (a job object without the setting: yes, as before it)."""
+    return bool(getattr(job, "layer_floor", True))
+
+
+def _checked_kept(name: str, kept: Sequence[int], counts: Sequence[int], layer_floor: bool = True) -> list[int]:
     """``kept`` sorted, or a one-line ``ValueError`` when a selector's heads cannot be the pruned model's."""
     total = sum(counts)
     out = sorted(int(i) for i in kept)
@@ -158,7 +167,9 @@ def _checked_kept(name: str, kept: Sequence[int], counts: Sequence[int]) -> list
         raise ValueError(f"method {name!r} kept heads {out}: give distinct flat indices in 0..{total - 1}")
     layer_of = [layer for layer, n in enumerate(counts) for _ in range(n)]
     empty = sorted(set(range(len(counts))) - {layer_of[i] for i in out})
-    if empty:
+    if not out:
+        raise ValueError(f"method {name!r} kept no head at all")
+    if empty and layer_floor:
         raise ValueError(f"method {name!r} kept no head of layer {empty[0]}: every layer keeps at least one")
     return out
 
@@ -201,16 +212,18 @@ def register_importance(name: str, fn: Importance | None = None, *, replace: boo
 
 def register_selector(name: str, fn: Selector | None = None, *, finds_count: bool = False, replace: bool = False,
                       job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None,
-                      importance: Importance | None = None) -> Any:
+                      importance: Importance | None = None, keeps_layer_floor: bool = False) -> Any:
     """Register ``fn(run: MethodRun) -> Selection`` as method ``name`` (as a decorator without ``fn``):
     a method that picks the kept heads itself, e.g. ``lambda run: Selection(kept=my_heads(run.model,
     run.target))``.  ``finds_count``: it may be called with ``run.target=None`` and choose the count;
-    ``importance``: one-shot scores the selector is built from, if any (:func:`score_heads` gives them)."""
+    ``importance``: one-shot scores the selector is built from, if any (:func:`score_heads` gives them);
+    ``keeps_layer_floor``: the method always keeps a head per layer (``cahp``)."""
     def add(f: Any) -> Any:
         if not callable(f):
             raise TypeError(f"register_selector({name!r}): {f!r} is not callable")
         _register(PruningMethod(name, importance=importance, selector=_instance(f), finds_count=finds_count,
-                                job_fields=tuple(job_fields), check=check), replace)
+                                job_fields=tuple(job_fields), check=check, keeps_layer_floor=keeps_layer_floor),
+                  replace)
         return f
 
     return add if fn is None else add(fn)
@@ -271,13 +284,15 @@ def score_heads(name: str, ctx: ImportanceContext) -> list[np.ndarray]:
     return table[name](ctx)
 
 
-def select_by_method(method: str, ctx: ImportanceContext, n_keep: int) -> tuple[list[int], np.ndarray | None]:
+def select_by_method(method: str, ctx: ImportanceContext, n_keep: int,
+                     layer_floor: bool = True) -> tuple[list[int], np.ndarray | None]:
     """Kept flat indices (and the flat scores, when the method has one final score) of a scoring method:
-    ``michel`` iterates (no final score); any other registered importance keeps its ``n_keep`` best heads."""
+    ``michel`` iterates (no final score); any other registered importance keeps its ``n_keep`` best heads
+    (``layer_floor=False``: globally, a layer may keep none)."""
     if method == "michel":
-        return michel_iterative(ctx, n_keep), None
+        return michel_iterative(ctx, n_keep, layer_floor=layer_floor), None
     scores = score_heads(method, ctx)
-    return select_top(scores, n_keep), flatten(scores)
+    return select_top(scores, n_keep, layer_floor=layer_floor), flatten(scores)
 
 
 def method_job_fields() -> dict[str, tuple[str, ...]]:
@@ -327,7 +342,8 @@ def _cahp(run: MethodRun) -> Selection:
                    salience=sel.salience, clusters=sel.labels, medoids=sel.medoids,
                    embedding=sel.embedding, accuracy_curve=sel.accuracy_curve, poly_degree=job.poly_degree,
                    mss_variant=job.mss, pool_size=job.pool_size, perplexity=job.perplexity)
-    plots = [str(rpt.plot_mss(sel.mss, sel.knee_k, run.out / "mss.png", f"MSS ({job.mss}), knee k = {sel.knee_k}")),
+    k_text = rpt.describe_k(sel.knee_k, sel.knee_source, keep=job.keep, keep_ratio=job.keep_ratio)
+    plots = [str(rpt.plot_mss(sel.mss, sel.knee_k, run.out / "mss.png", f"MSS ({job.mss}), {k_text}")),
              str(rpt.plot_embedding(sel.embedding, sel.labels, heads, sel.kept, run.out / "embedding.png"))]
     return Selection(kept=sel.kept, details=details, seconds=secs, knee_k=sel.knee_k, mss=sel.mss, plots=plots)
 
@@ -335,18 +351,51 @@ def _cahp(run: MethodRun) -> Selection:
 def _michel(run: MethodRun) -> Selection:
     """Michel et al.'s iterative pruning (importance recomputed after every 10 % removed)."""
     assert run.target is not None
-    return Selection(kept=michel_iterative(run.importance_context(), run.target))
+    return Selection(kept=michel_iterative(run.importance_context(), run.target, layer_floor=layer_floor_of(run.job)))
+
+
+#: the gate-training methods their authors run from the pre-trained model, jointly, for ``joint_epochs``
+FROM_PRETRAINED = ("joint-dsp", "pass")
 
 
 def _gated(run: MethodRun) -> Selection:
-    """DSP / PASS gate training (:func:`headbudget.pruning.gated.train_gates`) with the job's settings."""
+    """DSP / PASS gate training (:func:`headbudget.pruning.gated.train_gates`) with the job's settings; the
+    authors' joint protocols (:data:`FROM_PRETRAINED`) first put the pre-trained weights into the model."""
     job = run.job
     assert run.target is not None
-    settings = gated.GateSettings(lr=job.gate_lr, epochs=job.gate_epochs, cooldown=job.gate_cooldown,
-                                  weight_lr=job.lr, seed=job.seed)
+    authors = job.method in FROM_PRETRAINED
+    start = _load_pretrained_into(run) if authors else "model"
+    settings = gated.GateSettings(lr=job.gate_lr, epochs=job.joint_epochs if authors else job.gate_epochs,
+                                  cooldown=job.gate_cooldown, weight_lr=job.lr, seed=job.seed)
     res = gated.train_gates(job.method, run.adapter, run.model, run.importance_batches[: job.importance_batches],
-                            run.target, settings, progress=job.progress)
-    return Selection(kept=res.kept, details=dict(scores=res.logits, gate_training=res.info, gate_history=res.history))
+                            run.target, settings, progress=job.progress, layer_floor=layer_floor_of(job))
+    info = dict(res.info, start=start)
+    return Selection(kept=res.kept, details=dict(scores=res.logits, gate_training=info, gate_history=res.history))
+
+
+def _load_pretrained_into(run: MethodRun) -> str:
+    """Copy the pre-trained model's weights (``job.pretrained``; a classifier's head fresh from ``job.seed``)
+    into ``run.model`` in place -- the pipeline prunes and fine-tunes that object -- and name the start.  Task lm
+    without ``pretrained`` starts from the model itself: a causal LM is its own pre-trained model."""
+    from headbudget import loading
+    from headbudget.pruning.workloads import ClassificationWorkload
+
+    job, loaded = run.job, run.workload
+    if job.pretrained is None:
+        return "model"
+    if isinstance(loaded, ClassificationWorkload):
+        pre = loading.load_model(job.pretrained, "classifier", num_labels=loaded.spec.num_labels,
+                                 label_names=loaded.spec.label_names, seed=job.seed)
+    else:
+        pre = loading.load_model(job.pretrained, "causal", as_headbudget=True)
+    mine, theirs = run.model.state_dict(), pre.state_dict()
+    misfit = sorted(k for k in set(mine) | set(theirs)
+                    if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+    if misfit:
+        raise ValueError(f"pretrained {job.pretrained}: {len(misfit)} of its tensors do not fit the model being "
+                         f"pruned (first: {misfit[0]}); give the checkpoint {job.model} was fine-tuned from")
+    run.model.load_state_dict(theirs)
+    return "pretrained"
 
 
 def _attattr(run: MethodRun) -> Selection:
@@ -358,9 +407,25 @@ def _attattr(run: MethodRun) -> Selection:
     examples = loaded.evals[loaded.primary][: job.attattr_examples]
     scores = attattr.attattr_scores(run.adapter, run.model, loaded.tokenizer, examples, steps=job.attattr_steps,
                                     max_length=job.max_length, progress=job.progress)
-    return Selection(kept=select_top(scores, run.target),
+    return Selection(kept=select_top(scores, run.target, layer_floor=layer_floor_of(job)),
                      details=dict(scores=flatten(scores), attattr={"split": loaded.primary, "examples": len(examples),
                                                                    "steps": job.attattr_steps}))
+
+
+def _needs_pretrained(job: Any) -> None:
+    if job.task != "lm" and job.pretrained is None:
+        raise ValueError(f"method {job.method} trains from the pre-trained model, as its authors do: give it "
+                         f"(pretrained / --pretrained MODEL), or use {job.method}"
+                         f"{'-finetuned' if job.method == 'joint-dsp' else '-frozen'} to start from the fine-tuned "
+                         "model")
+    if job.joint_epochs < 1:
+        raise ValueError(f"joint_epochs must be >= 1, got {job.joint_epochs}")
+
+
+def _floor_kept(job: Any) -> None:
+    if not layer_floor_of(job):
+        raise ValueError(f"method {job.method} keeps at least one head per layer, as its paper states: layer_floor "
+                         "off (--no-layer-floor) is for the baselines")
 
 
 def _classification_only(job: Any) -> None:
@@ -371,14 +436,20 @@ def _classification_only(job: Any) -> None:
 
 def _register_builtins() -> None:
     # the order of METHODS before the registry: the CLI's choices and error messages list them so
-    register_selector("cahp", _cahp, finds_count=True)
+    register_selector("cahp", _cahp, finds_count=True, check=_floor_kept, keeps_layer_floor=True)
     register_selector("michel", _michel, importance=michel_importance)
     for name, fn in (("fisher", fisher_importance), ("magnitude", magnitude_importance),
                      ("random", random_importance)):
         register_importance(name, fn)
     register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
-    register_selector("joint-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
-    register_selector("pass", _gated, job_fields=("gate_lr", "gate_epochs"))
+    # the plain names are the authors' joint protocols; before they were, joint-dsp meant joint-dsp-finetuned and
+    # pass meant pass-frozen (a run folder of the old meaning lacks pretrained / joint_epochs in its recorded
+    # settings, so a resumed comparison reruns it)
+    authors = ("gate_lr", "pretrained", "joint_epochs")
+    register_selector("joint-dsp", _gated, job_fields=(*authors, "gate_cooldown"), check=_needs_pretrained)
+    register_selector("joint-dsp-finetuned", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
+    register_selector("pass", _gated, job_fields=authors, check=_needs_pretrained)
+    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"))
     register_selector("attattr", _attattr, job_fields=("attattr_examples", "attattr_steps"),
                       check=_classification_only)
 

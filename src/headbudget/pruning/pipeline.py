@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +124,42 @@ def _target_heads(job: PruneJob, heads_total: int) -> int | None:
     return None
 
 
-def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
+def _checked_target(job: PruneJob, counts: list[int]) -> int | None:
+    """The number of heads the job keeps (None: the method decides), refused in one line when out of range."""
+    n_total = sum(counts)
+    target = _target_heads(job, n_total)
+    # without the floor a baseline may keep fewer heads than there are layers (some layers lose every head)
+    low = len(counts) if job.layer_floor or get_importance(job.method).keeps_layer_floor else 1
+    if target is not None and not low <= target < n_total:
+        raise ValueError(
+            f"cannot keep {target} heads: this model has {n_total} heads in {len(counts)} layers "
+            f"(keep between {low} and {n_total - 1})"
+        )
+    return target
+
+
+def run_prune(job: PruneJob, loaded: Workload | None = None,
+              on_stage: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Select (the job's registered method, :mod:`headbudget.pruning.methods`), remove, fine-tune and report
-    one method; returns ``{"report", "details"}``."""
+    one method; returns ``{"report", "details"}``.
+
+    ``on_stage(stage, seconds)`` is called as each stage finishes, with the names of ``report.json``'s
+    ``seconds`` (``dense_eval``, the method's own stages such as ``signatures`` / ``salience`` / ``cluster``,
+    ``select``, ``prune``, ``pruned_eval``, ``finetune``, ``save``, ``total``): a long run says where it is."""
     from headbudget.pruning.cahp import kept_by_layer
 
     check_job(job)
     t_start = time.perf_counter()
     seconds: dict[str, float] = {}
+    told: set[str] = set()
+
+    def tell() -> None:  # the stages finished since the last call, in the order they ran
+        for name, secs in list(seconds.items()):
+            if name not in told:
+                told.add(name)
+                if on_stage is not None:
+                    on_stage(name, secs)
+
     if loaded is None:
         loaded = load_workload(job)
         seconds["load"] = loaded.load_seconds
@@ -141,24 +170,20 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     adapter = model_adapter(model)
     counts = adapter.head_counts()
     heads = [(layer, h) for layer, n in enumerate(counts) for h in range(n)]
-    n_total = len(heads)
 
     t = time.perf_counter()
     if loaded.dense_acc is None:
         loaded.dense_acc = _evaluate(model, loaded, job, "dense")
         seconds["dense_eval"] = time.perf_counter() - t
+    tell()
     dense = dict(loaded.dense_acc)
 
-    target = _target_heads(job, n_total)
-    if target is not None and not len(counts) <= target < n_total:
-        raise ValueError(
-            f"cannot keep {target} heads: this model has {n_total} heads in {len(counts)} layers "
-            f"(keep between {len(counts)} and {n_total - 1})"
-        )
+    target = _checked_target(job, counts)
     run = MethodRun(job, loaded, adapter, model, target, out, signature_batches=loaded.batches(job, False),
                     importance_batches=loaded.batches(job, True))
     details: dict[str, Any] = loaded.describe(job)
     sel = _select(run, seconds)
+    tell()
     details.update(sel.details)
     kept = sel.kept if job.granularity == "head" else _with_granularity(run, sel.kept, details)
     kept_layers = kept_by_layer(kept, heads, len(counts))
@@ -168,8 +193,10 @@ def run_prune(job: PruneJob, loaded: Workload | None = None) -> dict[str, Any]:
     t = time.perf_counter()
     pruned = _evaluate(model, loaded, job, "pruned")
     seconds["pruned_eval"] = time.perf_counter() - t
+    tell()
     finetuned = _recover_and_save(model, loaded, job, details, seconds)
     seconds["total"] = time.perf_counter() - t_start + seconds.get("load", 0.0)
+    tell()
 
     stages = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
     details["metric_name"] = loaded.metric_name
@@ -217,8 +244,9 @@ def _with_granularity(run: MethodRun, kept: list[int], details: dict[str, Any]) 
         kept_set = set(kept)
         flat = [1.0 if i in kept_set else 0.0 for i in range(n_total)]
     details["granularity"] = run.job.granularity
+    floor = run.job.layer_floor or get_importance(run.job.method).keeps_layer_floor
     return apply_granularity(run.job.granularity, unflatten(np.asarray(flat, dtype=np.float64), counts),
-                             kv_groups_of(run.adapter), run.target or len(kept))
+                             kv_groups_of(run.adapter), run.target or len(kept), layer_floor=floor)
 
 
 def _remove_heads(adapter: Any, kept: list[int], kept_layers: dict[int, list[int]], seconds: dict[str, float]) -> None:
@@ -257,7 +285,7 @@ def _method_report(run: MethodRun, sel: Selection, kept_layers: dict[int, list[i
     job, loaded = run.job, run.workload
     n_total = len(run.heads)
     report = rpt.build_report(job.method, n_total, kept_layers, sel.knee_k, sel.mss, primary, seconds, cost,
-                              n_layers=len(kept_layers))
+                              n_layers=len(kept_layers), k_source=rpt.k_source_of(details.get("knee_source")))
     dense, pruned = primary["dense"], primary["pruned"]
     if (isinstance(loaded, LMWorkload) and job.method == "cahp" and run.target is None and job.knee_warn_ratio > 0
             and float(pruned) > job.knee_warn_ratio * float(dense)):
@@ -298,6 +326,8 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
             del d[k]
     if d.get("granularity") == "head":  # added later: the default keeps older runs resumable
         del d["granularity"]
+    if d.get("layer_floor") is True:  # added later: the default keeps older runs resumable
+        del d["layer_floor"]
     for k in ("calib_seed", "eval_data"):  # added later: unset keeps older runs resumable
         if d.get(k) in (None, ()):
             d.pop(k, None)

@@ -3,11 +3,16 @@
 ``report.json`` is exactly::
 
     {"method", "heads_total", "heads_kept", "kept": {"<layer>": [heads]}, "mean_depth",
-     "middle_third_share", "knee_k", "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"}, "seconds": {...},
+     "middle_third_share", "knee_k", "k_source", "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"},
+     "seconds": {...},
      "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context",
               "kv_cache_bytes_per_token": {"before", "after"}}}
 
 (``kv_cache_bytes_per_token`` -- what one token adds to the KV cache at the model's dtype -- only for decoders.)
+
+(``knee_k`` is CAHP's cluster count k and ``k_source`` says what set it, :func:`k_source_of`: ``"knee"`` of the
+MSS or accuracy curve, ``"forced"`` by a head count (keep / keep_ratio: no knee computed) or ``"fallback"`` (no
+knee found: the k of the highest MSS or accuracy); both ``null`` for methods without clusters.)
 
 (``mean_depth`` and ``middle_third_share`` measure where the kept heads sit, see :func:`depth_profile`;
 ``metric`` holds the primary dev-split accuracy -- for ``--task lm`` the held-out perplexity, lower
@@ -38,6 +43,8 @@ __all__ = [
     "build_report",
     "compare_markdown",
     "depth_profile",
+    "describe_k",
+    "k_source_of",
     "plot_accuracy_vs_heads",
     "plot_embedding",
     "plot_heads_per_layer",
@@ -46,8 +53,8 @@ __all__ = [
     "write_json",
 ]
 
-REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "mean_depth", "middle_third_share", "knee_k", "mss",
-               "metric", "seconds", "cost")
+REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "mean_depth", "middle_third_share", "knee_k", "k_source",
+               "mss", "metric", "seconds", "cost")
 METRIC_KEYS = ("dense", "pruned", "finetuned")
 
 
@@ -100,6 +107,7 @@ def build_report(
     seconds: Mapping[str, float],
     cost: Mapping[str, Mapping[str, int]] | None = None,
     n_layers: int | None = None,
+    k_source: str | None = None,
 ) -> dict[str, Any]:
     """The ``report.json`` dict, keys in the fixed order (``kept`` keyed by layer as strings).
 
@@ -118,6 +126,7 @@ def build_report(
         "mean_depth": mean_depth,
         "middle_third_share": middle,
         "knee_k": None if knee_k is None else int(knee_k),
+        "k_source": None if knee_k is None else (k_source or "knee"),
         "mss": [[int(k), float(v)] for k, v in (mss or [])],
         "metric": {k: (None if metric.get(k) is None else float(metric[k])) for k in METRIC_KEYS},  # type: ignore[arg-type]
         "seconds": {k: round(float(v), 3) for k, v in seconds.items()},
@@ -133,6 +142,39 @@ def build_report(
     }
 
 
+def k_source_of(knee_source: str | None) -> str | None:
+    """``report.json``'s ``k_source`` of CAHP's ``knee_source`` (``details.json``): ``"mss"`` / ``"accuracy"`` ->
+    ``"knee"``, ``"keep"`` -> ``"forced"``, ``"fallback-max-*"`` -> ``"fallback"`` (a ``k_source`` maps to itself)."""
+    if knee_source is None:
+        return None
+    if knee_source.startswith("fallback"):
+        return "fallback"
+    return {"mss": "knee", "accuracy": "knee", "keep": "forced"}.get(knee_source, knee_source)
+
+
+def describe_k(k: int | None, knee_source: str | None, keep: int | None = None,
+               keep_ratio: float | None = None) -> str | None:
+    """What CAHP's k is, in words, for report.md, the printed summary and the MSS plot: a forced head count
+    sets the cluster count without any knee, and calling it a knee misleads.
+
+        >>> describe_k(30, "keep", keep_ratio=0.5)
+        'clusters k = 30, forced by --keep-ratio 0.5; no knee computed'
+        >>> describe_k(7, "mss"), describe_k(None, None)
+        ('knee k = 7', None)
+    """
+    if k is None:
+        return None
+    source = k_source_of(knee_source)
+    if source == "forced":
+        by = (f"--keep {keep}" if keep is not None else f"--keep-ratio {keep_ratio:g}" if keep_ratio is not None
+              else "a forced head count")
+        return f"clusters k = {k}, forced by {by}; no knee computed"
+    if source == "fallback":
+        curve = "accuracy" if "accuracy" in str(knee_source) else "MSS"
+        return f"clusters k = {k}, no knee found: the k of the highest {curve}"
+    return f"knee k = {k}"
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "–"
@@ -146,9 +188,12 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
     lines = [f"# Head pruning: {report['method']}", ""]
     if report.get("warning"):
         lines += [f"**Warning:** {report['warning']}", ""]
-    lines.append(f"Kept **{report['heads_kept']} / {report['heads_total']}** heads"
-                 + (f" (knee k = {report['knee_k']})" if report.get("knee_k") is not None else "") + ".")
     details = details or {}
+    job = details.get("job") or {}
+    k_text = describe_k(report.get("knee_k"), details.get("knee_source") or report.get("k_source"),
+                        keep=job.get("keep"), keep_ratio=job.get("keep_ratio"))
+    lines.append(f"Kept **{report['heads_kept']} / {report['heads_total']}** heads"
+                 + (f" ({k_text})" if k_text else "") + ".")
     if details.get("knee_source"):
         lines.append(f"Head count from: {details['knee_source']}.")
     if details.get("rescued"):

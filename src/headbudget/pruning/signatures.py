@@ -315,7 +315,7 @@ def collect_signatures(
         >>> collect_signatures(lambda b: layers, [batch], [3], 2, grid=4, progress=False).mean.shape
         torch.Size([2, 3, 4, 4])
     """
-    from tqdm.auto import tqdm
+    from headbudget.progress import ProgressBar as tqdm
 
     label_free = n_classes is None
     n_heads = int(sum(head_counts))

@@ -38,13 +38,14 @@ refused before anything is read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
 import random
 import re
 import shutil
-import stat
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headbudget.io import as_os_error, atomic_write_text, refused_pickle_reason
+from headbudget.io import as_os_error, atomic_write_text, refused_pickle_reason, regular_file
 
 _NAME = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
@@ -78,16 +79,47 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+#: (pointer, its text, the checkpoint used instead) already reported in this process: a resume looks up the
+#: latest checkpoint several times, and one line says it
+_REPORTED: set[tuple[str, str, str]] = set()
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` points to (else the newest complete one), or None when there is none."""
+    """The checkpoint ``latest`` points to (else the newest complete one), or None when there is none.
+
+    A ``latest`` that names no complete checkpoint of the folder (garbage, a missing or incomplete step) is
+    said on stderr in one line, naming the file, what is wrong and the checkpoint used instead."""
     d = Path(directory)
     pointer = d / LATEST
-    if pointer.is_file():
-        target = d / pointer.read_text().strip()
-        if target in list_checkpoints(d):
-            return target
     found = list_checkpoints(d)
-    return found[-1] if found else None
+    if not pointer.is_file():  # none yet (or a crash before the first): the newest, silently
+        return found[-1] if found else None
+    try:
+        with open(pointer, "rb") as f:
+            raw = f.read(256)  # a name is ~12 bytes; a huge garbage file is not read whole
+    except OSError as exc:
+        text, problem = "", f"is unreadable ({exc.strerror})"
+    else:
+        text = raw.decode("latin-1").strip()  # any bytes decode; a checkpoint name is ASCII
+        target = d / text
+        if text and _NAME.match(text) and target in found:
+            return target
+        if not text:
+            problem = "is empty"
+        elif not _NAME.match(text):
+            problem = f"holds {text[:40]!a}, not the name of a checkpoint"  # ascii(): any byte stays on the line
+        elif target.exists():
+            problem = f"names {text}, which is incomplete (no {STATE_FILE} or .metadata)"
+        else:
+            problem = f"names {text}, which does not exist"
+    fallback = found[-1] if found else None
+    key = (str(pointer), text, str(fallback))
+    if key not in _REPORTED and os.environ.get("RANK", "0") == "0":  # one line per job, not one per process
+        _REPORTED.add(key)
+        instead = f"using the newest complete checkpoint, {fallback}, instead" if fallback \
+            else "and there is no complete checkpoint to use instead"
+        print(f"headbudget: warning: {pointer} {problem}; {instead}", file=sys.stderr, flush=True)
+    return fallback
 
 
 def legacy_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -148,12 +180,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _regular_file(path: Path) -> Path:
     """``path`` if it is a regular file (so opening it cannot block on a FIFO or read a device forever)."""
     try:
-        mode = os.stat(path).st_mode
+        return regular_file(path, CheckpointError)
     except OSError as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint file ({exc.strerror})") from None
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{path}: not a regular file; refusing to read it")
-    return path
 
 
 def _check_storage(ckpt: Path, md: Any) -> None:
@@ -202,6 +231,8 @@ def _safe_reader(path: Path):
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
+        reading: str | None = None  # the file of the slice being read, for the error naming it
+
         def read_metadata(self, *args: Any, **kwargs: Any):
             md = read_metadata(self.path)
             if getattr(md, "storage_meta", None) is None:
@@ -209,7 +240,40 @@ def _safe_reader(path: Path):
             md.storage_meta.load_id = self.load_id
             return md
 
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            self.reading = getattr(sinfo, "relative_path", None)
+            return super()._slice_file(file, sinfo)
+
+        def read_data(self, *args: Any, **kwargs: Any):
+            # Each slice is torch.load(weights_only=True)-ed: a slice that is a pickle of anything else (or not
+            # a tensor at all) is refused there, and named here instead of in DCP's per-rank traceback.
+            try:
+                with warnings.catch_warnings():  # torch's two lines on a pickle not of torch.save's protocol
+                    warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                    return super().read_data(*args, **kwargs)
+            except _BAD_SLICE as exc:
+                if isinstance(exc, OSError) and exc.errno != errno.EINVAL:  # the disk, not the bytes
+                    raise
+                where = Path(self.path) / self.reading if self.reading else Path(self.path)
+                from headbudget.model_files import weights_only_reason
+
+                raise CheckpointError(f"{where}: not the tensors of a headbudget checkpoint "
+                                      f"({weights_only_reason(exc)})") from None
+
     return SafeReader(str(path))
+
+
+#: what torch.load and DCP raise on a slice whose bytes are not a saved tensor (EINVAL: a zip seeking outside it)
+_BAD_SLICE = (pickle.UnpicklingError, RuntimeError, EOFError, AssertionError, AttributeError, TypeError,
+              ValueError, IndexError, OSError)
+
+
+def _raise_checkpoint_error(exc: BaseException) -> None:
+    """Re-raise the CheckpointError DCP wrapped in its per-rank CheckpointException, if it holds one."""
+    for failure in (getattr(exc, "failures", None) or {}).values():  # {rank: (exception, traceback)}
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            raise inner from None
 
 
 def require_safe_torch_load(version: str | None = None) -> None:
@@ -360,7 +424,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     state, param_groups = _tensor_state(model, optimizer)
     _check_shapes(path, md, state)
     with _single_process_ok():
-        dcp.load(state, storage_reader=_safe_reader(path), no_dist=not on)
+        try:
+            dcp.load(state, storage_reader=_safe_reader(path), no_dist=not on)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            _raise_checkpoint_error(exc)
+            raise
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

@@ -158,8 +158,8 @@ def run_compare(
     seed_list = list(range(cfg.seed, cfg.seed + seeds)) if isinstance(seeds, int) else list(seeds)
     if not seed_list:
         raise ValueError("--seeds must be at least 1")
-    if margin is not None and not margin > 0:
-        raise ValueError(f"--margin must be a positive loss difference (nats/token), got {margin}")
+    if margin is not None and not (math.isfinite(margin) and margin > 0):  # inf would call every schedule equivalent
+        raise ValueError(f"--margin must be a finite positive loss difference (nats/token), got {margin}")
     for s in schedules:  # fail before training anything
         build_schedule(cfg.replace(model={"schedule": s}))
     out = Path(out)
@@ -214,7 +214,7 @@ def _run_record(sched: str, seed: int, schedule: Any, result: TrainResult, run_d
             "heads": list(schedule.heads), "head_dims": list(schedule.head_dims),
             "final_val_loss": result.final_val_loss, "final_train_loss": result.final_train_loss,
             "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
-            "wall_s": result.wall_s, "run_dir": str(run_dir)}
+            "wall_s": result.wall_s, "run_dir": run_dir.name}  # inside the comparison's folder, wherever it moves
 
 
 def write_outputs(summary: dict[str, Any], out: Path, plot: bool = True) -> None:
@@ -314,8 +314,8 @@ def render_report(summary: dict[str, Any]) -> str:
         f"{t['batch_size']} x {t['context']} tokens = {steps * t['batch_size'] * t['context']:,} tokens "
         f"per run{how}; seeds {seeds}. Val loss is the mean cross-entropy (nats/token) on "
         f"{t['eval_batches']} fixed validation batches at the last step. Δ is the schedule's val loss minus "
-        f"{summary['baseline']}'s at the same seed (same batches), mean ± std over seeds"
-        + (" and its 95% Student-t interval." if n > 1 else "."),
+        f"{summary['baseline']}'s at the same seed (same batches), "
+        + ("mean ± std over seeds and its 95% Student-t interval." if n > 1 else "from one seed: no spread."),
         "",
         f"| schedule | heads per layer | params | val loss{' (mean ± std)' if n > 1 else ''} | "
         f"Δ vs {summary['baseline']} (paired) | 95% CI of Δ | tokens/s | peak MB |",

@@ -21,8 +21,9 @@ naming it, the file and the nearest valid key.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,13 @@ class TrainSection:
         if self.tokens is not None:  # the token budget decides the steps, here so Python callers get it too
             self.steps = steps_for_tokens(parse_token_count(self.tokens, "train.tokens (--tokens)"), self.batch_size,
                                           self.context)
+            if self.steps > MAX_STEPS:  # tiny batches turn a plausible token count into an impossible run
+                raise ConfigError(f"train.tokens (--tokens) {self.tokens!r}: {_e(self.steps)} optimizer steps of "
+                                  f"{self.batch_size} x {self.context} tokens, more than any run takes (at most "
+                                  f"{_e(MAX_STEPS)}); a typo?")
+        elif self.steps > MAX_STEPS:
+            raise ConfigError(f"train.steps {self.steps}: more optimizer steps than any run takes (at most "
+                              f"{_e(MAX_STEPS)}); a typo?")
 
 
 @dataclass
@@ -139,6 +147,16 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     distill: DistillSection = field(default_factory=DistillSection)
+
+    def __post_init__(self) -> None:
+        # no float setting of a run means anything at inf or nan (a learning rate of inf diverges at step 1, a nan
+        # min_lr_ratio only once the cosine starts, a nan grad_clip turns clipping off): refuse them up front
+        for section in fields(self):
+            value = getattr(self, section.name)
+            for f in fields(value) if is_dataclass(value) else ():
+                v = getattr(value, f.name)
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {v}")
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -205,8 +223,8 @@ class CompareSection:
     def __post_init__(self) -> None:
         if self.seeds < 1:
             raise ConfigError(f"compare.seeds (--seeds) must be at least 1, got {self.seeds}")
-        if self.margin is not None and not self.margin > 0:
-            raise ConfigError(f"compare.margin (--margin) must be a positive loss difference (nats/token), "
+        if self.margin is not None and not (math.isfinite(self.margin) and self.margin > 0):  # inf: all equivalent
+            raise ConfigError(f"compare.margin (--margin) must be a finite positive loss difference (nats/token), "
                               f"got {self.margin}")
 
 
@@ -224,8 +242,20 @@ class CompareConfig(RunConfig):
         return RunConfig.from_dict(d)
 
 
+#: the most tokens a run may read: ~30x the largest language-model pretraining runs (~3e13 tokens); more is a typo
+MAX_TOKENS = 10**15
+#: the most optimizer steps a run may take: ~3 years at 10 steps a second; more is a typo
+MAX_STEPS = 10**9
+
+
+def _e(n: float) -> str:
+    """``n`` in two significant digits: ``_e(4.88e26)`` is ``'4.9e26'``."""
+    return f"{n:.2g}".replace("e+", "e")
+
+
 def parse_token_count(value: str, flag: str = "--tokens") -> int:
-    """``1M``, ``500k``, ``2e5`` or ``200000`` as a positive number of tokens (ValueError: one line).
+    """``1M``, ``500k``, ``2e5`` or ``200000`` as a positive number of tokens, at most :data:`MAX_TOKENS`
+    (ValueError: one line).
 
     >>> parse_token_count("1M"), parse_token_count("250k"), parse_token_count("3e4")
     (1000000, 250000, 30000)
@@ -236,8 +266,11 @@ def parse_token_count(value: str, flag: str = "--tokens") -> int:
         n = float(text[:-1] if scale > 1 else text) * scale
     except ValueError:
         n = float("nan")
-    if not (n >= 1 and n == int(n)):
+    if not (math.isfinite(n) and n >= 1 and n == int(n)):
         raise ValueError(f"{flag} {value!r}: expected a positive number of tokens, e.g. 1M, 500k or 200000")
+    if n > MAX_TOKENS:
+        raise ValueError(f"{flag} {value!r}: {_e(n)} tokens, more than any training run reads (at most "
+                         f"{_e(MAX_TOKENS)}); a typo in the exponent?")
     return int(n)
 
 

@@ -58,7 +58,7 @@ class MetricsLogger:
     ``validation_loss(run)``), ``run`` what it trains with (``is_main``, ``teacher``, ``metrics_path``)."""
 
     def __init__(self, trainer: Any, run: Any, start_step: int) -> None:
-        from tqdm.auto import tqdm
+        from headbudget.progress import ProgressBar as tqdm
 
         t = trainer.cfg.train
         self.trainer, self.run = trainer, run

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from headbudget.io import atomic_write_text
+from headbudget.io import atomic_write_text, regular_file
+from headbudget.model_files import MODEL_FILES, check_folder_files, json_problem
 from headbudget.models.surgery.base import _STATE_ATTR, KEPT_HEADS_FILE
 from headbudget.models.surgery.families import LlamaAdapter, get_adapter
 
@@ -51,7 +52,7 @@ def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         sd: dict[str, torch.Tensor] = {}
         for shard in shards:
-            sd.update(load_file(str(path / shard)))
+            sd.update(load_file(str(regular_file(path / shard))))  # the index may name any path
         return sd
     raise FileNotFoundError(f"{path}: no model.safetensors (or sharded index) to load")
 
@@ -64,7 +65,10 @@ def load_pruned(model_dir: str | os.PathLike[str], dtype: torch.dtype | None = N
     path = Path(model_dir)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (not a saved model directory)")
+    check_folder_files(path, MODEL_FILES)  # a FIFO among them would block the reading forever
     record_path = path / KEPT_HEADS_FILE
+    if record_path.exists() and (problem := json_problem(record_path)):
+        raise ValueError(problem)
     record = json.loads(record_path.read_text()) if record_path.exists() else None
     config = transformers.AutoConfig.from_pretrained(path)
     arch = (record or {}).get("architecture") or (config.architectures or [None])[0]

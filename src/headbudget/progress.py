@@ -1,0 +1,81 @@
+"""The one progress bar of headbudget (:class:`ProgressBar`, a ``tqdm.auto.tqdm``), wherever it writes.
+
+On a terminal (or in a notebook) it is tqdm as ever: one line redrawn in place.  Written to a file or a pipe
+(``headbudget quickstart 2> log``, a batch job's log) tqdm's in-place updates are ``\\r``-separated copies of the
+line, several a second: hundreds of KB a run that a log reader shows as one endless line.  There it prints a
+plain, newline-terminated line when the bar starts, at most every :data:`PLAIN_INTERVAL_S` seconds after, and
+its final state when it closes.
+
+    >>> from headbudget.progress import ProgressBar as tqdm    # a drop-in for ``from tqdm.auto import tqdm``
+    >>> for _ in tqdm(range(3), desc="demo", disable=True):
+    ...     pass
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from tqdm.auto import tqdm as _auto_tqdm
+
+__all__ = ["PLAIN_INTERVAL_S", "ProgressBar"]
+
+#: seconds between two lines of a bar written off a terminal (its start and final state are always written)
+PLAIN_INTERVAL_S = 30.0
+
+# in a notebook tqdm.auto draws a widget, which has no \r problem: leave it alone
+_NOTEBOOK = any(c.__module__ == "tqdm.notebook" for c in _auto_tqdm.__mro__)
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class ProgressBar(_auto_tqdm):  # type: ignore[misc,valid-type]
+    """``tqdm.auto.tqdm`` that writes plain lines at a modest interval off a terminal (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        stream = kwargs.get("file")
+        self._plain = not _NOTEBOOK and not _is_terminal(sys.stderr if stream is None else stream)
+        self._plain_t: float | None = None  # when the last plain line was written
+        self._plain_n: float | None = None  # and at which count
+        self._plain_closing = False
+        if self._plain:
+            # tqdm itself would redraw at every update past 0.1 s (and its monitor thread every 10 s): let it
+            # try no more often than a line may be written; display() keeps the interval whoever refreshes
+            kwargs["mininterval"] = max(float(kwargs.get("mininterval") or 0.0), PLAIN_INTERVAL_S)
+            kwargs["maxinterval"] = max(float(kwargs.get("maxinterval") or 0.0), PLAIN_INTERVAL_S)
+            kwargs["dynamic_ncols"] = False
+        super().__init__(*args, **kwargs)
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if not self._plain:
+            return bool(super().display(msg=msg, pos=pos))
+        if self._plain_closing or msg == "":  # closing, or clearing for tqdm.write: nothing to erase
+            return False
+        now = time.monotonic()
+        if msg is None and self._plain_t is not None and now - self._plain_t < PLAIN_INTERVAL_S:
+            return True  # a refresh between two lines (set_postfix, tqdm.write): the next line shows it
+        self._write_line(str(self) if msg is None else msg)
+        self._plain_t, self._plain_n = now, self.n
+        return True
+
+    def clear(self, nolock: bool = False) -> None:
+        if not self._plain:
+            super().clear(nolock=nolock)  # plain lines stay in the log: nothing to clear
+
+    def close(self) -> None:
+        if self._plain and not self.disable:
+            if self._plain_n != self.n:  # the final state, unless the last line already showed it
+                self._write_line(str(self))
+            self._plain_closing = True
+            self.leave = False  # tqdm would redraw the bar and end it with a newline: the line has one
+        super().close()
+
+    def _write_line(self, line: str) -> None:
+        self.fp.write(line.rstrip("\r") + "\n")
+        getattr(self.fp, "flush", lambda: None)()

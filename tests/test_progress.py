@@ -1,0 +1,93 @@
+"""Progress bars: tqdm's in-place bar on a terminal; off a terminal (a log file, a pipe) plain newline-terminated
+lines at a modest interval, and the final state."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "headbudget"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_off_a_terminal_a_bar_writes_few_plain_lines():
+    from headbudget.progress import ProgressBar
+
+    log = io.StringIO()  # not a terminal, as `2> log` is
+    bar = ProgressBar(total=5000, desc="train", file=log, leave=False)
+    for step in range(5000):
+        bar.update(1)
+        bar.set_postfix(loss=f"{1 / (step + 1):.3f}")  # refreshes on every call, as the trainer's bar does
+        if step % 1000 == 0:
+            ProgressBar.write(f"epoch {step}", file=log)
+    bar.close()
+    text = log.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    bars = [line for line in lines if line.startswith("train")]
+    # well under a second: the start and the final state, nothing in between; the messages kept as written
+    assert len(bars) == 2, lines
+    assert "0/5000" in bars[0] and "5000/5000" in bars[1] and "loss=0.000" in bars[1]
+    assert [line for line in lines if line.startswith("epoch")] == [f"epoch {s}" for s in range(0, 5000, 1000)]
+    assert len(text) < 400
+
+
+def test_off_a_terminal_one_line_per_interval(monkeypatch):
+    import headbudget.progress as progress
+
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    log = io.StringIO()
+    bar = progress.ProgressBar(total=100, desc="sweep", file=log)  # leave=True: no extra blank line either
+    for _ in range(100):  # one step a second, 100 s in all
+        clock[0] += 1.0
+        bar.update(1)
+        bar.set_postfix(x=1)
+    bar.close()
+    lines = log.getvalue().split("\n")
+    assert lines[-1] == ""  # the text ends in a newline
+    counts = [int(re.search(r"(\d+)/100", line).group(1)) for line in lines[:-1]]
+    # the start, then every 30 s of the fake clock (steps 30, 60, 90), then the final state
+    assert counts == [0, 30, 60, 90, 100]
+    assert "\r" not in log.getvalue()
+
+
+def test_iterating_a_bar_off_a_terminal():
+    from headbudget.progress import ProgressBar
+
+    log = io.StringIO()
+    assert list(ProgressBar(range(7), desc="k-medoids", file=log, leave=False)) == list(range(7))
+    lines = log.getvalue().split("\n")
+    assert len(lines) == 3 and lines[-1] == "" and "7/7" in lines[1]
+
+
+def test_on_a_terminal_the_bar_is_tqdms():
+    from headbudget.progress import ProgressBar
+
+    term = _Terminal()
+    bar = ProgressBar(total=3, desc="train", file=term, leave=False, mininterval=0)
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    assert term.getvalue().count("\r") >= 3 and "\n" not in term.getvalue()  # redrawn in place, then erased
+
+
+def test_disabled_bar_writes_nothing():
+    from headbudget.progress import ProgressBar
+
+    log = io.StringIO()
+    for _ in ProgressBar(range(3), file=log, disable=True):
+        pass
+    assert log.getvalue() == ""
+
+
+def test_every_bar_of_headbudget_is_the_progress_bar():
+    """One place decides how bars are written: no module draws tqdm's own bar."""
+    own = [str(p.relative_to(SRC)) for p in sorted(SRC.rglob("*.py")) if p.name != "progress.py"
+           and re.search(r"^\s*from tqdm(\.auto|\.std)? import tqdm\b", p.read_text(), flags=re.M)]
+    assert own == []
