@@ -54,7 +54,7 @@ def _initial_logits(method: str, seed: int) -> np.ndarray:
     from headbudget.pruning.gated import _xavier_logits
 
     logits = _xavier_logits(COUNTS, method, torch.Generator().manual_seed(seed))
-    return logits.float().double().numpy() if method == "pass" else logits.numpy()
+    return logits.float().double().numpy() if method.startswith("pass") else logits.numpy()
 
 
 # --------------------------------------------------------------------------- DSP / PASS math
@@ -134,7 +134,7 @@ def test_pass_confidence_is_the_mean_max_pre_softmax_score():
 
 
 # --------------------------------------------------------------------------- gate training
-@pytest.mark.parametrize("method", ["pipelined-dsp", "pass"])
+@pytest.mark.parametrize("method", ["pipelined-dsp", "pass-frozen"])
 def test_frozen_gate_training_keeps_weights_and_trains_only_the_logits(method):
     from headbudget.pruning.adapters import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
@@ -157,13 +157,14 @@ def test_frozen_gate_training_keeps_weights_and_trains_only_the_logits(method):
     assert sum(m.attention.self.query.out_features for m in model.bert.encoder.layer) == 5 * 4  # physically gone
 
 
-def test_joint_dsp_trains_the_weights_too():
+@pytest.mark.parametrize("method", ["joint-dsp", "joint-dsp-finetuned", "pass"])
+def test_joint_gate_training_trains_the_weights_too(method):
     from headbudget.pruning.adapters import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
 
     model = _tiny_bert()
     before = {k: v.clone() for k, v in model.named_parameters()}
-    res = train_gates("joint-dsp", get_adapter(model), model, _batches(), 6,
+    res = train_gates(method, get_adapter(model), model, _batches(), 6,
                       GateSettings(cooldown=3, seed=3, weight_lr=1e-2), progress=False)
     changed = [k for k, v in model.named_parameters() if not torch.equal(before[k], v)]
     assert "bert.encoder.layer.0.attention.self.query.weight" in changed
@@ -171,7 +172,7 @@ def test_joint_dsp_trains_the_weights_too():
     assert len(res.kept) == 6 and res.info["weight_lr"] == 1e-2
 
 
-@pytest.mark.parametrize("method", ["pipelined-dsp", "joint-dsp", "pass"])
+@pytest.mark.parametrize("method", ["pipelined-dsp", "joint-dsp", "pass", "pass-frozen"])
 def test_gate_logits_move_the_way_the_loss_says(method):
     """Only head (1, 2)'s output lowers the task loss: its logit gains on every other one (DSP's soft top-k
     and PASS's sparsity target push the others down), ends the largest, and is kept."""
@@ -186,7 +187,7 @@ def test_gate_logits_move_the_way_the_loss_says(method):
     delta = res.logits - _initial_logits(method, 5)
     others = np.delete(delta, wanted)
     assert delta[wanted] > others.max() + 0.5
-    if method != "pass":  # without a sparsity penalty the wanted logit itself rises
+    if not method.startswith("pass"):  # without a sparsity penalty the wanted logit itself rises
         assert delta[wanted] > 1.0 and (others < 0).all()
     assert int(np.argmax(res.logits)) == wanted
     assert wanted in res.kept
@@ -270,7 +271,7 @@ def test_attattr_refuses_lm_and_bad_settings():
     with pytest.raises(ValueError, match="attattr attributes a class probability"):
         check_job(PruneJob("m", "lm", None, "o", method="attattr", keep=3, data="t.txt"))
     with pytest.raises(ValueError, match="gate_cooldown must be >= 1 step, got 0"):
-        check_job(PruneJob("m", "sst5", "d", "o", method="joint-dsp", keep=3, gate_cooldown=0))
+        check_job(PruneJob("m", "sst5", "d", "o", method="joint-dsp-finetuned", keep=3, gate_cooldown=0))
 
 
 # --------------------------------------------------------------------------- report: proximity bias
@@ -304,9 +305,11 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("method", "extra"), [
-    ("joint-dsp", ["--gate-cooldown", "2"]),
+    ("joint-dsp", ["--gate-cooldown", "2", "--pretrained", "TINY", "--joint-epochs", "1"]),
+    ("joint-dsp-finetuned", ["--gate-cooldown", "2"]),
     ("pipelined-dsp", ["--gate-cooldown", "2"]),
-    ("pass", []),
+    ("pass", ["--pretrained", "TINY", "--joint-epochs", "1"]),
+    ("pass-frozen", []),
     ("attattr", ["--attattr-examples", "3", "--attattr-steps", "4"]),
 ])
 def test_prune_cli_baseline_writes_a_loadable_model(tiny, tmp_path, method, extra):
@@ -316,7 +319,8 @@ def test_prune_cli_baseline_writes_a_loadable_model(tiny, tmp_path, method, extr
 
     out = tmp_path / method
     rc = main(["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--method", method, "--keep", "5",
-               "--finetune-epochs", "0", "--batch-size", "16", "--no-progress", "--out", str(out), *extra])
+               "--finetune-epochs", "0", "--batch-size", "16", "--no-progress", "--out", str(out),
+               *[str(tiny) if a == "TINY" else a for a in extra]])
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["method"] == method and rep["heads_kept"] == 5
@@ -349,7 +353,7 @@ def test_dsp_that_never_cools_down_says_so(tiny, tmp_path, capsys):
     assert want in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["pipelined-dsp", "pass"])
+@pytest.mark.parametrize("method", ["pipelined-dsp", "pass", "pass-frozen"])
 def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
     """task lm: the gates train on the calibration windows' LM loss of a headbudget model with unequal
     layers (2, 4, 8 heads); PASS runs without reopening there (no eager attention to read confidence from)."""
@@ -366,14 +370,16 @@ def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
     out = tmp_path / method
     rc = main(["prune", str(tmp_path / "run"), "--task", "lm", "--data", str(FIX.parent / "lm" / "tiny_corpus.txt"),
                "--method", method, "--keep", "6", "--gate-cooldown", "2", "--context", "32", "--calib-windows", "8",
-               "--batch-size", "4", "--no-progress", "--device", "cpu", "--out", str(out)])
+               "--batch-size", "4", "--no-progress", "--device", "cpu", "--out", str(out),
+               *(["--joint-epochs", "1"] if method == "pass" else [])])  # an LM is its own pre-trained start
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["heads_kept"] == 6 and all(len(rep["kept"][str(i)]) >= 1 for i in range(3))
     details = json.loads((out / "details.json").read_text())
     assert details["gate_training"]["steps"] == 2  # 8 windows / 4 per batch
-    if method == "pass":
+    if method.startswith("pass"):
         assert details["gate_training"]["reopen"] is False
+    assert details["gate_training"]["start"] == "model"
     from headbudget.pruning.adapters import get_adapter
 
     model = HeadBudgetForCausalLM.from_pretrained(out / "model")
@@ -386,7 +392,7 @@ def test_prune_compare_gives_the_baselines_the_preceding_cahp_knee(tiny, tmp_pat
 
     job = PruneJob(model=str(tiny), task="sst5", data_dir=str(DATA), out=str(tmp_path / "cmp"), pool_size=8,
                    batch_size=16, finetune_epochs=0, progress=False, save_model=False, gate_cooldown=2,
-                   attattr_examples=2, attattr_steps=3)
+                   attattr_examples=2, attattr_steps=3, pretrained=str(tiny), joint_epochs=1)
     summary = run_compare(job, "cahp@6,pipelined-dsp,joint-dsp,pass,attattr")
     rows = summary["rows"]
     knee = rows[0]["heads_kept"]

@@ -13,7 +13,8 @@ from headbudget.pruning import methods
 from headbudget.pruning.job import PruneJob
 from test_cahp_pipeline import DATA, _save_tiny  # tests/ is on sys.path under pytest
 
-BUILTINS = ("cahp", "michel", "fisher", "magnitude", "random", "pipelined-dsp", "joint-dsp", "pass", "attattr")
+BUILTINS = ("cahp", "michel", "fisher", "magnitude", "random", "pipelined-dsp", "joint-dsp", "joint-dsp-finetuned",
+            "pass", "pass-frozen", "attattr")
 # tiny BERT: 2 layers x 4 heads; flat index = layer * 4 + head
 SCORES = [np.array([0.1, 0.9, 0.2, 0.3]), np.array([0.8, 0.05, 0.7, 0.6])]
 
@@ -43,7 +44,8 @@ def _job(model, out, **kw):
 def test_builtins_are_registered_in_the_old_order():
     assert methods.available_importances()[: len(BUILTINS)] == BUILTINS
     assert methods.get_importance("cahp").finds_count and not methods.get_importance("fisher").finds_count
-    assert methods.get_importance("pass").job_fields == ("gate_lr", "gate_epochs")
+    assert methods.get_importance("pass").job_fields == ("gate_lr", "pretrained", "joint_epochs")
+    assert methods.get_importance("pass-frozen").job_fields == ("gate_lr", "gate_epochs")
 
 
 def test_user_scorer_decides_the_kept_heads(tiny, tmp_path, registered):

@@ -1,4 +1,4 @@
-"""Gate-training baselines: differentiable subset pruning (DSP, pipelined and joint) and PASS.
+"""Gate-training baselines: differentiable subset pruning (DSP, pipelined and joint) and PASS (joint and frozen).
 
 Both learn one logit per head on the training batches with the head gates applied where every
 adapter applies them (the input of the attention output projection, which is the same as scaling the
@@ -12,9 +12,15 @@ rest physically, as for every other method.
   the logits in the optimiser).  Logits start Xavier-uniform over the ``[layers, heads]`` matrix, as in
   the authors' code.
 * ``joint-dsp`` -- the same gates trained together with the model's weights (weight learning rate =
-  the job's ``lr``); the trained weights are what is pruned and then fine-tuned.
+  the job's ``lr``); the trained weights are what is pruned and then fine-tuned.  As the DSP authors run
+  it, :mod:`headbudget.pruning.methods` first loads the *pre-trained* model's weights (the job's
+  ``pretrained``; a classifier gets a fresh head) and trains for ``joint_epochs`` (3) epochs;
+  ``joint-dsp-finetuned`` is the same training from the already fine-tuned model for ``gate_epochs`` (1).
 * ``pass`` -- Ding et al.'s almost-sure sparsity: hard-concrete gates (Louizos et al.; temperature 0.33,
-  stretch (-0.1, 1.1)) on a frozen model, with the penalty
+  stretch (-0.1, 1.1)) trained, as the authors' reference recipe does (``--joint_pruning``, from
+  ``bert-base-uncased``, 3 epochs, weight lr 2e-5, pruning lr 0.5), together with the weights from the
+  pre-trained model; ``pass-frozen`` trains only the gates on the frozen fine-tuned model.  Both use the
+  penalty
   ``|s N - sum P(g=0)| + |(1 - s) N - sum P(g=1)| + sum P(0 < g < 1)`` for the target sparsity
   ``s = 1 - k/N``; its coefficient starts at 1e-5 and, after a warm-up of 10 % of the steps, grows by
   1000x over 45 % of the steps whenever the gates are not yet at the target; every 15 % of the steps
@@ -27,12 +33,12 @@ AdamW (0.9, 0.999, eps 1e-8, no weight decay), linear decay to 0, gradient-norm 
 90 steps (pipelined) / 270 (joint).  The number of gate-training epochs is not in the published folder
 (it is a command-line setting there); the default here is one pass over the training batches.
 
-At least one head per layer.  The final selection keeps each layer's best logit first and then the
-best of the rest (:func:`headbudget.pruning.importance.select_top`, CAHP's rule), so every method here
-ends with exactly ``k`` heads and none of them empties a layer.  The *training* relaxations cannot
+At least one head per layer by default.  The final selection keeps each layer's best logit first and
+then the best of the rest (:func:`headbudget.pruning.importance.select_top`, CAHP's rule), so every method
+here ends with exactly ``k`` heads and none of them empties a layer.  The *training* relaxations cannot
 follow that rule: DSP's soft top-k and PASS's sparsity target are global, so during gate training a
-layer may be switched off entirely; the rule is applied only to the final ranking (the papers rank
-globally and may remove whole layers).
+layer may be switched off entirely; the rule is applied only to the final ranking.  The papers rank
+globally and may remove whole layers: ``layer_floor=False`` keeps the ``k`` best logits globally.
 
     >>> res = train_gates("pipelined-dsp", adapter, model, batches, n_keep=12,
     ...                   settings=GateSettings(cooldown=90))                       # doctest: +SKIP
@@ -57,6 +63,8 @@ from headbudget.train.loop import LogRecord, TrainLoop
 __all__ = [
     "DSP_COOLDOWN",
     "GATED_METHODS",
+    "JOINT_METHODS",
+    "PASS_METHODS",
     "GateResult",
     "GateSettings",
     "dsp_temperature",
@@ -67,9 +75,13 @@ __all__ = [
     "train_gates",
 ]
 
-GATED_METHODS = ("pipelined-dsp", "joint-dsp", "pass")
+GATED_METHODS = ("pipelined-dsp", "joint-dsp", "joint-dsp-finetuned", "pass", "pass-frozen")
+#: the methods whose model weights train with the gates
+JOINT_METHODS = ("joint-dsp", "joint-dsp-finetuned", "pass")
+#: the methods with PASS's hard-concrete gates (the others: DSP's soft top-k)
+PASS_METHODS = ("pass", "pass-frozen")
 # Published SST-5 cooldown steps (CAHP README, benchmark/dsp); MNLI: 4090 pipelined, 12272 joint.
-DSP_COOLDOWN = {"pipelined-dsp": 90, "joint-dsp": 270}
+DSP_COOLDOWN = {"pipelined-dsp": 90, "joint-dsp": 270, "joint-dsp-finetuned": 270}
 # Hard-concrete constants of the PASS / DSP code (temperature, stretch limits, noise clamp).
 HC_BETA, HC_LOW, HC_HIGH, HC_EPS = 0.33, -0.1, 1.1, 1e-6
 # PASS schedule (fractions of the total steps) and clip bounds of the published SST-5 trainer.
@@ -80,7 +92,7 @@ _TINY = torch.finfo(torch.double).tiny
 @dataclass
 class GateSettings:
     """Gate-training settings (defaults: the published SST-5 ones; ``cooldown=None`` takes the variant's;
-    ``max_grad_norm``: the clip of the logits' (and joint DSP's weights') gradient norm, 0 for none)."""
+    ``max_grad_norm``: the clip of the logits' (and the joint methods' weights') gradient norm, 0 for none)."""
 
     lr: float = 0.5
     epochs: int = 1
@@ -165,7 +177,8 @@ def _xavier_logits(counts: Sequence[int], method: str, generator: torch.Generato
     PASS one ``xavier_uniform`` per layer on ``[1, heads, 1, 1]`` (fan in = heads, fan out = 1)."""
     parts = []
     for n in counts:
-        bound = math.sqrt(6.0 / (len(counts) + max(counts))) if method != "pass" else math.sqrt(6.0 / (n + 1))
+        bound = math.sqrt(6.0 / (len(counts) + max(counts))) if method not in PASS_METHODS \
+            else math.sqrt(6.0 / (n + 1))
         parts.append((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * bound)
     return torch.cat(parts)
 
@@ -204,30 +217,34 @@ def train_gates(
     settings: GateSettings | None = None,
     loss_fn: LossFn = default_loss,
     progress: bool = True,
+    layer_floor: bool = True,
 ) -> GateResult:
-    """Train head logits with ``method`` (``pipelined-dsp``, ``joint-dsp``, ``pass``) on ``batches`` for
-    ``settings.epochs`` passes and keep exactly ``n_keep`` heads by logit rank (at least one per layer).
+    """Train head logits with ``method`` (one of :data:`GATED_METHODS`) on ``batches`` for ``settings.epochs``
+    passes and keep exactly ``n_keep`` heads by logit rank (at least one per layer unless ``layer_floor`` is
+    off: then the ``n_keep`` best logits globally).
 
     The steps run on :class:`headbudget.train.loop.TrainLoop` (one optimizer step per batch, the gradient norm
-    clipped to ``settings.max_grad_norm``, the learning rate decayed linearly).  Pipelined DSP and PASS leave
-    every model weight untouched (their ``requires_grad`` is switched off during training and restored
-    afterwards); joint DSP updates the weights in place."""
-    from tqdm.auto import tqdm
+    clipped to ``settings.max_grad_norm``, the learning rate decayed linearly).  Pipelined DSP and
+    ``pass-frozen`` leave every model weight untouched (their ``requires_grad`` is switched off during training
+    and restored afterwards); the :data:`JOINT_METHODS` update the weights in place at ``settings.weight_lr``
+    (where they start -- the pre-trained or the fine-tuned model -- is the caller's choice: ``joint-dsp`` and
+    ``joint-dsp-finetuned`` train alike here)."""
+    from headbudget.progress import ProgressBar as tqdm
 
     s = settings or GateSettings()
     counts = list(adapter.head_counts())
-    cooldown = _check_gate_training(method, counts, n_keep, batches, s)
-    joint = method == "joint-dsp"
+    cooldown = _check_gate_training(method, counts, n_keep, batches, s, layer_floor)
+    joint = method in JOINT_METHODS
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(int(s.seed))
     logits = torch.nn.Parameter(_xavier_logits(counts, method, gen).to(device))
-    if method == "pass":  # PASS trains float32 logits; DSP's authors keep them in float64
+    if method in PASS_METHODS:  # PASS trains float32 logits; DSP's authors keep them in float64
         logits = torch.nn.Parameter(logits.data.float())
     total_steps = s.epochs * len(batches)
     flags = [(p, p.requires_grad) for p in model.parameters()]
     trained = _GateParams(logits, [p for p, f in flags if f] if joint else [])
     opt, sched = _gate_optimizer(logits, list(trained.weights), s, total_steps)
-    pas = _PassState.start(adapter, counts, n_keep, total_steps, s) if method == "pass" else None
+    pas = _PassState.start(adapter, counts, n_keep, total_steps, s) if method in PASS_METHODS else None
     step_of = _GateStep(method, adapter, model, logits, counts, n_keep, cooldown, s, gen, loss_fn, device, pas)
     history: list[dict[str, float]] = []
     pending: list[tuple[dict[str, float], torch.Tensor]] = []  # the step being trained: its record, its task loss
@@ -263,7 +280,7 @@ def train_gates(
             p.requires_grad_(f)
         model.train(was_training)
     final = logits.detach().double().cpu().numpy()
-    kept = select_top(unflatten(final, counts), n_keep)
+    kept = select_top(unflatten(final, counts), n_keep, layer_floor=layer_floor)
     return GateResult(kept=kept, logits=final, steps=len(history), history=history,
                       info=_gate_info(method, s, len(history), n_keep, cooldown, pas))
 
@@ -279,19 +296,21 @@ class _GateParams(torch.nn.Module):
 
 
 def _check_gate_training(method: str, counts: list[int], n_keep: int, batches: Sequence[Batch],
-                         s: GateSettings) -> int:
+                         s: GateSettings, layer_floor: bool = True) -> int:
     """A one-line ``ValueError`` for settings gate training cannot run with; else the DSP cooldown in steps."""
     if method not in GATED_METHODS:
         raise ValueError(f"unknown gate-training method {method!r}; choose from {', '.join(GATED_METHODS)}")
     n_total = sum(counts)
-    if not len(counts) <= n_keep < n_total:
-        raise ValueError(f"cannot keep {n_keep} heads: need between {len(counts)} (one per layer) and {n_total - 1}")
+    low = len(counts) if layer_floor else 1
+    if not low <= n_keep < n_total:
+        raise ValueError(f"cannot keep {n_keep} heads: need between {low}{' (one per layer)' if layer_floor else ''} "
+                         f"and {n_total - 1}")
     if not batches:
         raise ValueError("no training batches for gate training (empty training data?)")
     if s.lr <= 0 or s.epochs < 1:
         raise ValueError(f"gate training needs lr > 0 and epochs >= 1, got lr {s.lr}, epochs {s.epochs}")
     cooldown = s.cooldown if s.cooldown is not None else DSP_COOLDOWN.get(method, 0)
-    if method != "pass" and cooldown < 1:
+    if method not in PASS_METHODS and cooldown < 1:
         raise ValueError(f"{method}: cooldown must be >= 1 step, got {cooldown}")
     return cooldown
 
@@ -394,8 +413,8 @@ def _gate_info(method: str, s: GateSettings, steps: int, n_keep: int, cooldown: 
         info.update(cooldown=cooldown, t_start=s.t_start, t_end=s.t_end,
                     final_temperature=dsp_temperature(max(steps - 1, 0), cooldown, s.t_start, s.t_end),
                     cooled_down=steps > cooldown)
-        if method == "joint-dsp":
-            info["weight_lr"] = s.weight_lr
+    if method in JOINT_METHODS:
+        info["weight_lr"] = s.weight_lr
     return info
 
 

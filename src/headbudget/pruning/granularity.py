@@ -15,8 +15,9 @@ For ``group`` and ``balanced`` every layer's possible layouts (head counts) are 
 summed score each can keep, and a dynamic programme over layers picks one layout per layer whose total
 head count is the budget when some combination reaches it exactly, else the reachable total nearest to
 it (ties: the smaller total); among those it keeps the largest summed score.  Every layer keeps at least
-one group (so ``group`` cannot go below one group per layer).  Models without grouped key/value heads
-(BERT, GPT-2) have groups of one head: all three granularities are then the same selection.
+one group (so ``group`` cannot go below one group per layer) unless ``layer_floor=False``.  Models without
+grouped key/value heads (BERT, GPT-2) have groups of one head: all three granularities are then the same
+selection.
 
     >>> import numpy as np
     >>> scores = [np.array([5., 4, 0, 0, 2, 1]), np.array([1., 1, 0, 0, 9, 0])]
@@ -95,11 +96,17 @@ def layer_layouts(granularity: str, scores: np.ndarray, groups: Sequence[int]) -
 
 
 def apply_granularity(granularity: str, scores: Sequence[np.ndarray], groups: Sequence[Sequence[int]],
-                      n_keep: int, kept: Sequence[int] | None = None) -> list[int]:
+                      n_keep: int, kept: Sequence[int] | None = None, layer_floor: bool = True) -> list[int]:
     """Sorted flat indices of the heads kept at ``granularity`` (see the module docstring).
 
     ``scores`` and ``groups`` are per layer (higher score = more important; ``groups[l][h]`` the key/value
-    head of query head ``h``); ``"head"`` returns ``kept`` unchanged (it must then be given)."""
+    head of query head ``h``); ``"head"`` returns ``kept`` unchanged (it must then be given).
+    ``layer_floor=False`` (the baselines without the one-head-per-layer floor) lets a layer keep no group:
+
+        >>> apply_granularity("group", [np.array([1., 1]), np.array([9., 9])], [[0, 0], [0, 0]], 2,
+        ...                   layer_floor=False)
+        [2, 3]
+    """
     if granularity == "head":
         if kept is None:
             raise ValueError("granularity 'head' keeps the method's own selection: pass kept")
@@ -113,7 +120,8 @@ def apply_granularity(granularity: str, scores: Sequence[np.ndarray], groups: Se
     for li, (s, g) in enumerate(zip(scores, groups)):
         if len(s) != len(g):
             raise ValueError(f"layer {li}: {len(s)} scores for {len(g)} query heads")
-        per_layer.append(layer_layouts(granularity, np.asarray(s, dtype=np.float64), g))
+        layouts = layer_layouts(granularity, np.asarray(s, dtype=np.float64), g)
+        per_layer.append(layouts if layer_floor else {0: (0.0, []), **layouts})
     # DP over layers: reachable total -> (summed score, chosen count per layer)
     reach: dict[int, tuple[float, list[int]]] = {0: (0.0, [])}
     for layouts in per_layer:

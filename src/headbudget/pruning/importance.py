@@ -112,7 +112,7 @@ def gate_gradients(
     ``gate_values`` evaluates the gradient at other gate values (Michel et al.'s iterative
     pruning sets pruned heads' gates to 0).
     """
-    from tqdm.auto import tqdm
+    from headbudget.progress import ProgressBar as tqdm
 
     if reduce not in ("abs", "square", "example_square"):
         raise ValueError(f"reduce must be 'abs', 'square' or 'example_square', got {reduce!r}")
@@ -302,22 +302,31 @@ def __getattr__(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- selection
-def select_top(scores: Sequence[np.ndarray], n_keep: int, heads: Sequence[tuple[int, int]] | None = None) -> list[int]:
+def select_top(scores: Sequence[np.ndarray], n_keep: int, heads: Sequence[tuple[int, int]] | None = None,
+               layer_floor: bool = True) -> list[int]:
     """Keep exactly ``n_keep`` heads: each layer's best head first (at-least-one rule), then the
-    best of the rest by global score (ties: lower index).  Returns sorted flat indices."""
+    best of the rest by global score (ties: lower index).  Returns sorted flat indices.
+
+    ``layer_floor=False``: the ``n_keep`` best heads globally, as the baselines' papers rank them, so a
+    layer whose heads all score low can lose every head:
+
+        >>> scores = [np.array([0.1, 0.2]), np.array([0.9, 0.8])]
+        >>> select_top(scores, 2), select_top(scores, 2, layer_floor=False)
+        ([1, 2], [2, 3])
+    """
     counts = [len(s) for s in scores]
     heads = head_list(counts) if heads is None else list(heads)
     flat = flatten(scores)
     n_layers = len(counts)
-    if not n_layers <= n_keep <= len(flat):
-        raise ValueError(
-            f"cannot keep {n_keep} heads: need between {n_layers} (one per layer) and {len(flat)}"
-        )
+    low = n_layers if layer_floor else 1
+    if not low <= n_keep <= len(flat):
+        raise ValueError(f"cannot keep {n_keep} heads: need between {low}"
+                         f"{' (one per layer)' if layer_floor else ''} and {len(flat)}")
     if not np.isfinite(flat).all():
         raise ValueError("importance scores contain NaN or inf")
     kept: set[int] = set()
     start = 0
-    for n in counts:
+    for n in counts if layer_floor else ():
         kept.add(start + int(np.argmax(flat[start : start + n])))
         start += n
     order = sorted(range(len(flat)), key=lambda i: (-flat[i], i))
@@ -328,14 +337,16 @@ def select_top(scores: Sequence[np.ndarray], n_keep: int, heads: Sequence[tuple[
     return sorted(kept)
 
 
-def michel_iterative(ctx: ImportanceContext, n_keep: int, step_fraction: float = 0.1) -> list[int]:
+def michel_iterative(ctx: ImportanceContext, n_keep: int, step_fraction: float = 0.1,
+                     layer_floor: bool = True) -> list[int]:
     """Michel et al.'s iterative pruning: recompute importance with the pruned heads' gates at 0
     and remove the least important ``step_fraction`` of the original heads per round, never a
-    layer's last head, until ``n_keep`` remain."""
+    layer's last head (``layer_floor=False``: any head, as in the paper), until ``n_keep`` remain."""
     counts = ctx.head_counts
     total, n_layers = sum(counts), len(counts)
-    if not n_layers <= n_keep <= total:
-        raise ValueError(f"cannot keep {n_keep} heads: need between {n_layers} and {total}")
+    low = n_layers if layer_floor else 1
+    if not low <= n_keep <= total:
+        raise ValueError(f"cannot keep {n_keep} heads: need between {low} and {total}")
     step = max(1, int(round(step_fraction * total)))
     alive = np.ones(total, dtype=bool)
     layer_of = np.array([layer for layer, n in enumerate(counts) for _ in range(n)])
@@ -346,7 +357,7 @@ def michel_iterative(ctx: ImportanceContext, n_keep: int, step_fraction: float =
         for i in sorted(np.flatnonzero(alive), key=lambda i: (imp[i], -i)):
             if n_remove == 0:
                 break
-            if alive[layer_of == layer_of[i]].sum() <= 1:
+            if layer_floor and alive[layer_of == layer_of[i]].sum() <= 1:
                 continue
             alive[i] = False
             n_remove -= 1

@@ -15,7 +15,8 @@ from headbudget.typed_config import device_option, dtype_option, option
 
 #: the titles PruneJob's flags are grouped under in ``headbudget prune --help`` (the rest: every method's)
 CAHP = "CAHP: signatures, clustering and the knee"
-BASELINES = "baselines (michel, fisher, magnitude, random, pipelined-dsp, joint-dsp, pass, attattr)"
+BASELINES = ("baselines (michel, fisher, magnitude, random, pipelined-dsp, joint-dsp, joint-dsp-finetuned, pass, "
+             "pass-frozen, attattr)")
 RECOVERY = "recovery fine-tuning"
 LM = "task lm: label-free pruning of a causal LM"
 
@@ -41,8 +42,8 @@ class PruneJob:
     data_dir: str | None = option(help="sst5/mnli: folder with the task's files")
     out: str = option(help="output folder")
     method: str = option("cahp", help="cahp or a baseline: michel, fisher, magnitude, random, pipelined-dsp, "
-                                      "joint-dsp, pass, attattr, or a method registered with "
-                                      "headbudget.pruning.methods")
+                                      "joint-dsp, joint-dsp-finetuned, pass, pass-frozen, attattr, or a method "
+                                      "registered with headbudget.pruning.methods")
     keep: int | None = option(None, help="force the number of heads kept (skips the knee)")
     keep_ratio: float | None = option(None, help="force the fraction of heads kept")
     poly_degree: int = option(6, help="Kneedle polynomial degree (lower keeps more heads)", group=CAHP)
@@ -116,17 +117,30 @@ class PruneJob:
     n_clusters: int | None = option(
         None, help="cahp --allocation importance: number of clusters (default 30)", flag="--clusters",
         group=CAHP)
-    # gate-training baselines (pipelined-dsp, joint-dsp, pass; :mod:`headbudget.pruning.gated`): the published
-    # SST-5 settings; joint-dsp trains the weights at ``lr``
+    # gate-training baselines (:mod:`headbudget.pruning.gated`): the published SST-5 settings; the joint ones
+    # (joint-dsp, joint-dsp-finetuned, pass) train the weights at ``lr``
     gate_lr: float = option(
-        0.5, help="pipelined-dsp / joint-dsp / pass: learning rate of the head logits (published: 0.5)",
-        group=BASELINES)
+        0.5, help="pipelined-dsp / joint-dsp / pass and their variants: learning rate of the head logits "
+                  "(published: 0.5)", group=BASELINES)
     gate_epochs: int = option(
-        1, help="pipelined-dsp / joint-dsp / pass: passes over the training batches for gate training",
-        group=BASELINES)
+        1, help="pipelined-dsp / joint-dsp-finetuned / pass-frozen: passes over the training batches for gate "
+                "training (joint-dsp / pass: joint_epochs)", group=BASELINES)
     gate_cooldown: int | None = option(
-        None, help="pipelined-dsp / joint-dsp: steps to anneal the temperature 1000 -> 1e-8 (default: the "
-                   "published SST-5 setting, 90 pipelined / 270 joint)", group=BASELINES)
+        None, help="pipelined-dsp / joint-dsp / joint-dsp-finetuned: steps to anneal the temperature 1000 -> "
+                   "1e-8 (default: the published SST-5 setting, 90 pipelined / 270 joint)", group=BASELINES)
+    # the authors' joint protocols (joint-dsp, pass): gates and weights trained together from the pre-trained
+    # model, as the DSP and PASS authors run them; the -finetuned / -frozen variants start from ``model``
+    pretrained: str | None = option(
+        None, help="joint-dsp / pass: the pre-trained model their authors' joint training starts from (a "
+                   "classifier gets a fresh head); required for sst5/mnli, task lm defaults to the model itself",
+        metavar="MODEL", group=BASELINES)
+    joint_epochs: int = option(
+        3, help="joint-dsp / pass: epochs of joint gate and weight training from the pre-trained model "
+                "(the authors': 3)", group=BASELINES)
+    # every baseline's final ranking (cahp keeps its floor: its paper states it)
+    layer_floor: bool = option(
+        True, help="baselines: rank heads globally, so a layer may lose every head, as the baselines' papers do "
+                   "(cahp keeps one head per layer)", flag="--no-layer-floor", group=BASELINES)
     # attattr (:mod:`headbudget.pruning.attattr`)
     attattr_examples: int = option(
         200, help="attattr: first N examples of the primary evaluation split (published: 200)",

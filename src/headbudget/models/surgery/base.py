@@ -54,6 +54,9 @@ class HeadAdapter:
     """
 
     family: str = ""
+    #: whether ``_remove(li, [])`` can take every head of a layer (the attention block then adds only its
+    #: output-projection bias); the decoders refuse: their attention kernels and KV caches need a head per layer
+    empty_layers: bool = False
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList) -> None:
         self.model = model
@@ -225,8 +228,9 @@ class HeadAdapter:
     def prune_heads(self, heads: Mapping[int | str, Sequence[int]], **opts: Any) -> None:
         """Physically remove heads, given as *current* indices per layer.
 
-        Everything is validated before any weight changes: a layer/head out of range or removing a
-        layer's last head raises ``ValueError`` naming the layer and the model is left untouched.
+        Everything is validated before any weight changes: a layer/head out of range or (in a family
+        without ``empty_layers``) removing a layer's last head raises ``ValueError`` naming the layer and
+        the model is left untouched.
         """
         counts = self.head_counts()
         removals: dict[int, set[int]] = {}
@@ -242,9 +246,10 @@ class HeadAdapter:
         for li, remove in sorted(removals.items()):
             if not remove:
                 continue
-            if len(remove) >= counts[li]:
+            if len(remove) >= counts[li] and not self.empty_layers:
                 raise ValueError(
-                    f"layer {li}: cannot remove all {counts[li]} heads; every layer must keep at least one head"
+                    f"layer {li}: cannot remove all {counts[li]} heads; every layer of a {self.family} model must "
+                    "keep at least one head (only BERT-family encoders can lose a whole layer's attention)"
                 )
             keep = [h for h in range(counts[li]) if h not in remove]
             self._check_removal(li, keep, **opts)

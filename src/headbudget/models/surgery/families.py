@@ -18,10 +18,41 @@ from headbudget.models.surgery.base import (
 
 
 # ===================================================================== BERT family
+class NoHeadSelfAttention(nn.Module):
+    """What replaces a BERT layer's ``attention.self`` once all its heads are removed.
+
+    It returns an empty head output (``[..., 0]`` features), so ``attention.output.dense`` (its input columns
+    gone too) adds only its bias, followed as before by dropout, the residual and LayerNorm: exactly the dense
+    layer with every head of that layer gated to 0.  The original's sizes stay readable (0 heads of the same
+    width) and it has no weights, so a saved pruned model reloads by removing the same heads.
+
+        >>> adapter.prune_heads({1: [0, 1, 2, 3]})                # doctest: +SKIP
+        >>> type(model.bert.encoder.layer[1].attention.self).__name__, adapter.head_counts()  # doctest: +SKIP
+        ('NoHeadSelfAttention', [4, 0])
+    """
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.num_attention_heads = 0
+        self.attention_head_size = int(original.attention_head_size)
+        self.all_head_size = 0
+        self.config = getattr(original, "config", None)  # the adapter's eager switch reads it
+        self.layer_idx = getattr(original, "layer_idx", None)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = hidden_states.shape[:-1]
+        # zero heads' attention maps, [batch, 0, T, T], so attention_probs and output_attentions keep their layout
+        probs = hidden_states.new_zeros(shape[0], 0, shape[-1], shape[-1])
+        return hidden_states.new_zeros(*shape, 0), probs
+
+
 class BertAdapter(HeadAdapter):
-    """BERT/RoBERTa/MiniLM encoders: ``layer[i].attention.self`` + ``attention.output.dense``."""
+    """BERT/RoBERTa/MiniLM encoders: ``layer[i].attention.self`` + ``attention.output.dense``.
+
+    A layer may lose all its heads (:class:`NoHeadSelfAttention` then stands in for its self-attention)."""
 
     family = "bert"
+    empty_layers = True
 
     def _attn_module(self, li: int) -> nn.Module:
         return self.layers[li].attention.self
@@ -38,10 +69,14 @@ class BertAdapter(HeadAdapter):
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
         sa = self._attn_module(li)
         d = int(sa.attention_head_size)
-        rows = _head_rows(keep, d, sa.query.weight.device)
+        out_proj = self._out_proj(li)
+        rows = _head_rows(keep, d, out_proj.weight.device)
+        _slice_linear_in(out_proj, rows)
+        if not keep:  # zero-size q/k/v cannot be reshaped into heads: the whole self-attention goes
+            self.layers[li].attention.self = NoHeadSelfAttention(sa)
+            return
         for lin in (sa.query, sa.key, sa.value):
             _slice_linear_out(lin, rows)
-        _slice_linear_in(self._out_proj(li), rows)
         sa.num_attention_heads = len(keep)
         sa.all_head_size = len(keep) * d
 
@@ -229,7 +264,9 @@ def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         layers = getattr(mod, "layer", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             att = getattr(layers[0], "attention", None)
-            if att is not None and hasattr(getattr(att, "self", None), "query") and hasattr(att, "output"):
+            sa = getattr(att, "self", None)  # a layer without heads has no query projection left
+            if att is not None and (hasattr(sa, "query") or isinstance(sa, NoHeadSelfAttention)) \
+                    and hasattr(att, "output"):
                 return "bert", layers
         blocks = getattr(mod, "h", None)
         if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
