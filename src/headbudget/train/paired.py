@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from scipy import stats  # a dependency of scikit-learn, which headbudget requires
 
-__all__ = ["decide", "min_detectable_difference", "paired_differences", "sample_std"]
+__all__ = ["decide", "holm", "min_detectable_difference", "paired_differences", "sample_std"]
 
 
 def sample_std(values: Sequence[float]) -> float:
@@ -92,3 +92,22 @@ def decide(ci: Sequence[float] | None, margin: float | None = None) -> str:
     if margin is not None and -margin < lo and hi < margin:
         return "equivalent"
     return "inconclusive"
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a family of p-values (a ``None`` -- a comparison that could not be
+    tested -- stays ``None`` and is not counted in the family): the ``i``-th smallest of ``m`` becomes
+    ``max over j <= i of min(1, (m - j + 1) p_(j))``, so rejecting where the adjusted value is below ``alpha``
+    holds the family-wise error rate at ``alpha``.
+
+    >>> holm([0.01, 0.04, 0.03, None])
+    [0.03, 0.06, 0.06, None]
+    """
+    present = sorted((float(p), i) for i, p in enumerate(pvalues) if p is not None)
+    m = len(present)
+    out: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for rank, (p, i) in enumerate(present):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
