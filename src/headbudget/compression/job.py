@@ -15,7 +15,10 @@ from headbudget.typed_config import device_option, dtype_option, option
 
 #: headbudget.compression.pipeline.METHODS and headbudget.compression.allocation.ALLOCATIONS (not imported:
 #: they import torch; tests/test_cli_config.py checks they agree)
-METHOD_NAMES = ("svd", "group")
+METHOD_NAMES = ("svd", "group", "merge-kv")
+#: headbudget.compression.merge_kv.MERGE_RULES and KV_ALLOCATIONS (same check)
+MERGE_RULE_NAMES = ("fitted", "mean")
+KV_ALLOCATION_NAMES = ("sensitivity", "uniform")
 ALLOCATION_NAMES = ("uniform", "later_layers_first", "earlier_layers_first")
 
 
@@ -28,7 +31,8 @@ class CompressJob:
     out: str = option(help="output directory")
     method: str = option("svd", choices=METHOD_NAMES,
                          help="svd: per-head rank reduction of W_Q W_K^T and W_V W_O; group: share K/V within "
-                              "head groups")
+                              "head groups; merge-kv: merge key/value heads into fewer, every query head kept "
+                              "(--kv-heads or --kv-budget)")
     keep: float = option(0.5, help="kept fraction of the attention rank budget (svd) or of the K/V heads (group)")
     allocation: str = option("uniform", choices=ALLOCATION_NAMES, help="how the kept budget is spread over layers")
     strength: float = option(0.5, help="slope of the non-uniform allocations: keep factors from (1+s) to (1-s) x "
@@ -37,6 +41,21 @@ class CompressJob:
         None, help='JSON file with explicit head groups for --method group: a list with one entry per layer (a '
                    'list of head-index lists, or null to allocate that layer), or an object {"LAYER": groups} '
                    'naming some layers; e.g. CAHP clusters')
+    kv_heads: int | None = option(None, help="merge-kv: key/value heads in every layer (must divide each layer's "
+                                             "query heads and not exceed its key/value heads)")
+    kv_budget: float | None = option(None, help="merge-kv: kept fraction of the KV-cache bytes per token, in (0, 1]; "
+                                                "per-layer counts chosen by --kv-allocation")
+    merge_rule: str = option("fitted", choices=MERGE_RULE_NAMES,
+                             help="merge-kv: fitted (shared K/V fitted to calibration activations, queries and "
+                                  "output re-fitted) or mean (plain mean of the heads' K/V projections)")
+    kv_allocation: str = option("sensitivity", choices=KV_ALLOCATION_NAMES,
+                                help="merge-kv with --kv-budget: sensitivity (merge first the layers whose merge "
+                                     "raises calibration loss least) or uniform (counts spread evenly over depth)")
+    calib_data: str | None = option(None, help="merge-kv: calibration text (default: the first --calib-tokens of "
+                                               "--data, whose perplexity is then scored on the rest)")
+    calib_tokens: int = option(4096, help="merge-kv: calibration tokens")
+    sensitivity_tokens: int = option(1024, help="merge-kv: calibration tokens used to measure each layer's "
+                                                "sensitivity (one forward per layer and count)")
     data: str | None = option(
         None, help="text for perplexity before/after: a file, an HF dataset NAME[:CONFIG], or synthetic[:N_WORDS] "
                    "(held-out text of the built-in grammar)")
@@ -54,4 +73,4 @@ class CompressJob:
     progress: bool = option(True, help="no progress bars", flag="--no-progress")
 
 
-__all__ = ["ALLOCATION_NAMES", "METHOD_NAMES", "CompressJob"]
+__all__ = ["ALLOCATION_NAMES", "KV_ALLOCATION_NAMES", "MERGE_RULE_NAMES", "METHOD_NAMES", "CompressJob"]

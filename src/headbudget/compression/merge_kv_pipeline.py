@@ -1,0 +1,230 @@
+"""``headbudget compress MODEL --method merge-kv``: load, calibrate, merge key/value heads, measure, write.
+
+    >>> report = run_merge_kv("runs/smol", "runs/smol-kv1", kv_heads=1,
+    ...                       data="../shared/data/text/tinyshakespeare.txt")   # doctest: +SKIP
+    >>> report["kv_bytes_per_token_before"], report["kv_bytes_per_token_after"]  # doctest: +SKIP
+    (92160, 30720)
+
+Calibration uses the first ``calib_tokens`` tokens of ``calib_data`` (default: of ``data``, and perplexity is
+then scored on the tokens after them, so calibration and scoring never share text).  The output folder is a
+plain transformers checkpoint (``LlamaForCausalLM``/``MistralForCausalLM``/``Qwen2ForCausalLM`` with a
+smaller ``num_key_value_heads``) when every layer has the same count and the source is of those families;
+otherwise headbudget's own format (per-layer ``n_kv_heads``), which opens with ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from headbudget.compression.merge_kv import (
+    KV_ALLOCATIONS,
+    MERGE_RULES,
+    allocate_kv,
+    allowed_counts,
+    check_counts,
+    collect_grams,
+    kv_units,
+    kv_values_per_token,
+    layer_sensitivity,
+    measured_kv_bytes_per_token,
+    merge_kv_model,
+)
+from headbudget.compression.svd import CompressionError
+
+
+def _windows(ids: torch.Tensor, length: int) -> torch.Tensor:
+    """Non-overlapping windows of ``length`` tokens (the last partial one dropped; one short window if
+    there are fewer tokens than that)."""
+    n = len(ids) // length
+    if n == 0:
+        return ids[None]
+    return ids[:n * length].view(n, length)
+
+
+def plan_counts(model: nn.Module, kv_heads: int | None, kv_budget: float | None, kv_allocation: str,
+                sensitivity: list[dict[int, float]] | None) -> list[int]:
+    """Per-layer key/value head counts for ``--kv-heads N`` (every layer) or ``--kv-budget F``."""
+    blocks = model.transformer.h
+    if (kv_heads is None) == (kv_budget is None):
+        raise CompressionError("--method merge-kv needs --kv-heads N or --kv-budget FRACTION (one of them)")
+    if kv_heads is not None:
+        return check_counts(model, [kv_heads] * len(blocks))
+    if kv_allocation not in KV_ALLOCATIONS:
+        raise CompressionError(f"unknown --kv-allocation {kv_allocation!r}; choose from {', '.join(KV_ALLOCATIONS)}")
+    allowed = [allowed_counts(b.attn) for b in blocks]
+    return allocate_kv(allowed, kv_units(model), kv_budget, sensitivity if kv_allocation == "sensitivity" else None)
+
+
+def run_merge_kv(
+    model_path: str,
+    out: str,
+    *,
+    kv_heads: int | None = None,
+    kv_budget: float | None = None,
+    merge_rule: str = "fitted",
+    kv_allocation: str = "sensitivity",
+    data: str | None = None,
+    calib_data: str | None = None,
+    calib_tokens: int = 4096,
+    sensitivity_tokens: int = 1024,
+    tokenizer: str | None = None,
+    context: int = 256,
+    stride: int | None = None,
+    max_windows: int | None = None,
+    max_tokens: int | None = None,
+    progress: bool = True,
+    threads: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """Merge ``model_path``'s key/value heads and write ``out/model/`` and ``out/report.json``; returns the
+    report.  Fitting and merging run in float64/float32 on the CPU; ``dtype``/``device`` are what perplexity
+    is measured in and (``dtype``) the model is saved in, as for the other compress methods."""
+    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.threads import torch_threads
+
+    if merge_rule not in MERGE_RULES:
+        raise CompressionError(f"unknown --merge-rule {merge_rule!r}; choose from {', '.join(MERGE_RULES)}")
+    torch_dtype = resolve_dtype(dtype) or torch.float32
+    dev = resolve_device(device)
+    with torch_threads(threads):
+        return _run(model_path, out, kv_heads, kv_budget, merge_rule, kv_allocation, data, calib_data,
+                    calib_tokens, sensitivity_tokens, tokenizer, context, stride, max_windows, max_tokens,
+                    progress, torch_dtype, dev)
+
+
+def _run(model_path, out, kv_heads, kv_budget, merge_rule, kv_allocation, data, calib_data, calib_tokens,
+         sensitivity_tokens, tokenizer, context, stride, max_windows, max_tokens, progress, dtype, device):
+    from headbudget.compression.pipeline import (
+        _load_model_and_tokenizer,
+        _source_family,
+        _token_ids,
+        evaluate_perplexity,
+        layer_table,
+    )
+    from headbudget.loading import resolve_model
+
+    if not (data or calib_data):
+        if merge_rule == "fitted":
+            raise CompressionError("--merge-rule fitted needs calibration text: --data or --calib-data")
+        if kv_budget is not None and kv_allocation == "sensitivity":
+            raise CompressionError("--kv-allocation sensitivity needs calibration text: --data or --calib-data "
+                                   "(or --kv-allocation uniform)")
+    src = resolve_model(model_path)
+    model, tok = _load_model_and_tokenizer(model_path, tokenizer, need_tokenizer=bool(data or calib_data or tokenizer))
+    if kv_heads is not None:  # a count the layers cannot take is refused before any calibration
+        plan_counts(model, kv_heads, kv_budget, kv_allocation, None)
+    ctx = min(context, model.config.n_positions)
+    ids = _token_ids(tok, data, None) if data else None
+    if calib_data:
+        calib = _token_ids(tok, calib_data, None)[:calib_tokens]
+    elif ids is not None:
+        calib, ids = ids[:calib_tokens], ids[calib_tokens:]
+        if len(ids) < 2:
+            raise CompressionError(f"--data has no tokens left for perplexity after the first {calib_tokens} "
+                                   "calibration tokens (lower --calib-tokens or give --calib-data)")
+    else:
+        calib = None
+    if ids is not None and max_tokens:
+        ids = ids[:max_tokens]
+    windows = _windows(calib, ctx) if calib is not None else None
+    grams = collect_grams(model, windows) if merge_rule == "fitted" else None
+    sensitivity = None
+    if kv_budget is not None and kv_allocation == "sensitivity":
+        sens_windows = _windows(calib[:sensitivity_tokens], ctx)
+        sensitivity = layer_sensitivity(model, merge_rule, grams, sens_windows, progress=progress)
+    counts = plan_counts(model, kv_heads, kv_budget, kv_allocation, sensitivity)
+    merged = copy.deepcopy(model)
+    info = merge_kv_model(merged, counts, merge_rule, grams)
+
+    def ppl(m: nn.Module) -> dict[str, Any] | None:
+        if ids is None:
+            return None
+        if dtype != torch.float32 or (device is not None and device.type != "cpu"):
+            m = copy.deepcopy(m).to(device=device, dtype=dtype)
+        return evaluate_perplexity(m, ids, ctx, stride or max(1, ctx // 2), max_windows, progress)
+
+    before, after = ppl(model), ppl(merged)
+    saved, fmt = _save(merged.to(dtype), Path(out) / "model", tok)
+    report = {
+        "model": str(model_path), "model_kind": _source_family(src), "method": "merge-kv",
+        "merge_rule": merge_rule, "kv_heads": kv_heads, "kv_budget": kv_budget,
+        "kv_allocation": kv_allocation if kv_budget is not None else None,
+        "n_heads": [b.attn.n_heads for b in model.transformer.h], **info, **_sizes(model, merged, saved, dtype),
+        "layer_sensitivity": None if sensitivity is None else [{str(k): v for k, v in s.items()} for s in sensitivity],
+        "calibration_tokens": 0 if calib is None else int(calib.numel()), "calibration_data": calib_data or data,
+        "layers_before": layer_table(model), "layers_after": layer_table(merged),
+        "perplexity_before": before, "perplexity_after": after, "data": data,
+        "output_format": fmt, "schedule_after": merged.config.schedule,
+    }
+    from headbudget.io import atomic_write_json
+
+    atomic_write_json(Path(out) / "report.json", report)
+    return report
+
+
+def _sizes(model: nn.Module, merged: nn.Module, saved: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+    """KV values and bytes per token (from the layouts, and measured on the cache of one forward of the source
+    and of the saved model), attention and total parameters, before and after."""
+    from headbudget.compression.pipeline import attention_parameters
+    from headbudget.evaluation.cost import model_cost
+
+    before, after = kv_values_per_token(model), kv_values_per_token(merged)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return {
+        "kv_values_per_token_before": before, "kv_values_per_token_after": after,
+        "kv_dtype": str(dtype).removeprefix("torch."),
+        "kv_bytes_per_token_before": before * elem, "kv_bytes_per_token_after": after * elem,
+        "kv_bytes_ratio": after / before,
+        "kv_bytes_per_token_measured_before": measured_kv_bytes_per_token(
+            model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)),
+        "kv_bytes_per_token_measured_after": measured_kv_bytes_per_token(saved),
+        "attention_params_before": sum(attention_parameters(model)),
+        "attention_params_after": sum(attention_parameters(merged)),
+        "params_before": model_cost(model)["params"], "params_after": model_cost(merged)["params"],
+    }
+
+
+def _save(model: nn.Module, out_dir: Path, tok: Any) -> tuple[nn.Module, str]:
+    """A plain transformers folder when the layout has one (uniform Llama/Mistral/Qwen2), else headbudget's;
+    returns the saved model (for the cache measurement) and the format's name."""
+    from headbudget.compression.pipeline import save_model_atomic
+    from headbudget.models.convert import LLAMA_FAMILY, ConversionError, to_hf
+
+    if model.config.family in LLAMA_FAMILY:
+        try:
+            hf = to_hf(model)
+        except ConversionError:
+            hf = None
+        if hf is not None:
+            save_model_atomic(hf, out_dir, tok)
+            return hf, f"transformers {type(hf).__name__}"
+    save_model_atomic(model, out_dir, tok)
+    return model, "headbudget"
+
+
+def format_merge_report(report: dict[str, Any]) -> str:
+    """A short summary of a merge-kv report."""
+    kv_b, kv_a = report["n_kv_heads_before"], report["n_kv_heads"]
+    lines = [f"merge-kv ({report['merge_rule']}) of {report['model']} ({report['model_kind']}): "
+             + (f"--kv-heads {report['kv_heads']}" if report["kv_heads"] is not None else
+                f"--kv-budget {report['kv_budget']} ({report['kv_allocation']})"),
+             f"kv heads per layer {','.join(map(str, kv_b))} -> {','.join(map(str, kv_a))} "
+             f"({sum(kv_b)} -> {sum(kv_a)})",
+             f"KV cache per token ({report['kv_dtype']}): {report['kv_bytes_per_token_before']:,} -> "
+             f"{report['kv_bytes_per_token_after']:,} bytes ({report['kv_bytes_ratio']:.4f}; measured on the cache "
+             f"{report['kv_bytes_per_token_measured_before']:,} -> {report['kv_bytes_per_token_measured_after']:,})",
+             f"params {report['params_before']:,} -> {report['params_after']:,}; saved as {report['output_format']}"]
+    if report.get("perplexity_before"):
+        pb, pa = report["perplexity_before"], report["perplexity_after"]
+        lines.append(f"perplexity {pb['ppl']:.3f} -> {pa['ppl']:.3f} over {pb['tokens_scored']:,} held-out tokens "
+                     f"(context {pb['context']}, stride {pb['stride']}; calibrated on {report['calibration_tokens']:,})")
+    return "\n".join(lines)
+
+
+__all__ = ["format_merge_report", "plan_counts", "run_merge_kv"]
