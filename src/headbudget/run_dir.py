@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from headbudget.io import pid_alive
+from headbudget.io import atomic_write_text, pid_alive
 
 LOCK_NAME = ".headbudget.lock"
 
@@ -262,9 +262,7 @@ def _swap_in(path: Path, staging: Path, keep: tuple[str, ...]) -> None:
     new = sorted(e.name for e in staging.iterdir())
     old = dict.fromkeys([*previous_results(path, keep), *(n for n in new if os.path.lexists(path / n))])
     journal, replaced = path / SWAP_JOURNAL, path / REPLACED_NAME
-    tmp = journal.with_name(journal.name + f".{os.getpid()}")
-    tmp.write_text(json.dumps({"new": new}))
-    os.replace(tmp, journal)
+    atomic_write_text(journal, json.dumps({"new": new}))
     replaced.mkdir()
     for name in old:
         os.replace(path / name, replaced / name)

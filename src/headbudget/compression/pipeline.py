@@ -344,11 +344,11 @@ def _sweep(model: nn.Module, method: str, sweep: Sequence[float], groups: Any, s
            ppl: Any, before: dict[str, Any], progress: bool) -> dict[str, Any]:
     """Perplexity of ``model`` compressed at every kept fraction of ``sweep`` by every allocation, and the best
     allocation per fraction (``sweep.json``)."""
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
     runs = []
     jobs = [(k, a) for k in sweep for a in ALLOCATIONS]
-    for k, a in tqdm(jobs, desc="sweep", disable=not progress):
+    for k, a in ProgressBar(jobs, desc="sweep", disable=not progress):
         m, inf = compress_model(model, method, k, a, groups=groups, strength=strength)
         r = ppl(m)
         runs.append({"keep": k, "allocation": a, "ppl": r["ppl"], "loss": r["loss"],

@@ -228,10 +228,10 @@ def svd_compress(model: nn.Module, qk_ranks: Sequence[int], v_ranks: Sequence[in
     if len(qk_ranks) != len(blocks) or len(v_ranks) != len(blocks):
         raise CompressionError(f"need one rank per layer ({len(blocks)}), got {len(qk_ranks)} qk and "
                                f"{len(v_ranks)} v ranks")
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
     per_layer = []
-    for i, block in enumerate(tqdm(blocks, desc="svd", disable=not progress, leave=False)):
+    for i, block in enumerate(ProgressBar(blocks, desc="svd", disable=not progress, leave=False)):
         info = compress_layer(block.attn, int(qk_ranks[i]), int(v_ranks[i]), i)
         per_layer.append(info)
     model.sync_schedule()

@@ -150,9 +150,9 @@ class _TokenWriter:
 
 def _write_tokens(path: Path, docs: list[str], tok: Tokenizer, dtype: np.dtype, desc: str,
                   progress: bool) -> int:
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
-    with tqdm(total=sum(len(d) for d in docs), unit="char", unit_scale=True, desc=desc,
+    with ProgressBar(total=sum(len(d) for d in docs), unit="char", unit_scale=True, desc=desc,
               disable=not progress, leave=False) as bar:
         w = _TokenWriter(path, tok, dtype, bar)
         for doc in docs:

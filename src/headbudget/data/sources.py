@@ -141,12 +141,12 @@ def iter_hf_documents(spec: str, max_chars: int | None, progress: bool = True) -
         import datasets
     except ImportError:
         raise SourceError("hf: data sources need the `datasets` package (pip install datasets)") from None
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
     name, _, config = rest.partition(":")
     ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
     total = 0
-    with tqdm(total=max_chars, unit="char", unit_scale=True, desc=f"reading {name}", disable=not progress) as bar:
+    with ProgressBar(total=max_chars, unit="char", unit_scale=True, desc=f"reading {name}", disable=not progress) as bar:
         for i, row in enumerate(ds):
             text = row.get("text")
             if not isinstance(text, str):

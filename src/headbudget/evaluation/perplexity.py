@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from headbudget.data.text import read_text  # re-exported: callers and docs import it from here
-from headbudget.progress import ProgressBar as tqdm
+from headbudget.progress import ProgressBar
 
 __all__ = ["loss_by_context_length", "perplexity", "read_text", "window_plan"]
 
@@ -80,7 +80,7 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
     model.eval()
     nll_sum, n_scored, t0 = 0.0, 0, time.perf_counter()
     try:
-        for begin, end, trg in tqdm(plan, desc="perplexity", disable=not progress, leave=False):
+        for begin, end, trg in ProgressBar(plan, desc="perplexity", disable=not progress, leave=False):
             window = ids_t[begin:end].to(dev)[None]
             logits = model(input_ids=window, use_cache=False).logits[0, -trg - 1: -1].float()
             targets = window[0, -trg:]

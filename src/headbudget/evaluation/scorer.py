@@ -38,7 +38,7 @@ from headbudget.evaluation.scorer_check import logprob_tolerance as logprob_tole
 from headbudget.evaluation.tasks import MCExample
 from headbudget.evaluation.token_trie import common_prefix_len as _common_prefix_len
 from headbudget.evaluation.token_trie import trie_layout
-from headbudget.progress import ProgressBar as tqdm
+from headbudget.progress import ProgressBar
 
 # Rows of (scored positions, vocab) logits computed at once (bounds memory: 512 x 50k floats = 100 MB).
 HEAD_ROWS = 512
@@ -193,7 +193,7 @@ class Scorer:
         computation (:meth:`_verify`, which raises :class:`_TreeMismatch` on a difference)."""
         units = [(i, part) for i, item in enumerate(items) for part in self._units(item)]
         scores: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(item) for item in items]
-        with tqdm(total=len(items), desc=desc, disable=not self.progress, leave=False) as bar:
+        with ProgressBar(total=len(items), desc=desc, disable=not self.progress, leave=False) as bar:
             for rows in self._passes(items, units):
                 got, token_lls, masked = self._tree_pass([[(items[i], part) for i, part in row]
                                                           for row in rows])

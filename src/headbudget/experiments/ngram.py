@@ -36,7 +36,7 @@ from headbudget.experiments._common import (
     torch_threads,
     write_result,
 )
-from headbudget.progress import ProgressBar as tqdm
+from headbudget.progress import ProgressBar
 from headbudget.train.loop import TrainLoop
 from headbudget.typed_config import option
 
@@ -158,7 +158,7 @@ def run_ngram(cfg: NgramConfig, progress: bool | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     jobs = [(h, s) for h in splits for s in cfg.seeds]
     with torch_threads(cfg.threads):
-        bar = tqdm(jobs, desc="ngram", disable=not progress, unit="model")
+        bar = ProgressBar(jobs, desc="ngram", disable=not progress, unit="model")
         for h, seed in bar:
             bar.set_postfix(heads=h, head_dim=cfg.budget // h, seed=seed)
             r = _train_eval(cfg, h, seed)

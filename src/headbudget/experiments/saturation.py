@@ -38,7 +38,7 @@ from headbudget.experiments._common import (
     torch_threads,
     write_result,
 )
-from headbudget.progress import ProgressBar as tqdm
+from headbudget.progress import ProgressBar
 from headbudget.train.loop import TrainLoop
 from headbudget.typed_config import option
 
@@ -165,7 +165,7 @@ def _run_saturation(cfg: SaturationConfig, progress: bool) -> dict[str, Any]:
     stats: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
     jobs = [(L, d) for L in cfg.seq_lens for d in cfg.student_dims]
-    bar = tqdm(jobs, desc="saturation", disable=not progress, unit="student")
+    bar = ProgressBar(jobs, desc="saturation", disable=not progress, unit="student")
     eval_sets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for L, d in bar:
         bar.set_postfix(L=L, d=d)

@@ -97,7 +97,7 @@ def attattr_scores(
     ``examples`` (:class:`headbudget.data.classification.Example`, one forward batch of ``steps`` scaled copies
     per example and layer).  Model weights get no gradient; the model is left in its train/eval mode."""
     from headbudget.data.classification import ClassificationCollator
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
     from headbudget.pruning.importance import frozen_params
 
     if steps < 1:
@@ -124,7 +124,7 @@ def attattr_scores(
 
     try:
         with frozen_params(model):
-            for ex in tqdm(examples, desc="attattr", disable=not progress, leave=False):
+            for ex in ProgressBar(examples, desc="attattr", disable=not progress, leave=False):
                 batch = collate([ex])
                 label = int(batch.pop("labels")[0])
                 inputs = {k: v.to(device) for k, v in batch.items()}

@@ -129,7 +129,7 @@ def cluster_sweep(
     ``points``, each scored with :func:`mean_simplified_silhouette`."""
     import kmedoids
 
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
     pts = np.asarray(points, dtype=np.float64)
     n = pts.shape[0]
@@ -141,7 +141,7 @@ def cluster_sweep(
         raise ValueError(f"k must be in 2..{n - 1} for {n} heads, got {bad}")
     diss = _pairwise(pts)
     out = []
-    for k in tqdm(ks, desc="k-medoids", disable=not progress, leave=False):
+    for k in ProgressBar(ks, desc="k-medoids", disable=not progress, leave=False):
         res = kmedoids.fasterpam(diss, k, random_state=seed, n_cpu=1)
         labels, medoids = np.asarray(res.labels), np.asarray(res.medoids)
         out.append(Clustering(k, mean_simplified_silhouette(None, labels, medoids, variant, diss), labels, medoids))

@@ -28,7 +28,7 @@ from torch import nn
 from headbudget.data.classification import Example, TaskData, get_task, load_task, make_loader, subsample
 from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_json, follow_umask, save_figure
-from headbudget.progress import ProgressBar as tqdm
+from headbudget.progress import ProgressBar
 from headbudget.pruning.adapters import get_adapter, save_pruned
 from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
 
@@ -55,7 +55,7 @@ def predict(
     preds = []
     try:
         loader = make_loader(examples, tokenizer, batch_size=batch_size, shuffle=False, max_length=max_length)
-        for batch in tqdm(loader, desc=desc, leave=False, disable=not progress):
+        for batch in ProgressBar(loader, desc=desc, leave=False, disable=not progress):
             batch.pop("labels")
             logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
             preds.append(logits.argmax(-1).cpu())
@@ -110,7 +110,7 @@ def _finetune_examples(task_data: TaskData | Mapping[str, Sequence[Example]], ev
 
 def _train_epoch(loop: TrainLoop, loader: Any, step: int, steps: int, desc: str, progress: bool) -> list[float]:
     """``steps`` optimizer steps on ``loader`` after ``step`` done; the loss of each."""
-    bar = tqdm(total=steps, desc=desc, disable=not progress, leave=False)
+    bar = ProgressBar(total=steps, desc=desc, disable=not progress, leave=False)
 
     def show(rec: LogRecord) -> None:  # the loss is read every 10 steps, not every step
         bar.set_postfix(loss=f"{rec.loss:.4f}", lr=f"{rec.lr:.2e}")
@@ -208,7 +208,7 @@ def finetune(
             history["epochs"].append(record)
             if progress:
                 accs = ", ".join(f"{s} {a:.4f}" for s, a in acc.items())
-                tqdm.write(f"epoch {epoch}: train loss {record['train_loss']:.4f}; accuracy {accs}")
+                ProgressBar.write(f"epoch {epoch}: train loss {record['train_loss']:.4f}; accuracy {accs}")
     model.eval()
     history["steps"] = step
     history["seconds"] = time.perf_counter() - start

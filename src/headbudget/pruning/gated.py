@@ -229,7 +229,7 @@ def train_gates(
     and restored afterwards); the :data:`JOINT_METHODS` update the weights in place at ``settings.weight_lr``
     (where they start -- the pre-trained or the fine-tuned model -- is the caller's choice: ``joint-dsp`` and
     ``joint-dsp-finetuned`` train alike here)."""
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
     s = settings or GateSettings()
     counts = list(adapter.head_counts())
@@ -263,7 +263,7 @@ def train_gates(
     hook = opt.register_step_pre_hook(lambda *_: pas.after_backward(logits, len(history), total_steps)) \
         if pas is not None else None
     loop = TrainLoop(trained, opt, gate_loss, grad_clip=s.max_grad_norm, lr_schedule=sched, nonfinite="ignore")
-    bar = tqdm(total=total_steps, desc=f"{method} gates", disable=not progress, leave=False)
+    bar = ProgressBar(total=total_steps, desc=f"{method} gates", disable=not progress, leave=False)
     was_training = model.training
     try:
         if not joint:

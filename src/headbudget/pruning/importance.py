@@ -112,7 +112,7 @@ def gate_gradients(
     ``gate_values`` evaluates the gradient at other gate values (Michel et al.'s iterative
     pruning sets pruned heads' gates to 0).
     """
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
     if reduce not in ("abs", "square", "example_square"):
         raise ValueError(f"reduce must be 'abs', 'square' or 'example_square', got {reduce!r}")
@@ -128,7 +128,7 @@ def gate_gradients(
                     g.data.copy_(torch.as_tensor(v, dtype=g.dtype, device=g.device))
             if totals is None:
                 totals = [torch.zeros(g.shape, dtype=torch.float64) for g in gates]
-            for batch in tqdm(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
+            for batch in ProgressBar(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
                 if max_batches is not None and n >= max_batches:
                     break
                 parts = _examples(batch) if reduce == "example_square" else [batch]

@@ -129,7 +129,7 @@ def finetune_lm(model: torch.nn.Module, data: LMData, *, epochs: int, lr: float 
     """Recovery fine-tuning on the calibration windows: AdamW, linear warmup then decay, ``epochs``
     passes in a seeded order (:class:`headbudget.train.loop.TrainLoop`, gradients clipped to norm 1).
     Returns the mean training loss of every epoch."""
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
     from headbudget.train.loop import TrainLoop, build_adamw, warmup_linear
 
     device = next(model.parameters()).device
@@ -140,7 +140,7 @@ def finetune_lm(model: torch.nn.Module, data: LMData, *, epochs: int, lr: float 
                      grad_clip=1.0, lr_schedule=warmup_linear(lr, int(warmup_ratio * total), total))
     history = []
     try:
-        bar = tqdm(total=total, desc="lm fine-tune", disable=not progress, leave=False)
+        bar = ProgressBar(total=total, desc="lm fine-tune", disable=not progress, leave=False)
         for ep in range(epochs):
             batches = lm_batches(data, batch_size, shuffle=True, seed=seed + ep)
             ran = loop.run(iter(batches), steps=(ep + 1) * steps_per_epoch, start_step=ep * steps_per_epoch,

@@ -315,7 +315,7 @@ def collect_signatures(
         >>> collect_signatures(lambda b: layers, [batch], [3], 2, grid=4, progress=False).mean.shape
         torch.Size([2, 3, 4, 4])
     """
-    from headbudget.progress import ProgressBar as tqdm
+    from headbudget.progress import ProgressBar
 
     label_free = n_classes is None
     n_heads = int(sum(head_counts))
@@ -343,7 +343,7 @@ def collect_signatures(
 
     by_length: dict[tuple, list[dict[str, torch.Tensor]]] = {}
     token_budget = 0
-    for batch in tqdm(batches, desc="signatures", total=total, disable=not progress, leave=False):
+    for batch in ProgressBar(batches, desc="signatures", total=total, disable=not progress, leave=False):
         split = None if legacy else _split_right_padded(batch)
         if split is None:  # the per-batch path: crop every input's maps, resize per distinct length
             attn = forward(batch)
@@ -354,7 +354,7 @@ def collect_signatures(
         for key, part in split:
             by_length.setdefault(key, []).append(part)
     chunks = _length_chunks(by_length, token_budget)
-    for length, chunk in tqdm(chunks, desc="signatures (by length)", disable=not progress or not chunks, leave=False):
+    for length, chunk in ProgressBar(chunks, desc="signatures (by length)", disable=not progress or not chunks, leave=False):
         add(_prefix_grids(forward(chunk), chunk, length, grid), chunk)
     _check_counts(acc, label_free)
     return Signatures(acc.mean, acc.var, acc.count, heads, grid, label_free)

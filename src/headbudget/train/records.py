@@ -58,7 +58,7 @@ class MetricsLogger:
     ``validation_loss(run)``), ``run`` what it trains with (``is_main``, ``teacher``, ``metrics_path``)."""
 
     def __init__(self, trainer: Any, run: Any, start_step: int) -> None:
-        from headbudget.progress import ProgressBar as tqdm
+        from headbudget.progress import ProgressBar
 
         t = trainer.cfg.train
         self.trainer, self.run = trainer, run
@@ -72,7 +72,7 @@ class MetricsLogger:
         self.last_record: dict[str, Any] | None = None  # of the last step (None when it was not logged)
         self.tokens_per_step = t.batch_size * t.context
         self.writer = self._tensorboard() if t.tensorboard and run.is_main else None
-        self.bar = tqdm(total=t.steps, initial=start_step, desc=f"train {trainer.cfg.model.schedule}", unit="step",
+        self.bar = ProgressBar(total=t.steps, initial=start_step, desc=f"train {trainer.cfg.model.schedule}", unit="step",
                         disable=not (t.progress and run.is_main), dynamic_ncols=True, leave=False)
 
     def _tensorboard(self) -> Any:
