@@ -367,3 +367,26 @@ def test_a_padded_student_is_distilled_over_the_tokenizer_ids(tmp_path, models, 
         assert (vocab, s_width, t_width, teacher_training) == (257, 320, 257, False)
         assert kl == pytest.approx(by_hand, rel=1e-5)
     assert [r["distill_kl"] for r in _metrics(tmp_path / "run")] == pytest.approx([c[4] for c in calls], rel=1e-6)
+
+
+def test_train_init_takes_distills_data_and_tokens_flags(tmp_path, models, capsys):
+    """Recovery without a teacher (train --init) takes --data and --tokens as distill does: the same config as
+    the long spellings, and the same data and token count as distill's."""
+    teacher, student = models
+
+    def printed(argv):
+        assert main([*argv, "--print_config"]) == 0
+        return capsys.readouterr().out
+
+    short = printed(["train", "quickstart", "--init", str(student), "--data", "synthetic:20000", "--tokens", "300"])
+    long = printed(["train", "quickstart", "--init", str(student), "--data.source", "synthetic:20000",
+                    "--train.tokens", "300"])
+    assert short == long
+    assert "source: synthetic:20000" in short and "tokens: '300'" in short and f"init: {student}" in short
+    import yaml
+
+    ours = yaml.safe_load(short)
+    theirs = yaml.safe_load(printed(["distill", str(student), "--config", "quickstart", "--teacher", str(teacher),
+                                     "--data", "synthetic:20000", "--tokens", "300"]))
+    assert ours["data"] == theirs["data"] and ours["train"]["tokens"] == theirs["train"]["tokens"] == "300"
+    assert ours["model"]["init"] == theirs["model"]["init"] == str(student)

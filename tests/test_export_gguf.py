@@ -463,3 +463,58 @@ def test_a_gguf_source_keeps_its_tokenizer_unless_another_is_named(tmp_path, cap
     assert named["tokenizer.ggml.tokens"] == [u[b] for b in range(256)] + ["<|end|>"]
     assert named["tokenizer.ggml.pre"] == "gpt-2"
     assert named["tokenizer.ggml.bos_token_id"] == named["tokenizer.ggml.eos_token_id"] == 256
+
+
+# ----------------------------------------------------------------------------- KV cache as each runtime stores it
+def test_prune_report_and_export_give_kv_bytes_per_runtime_against_dense(tmp_path, capsys):
+    """8 query heads on 4 kv heads x 4 layers (head size 8), 24 heads kept by magnitude: headbudget's cache
+    shrinks (15 kv heads, float32), llama.cpp's grows (unequal groups written as 20 kv heads, f16) past dense's
+    16 -- the report says both, the export says so against the dense model and warns."""
+    import json
+
+    from headbudget.data.tokenizers import ByteTokenizer
+    from test_granularity import TEXT, _llama_like
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    _llama_like(vocab=257).save_pretrained(run / "model")
+    ByteTokenizer().save(run / "tokenizer")
+    assert main(["prune", str(run), "--task", "lm", "--data", str(TEXT), "--method", "magnitude", "--keep", "24",
+                 "--context", "16", "--calib-windows", "2", "--no-progress", "--finetune-epochs", "0",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["kept"] == {"0": [2, 3, 5, 6, 7], "1": [0, 1, 2, 3, 4, 5, 6, 7], "2": [1, 2, 3, 4, 6],
+                           "3": [1, 2, 4, 5, 6, 7]}
+    # groups of 2 query heads per kv head: layer 0 keeps (2, 1, 2) -> 5 kv heads in llama.cpp, 3 in headbudget
+    gguf_heads = sum(sum(n // math.gcd(*sizes) for n in sizes) for sizes in (
+        [sum(1 for h in hs if h // 2 == g) for g in sorted({h // 2 for h in hs})] for hs in rep["kept"].values()))
+    assert gguf_heads == 5 + 4 + 5 + 6
+    cost = rep["cost"]
+    assert cost["kv_cache_bytes_per_token"] == {"before": 2 * 16 * 8 * 4, "after": 2 * 15 * 8 * 4}  # 1024 -> 960
+    assert cost["gguf_kv_cache_bytes_per_token"] == {"before": 2 * 16 * 8 * 2, "after": 2 * 20 * 8 * 2}  # 512 -> 640
+    assert "KV-cache bytes/token 1,024 -> 960; as llama.cpp GGUF (f16) 512 -> 640" in printed
+    md = (out / "report.md").read_text()
+    assert "| KV-cache bytes / token (headbudget) | 1,024 | 960 | 0.938 |" in md
+    assert "| KV-cache bytes / token (llama.cpp GGUF, f16) | 512 | 640 | 1.250 |" in md
+
+    for report_kind in ("current", "older"):  # an older report has only headbudget's bytes (float32): recounted
+        if report_kind == "older":
+            rep["cost"].pop("gguf_kv_cache_bytes_per_token")
+            (out / "report.json").write_text(json.dumps(rep))
+        gguf_out = tmp_path / f"{report_kind}.gguf"
+        assert main(["export", str(out / "model"), "--out", str(gguf_out), "--tokenizer-pre", "gpt-2"]) == 0
+        captured = capsys.readouterr()
+        assert f"KV cache per token: 640 bytes in llama.cpp (f16), 960 in headbudget (float32); dense model 512 " \
+               f"bytes in llama.cpp ({out / 'report.json'}): 1.250x dense" in captured.out
+        warnings = [ln for ln in captured.err.splitlines() if ln.startswith("headbudget export: warning:")]
+        assert warnings[1] == (
+            "headbudget export: warning: the GGUF's KV cache is larger than the dense model's: 640 against 512 bytes "
+            "per token in llama.cpp (1.250x), because unequal query groups are written with duplicated key/value "
+            "heads; prune with --granularity group or balanced for equal groups")
+        assert sum(fields(gguf_out)["deci.attention.head_count_kv"]) == 20
+
+    # the dense model itself: no prune report, nothing to compare, no warning
+    assert main(["export", str(run), "--out", str(tmp_path / "dense.gguf"), "--tokenizer-pre", "gpt-2"]) == 0
+    captured = capsys.readouterr()
+    assert "KV cache per token: 512 bytes in llama.cpp (f16), 1024 in headbudget (float32)\n" in captured.out
+    assert "warning" not in captured.err

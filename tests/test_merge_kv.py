@@ -334,6 +334,13 @@ def test_non_uniform_merge_exports_to_gguf_as_deci_and_uniform_as_llama(tmp_path
         with torch.no_grad():
             ref = merged(ids[None]).logits[0]
         assert torch.allclose(llamacpp_reference_logits(path, ids), ref, atol=1e-4)
+        # and headbudget reads its own file back (deci by headbudget, llama by transformers), same logits
+        from headbudget.loading import load_model
+
+        back = load_model(path, as_headbudget=True)
+        assert [s["n_kv_heads"] for s in back.config.layer_specs()] == counts
+        with torch.no_grad():
+            assert torch.allclose(back(ids[None]).logits[0], ref, atol=1e-5)
     assert "duplicated" not in capsys.readouterr().err  # equal groups: nothing copied
 
 

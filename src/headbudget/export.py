@@ -13,6 +13,7 @@ metadata unless another tokenizer is named.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ def export_model(model: str | os.PathLike, out: str | os.PathLike, *, fmt: str =
                  gguf_file: str | None = None, tokenizer: str | None = None, tokenizer_pre: str | None = None,
                  overwrite: bool = False, name: str | None = None) -> dict[str, Any]:
     """Write ``model`` to ``out``; returns what was written (``arch``, per-layer heads, ``bytes``, ``warning``:
-    the one-line cost of duplicated key/value heads, or None)."""
+    the one-line cost of duplicated key/value heads, or None; ``kv_cache_bytes_per_token``: :func:`kv_cache_costs`;
+    ``kv_warning``: :func:`kv_warning`)."""
     from headbudget.loading import load_model_and_tokenizer, resolve_model
     from headbudget.models.export_gguf import OUTTYPES, export_gguf
     from headbudget.run_dir import check_not_an_input, check_output_file
@@ -46,11 +48,76 @@ def export_model(model: str | os.PathLike, out: str | os.PathLike, *, fmt: str =
     hf_model, tok = load_model_and_tokenizer(model, tokenizer=tokenizer, gguf_file=gguf_file, as_headbudget=True)
     plan = export_gguf(hf_model, tok, out, outtype, source_gguf=source_gguf, tokenizer_pre=tokenizer_pre,
                        name=name or Path(str(model)).name)
+    kv = kv_cache_costs(plan, hf_model, src)
     return {"out": str(out), "format": fmt, "outtype": outtype, "arch": plan.arch, "head_dim": plan.head_dim,
             "n_heads": plan.n_heads, "n_kv_heads": plan.n_kv_heads, "source_kv_heads": plan.source_kv_heads,
             "feed_forward": plan.feed_forward, "extra_bytes": plan.extra_bytes, "bytes": out.stat().st_size,
             "tokenizer": "copied from " + str(source_gguf) if source_gguf else "written from the tokenizer",
-            "warning": plan.duplication_note()}
+            "warning": plan.duplication_note(), "kv_cache_bytes_per_token": kv, "kv_warning": kv_warning(kv)}
 
 
-__all__ = ["FORMATS", "export_model"]
+def _dense_gguf_kv(src: Any, dtype: Any) -> tuple[int, str] | None:
+    """llama.cpp's KV-cache bytes per token of the dense model a pruned one came from, and the file that says
+    so: the ``report.json`` ``headbudget prune`` wrote beside ``model/`` (its ``gguf_kv_cache_bytes_per_token``
+    before pruning; in an older report, headbudget's ``kv_cache_bytes_per_token`` at the model's dtype
+    recounted at llama.cpp's f16: a dense model has equal groups, so nothing is duplicated)."""
+    import torch
+
+    from headbudget.models.export_gguf import LLAMACPP_CACHE_BYTES
+
+    if not src.is_local or src.gguf_file is not None:
+        return None
+    for report in (Path(src.where) / "report.json", Path(src.where).parent / "report.json"):
+        try:
+            rep = json.loads(report.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        cost = rep.get("cost") if isinstance(rep, dict) and "heads_total" in rep else None
+        if not isinstance(cost, dict):
+            continue
+        if isinstance(cost.get("gguf_kv_cache_bytes_per_token"), dict):
+            return int(cost["gguf_kv_cache_bytes_per_token"]["before"]), str(report)
+        if isinstance(cost.get("kv_cache_bytes_per_token"), dict):
+            elements = int(cost["kv_cache_bytes_per_token"]["before"]) // torch.empty((), dtype=dtype).element_size()
+            return elements * LLAMACPP_CACHE_BYTES, str(report)
+    return None
+
+
+def kv_cache_costs(plan: Any, model: Any, src: Any) -> dict[str, Any]:
+    """KV-cache bytes per token as each runtime stores the model: ``gguf`` (llama.cpp's f16 cache, duplicated
+    key/value heads included), ``headbudget`` (its own cache at the model's dtype), and ``dense_gguf`` with
+    ``dense_from`` (the dense original's in llama.cpp, when a prune report says; else None)."""
+    from headbudget.accounting import kv_cache_bytes_per_token
+
+    dtype = next(model.parameters()).dtype
+    dense = _dense_gguf_kv(src, dtype)
+    return {"gguf": plan.kv_cache_bytes_per_token, "headbudget": kv_cache_bytes_per_token(model.config, dtype),
+            "headbudget_dtype": str(dtype).removeprefix("torch."), "dense_gguf": dense[0] if dense else None,
+            "dense_from": dense[1] if dense else None}
+
+
+def kv_cache_line(kv: dict[str, Any]) -> str:
+    """The one line ``headbudget export`` prints about the KV cache.
+
+    >>> kv_cache_line({"gguf": 1360, "headbudget": 1536, "headbudget_dtype": "float32", "dense_gguf": 1024,
+    ...                "dense_from": "runs/p/report.json"})
+    'KV cache per token: 1360 bytes in llama.cpp (f16), 1536 in headbudget (float32); dense model 1024 bytes in llama.cpp (runs/p/report.json): 1.328x dense'
+    """
+    line = (f"KV cache per token: {kv['gguf']} bytes in llama.cpp (f16), {kv['headbudget']} in headbudget "
+            f"({kv['headbudget_dtype']})")
+    if kv["dense_gguf"]:
+        line += (f"; dense model {kv['dense_gguf']} bytes in llama.cpp ({kv['dense_from']}): "
+                 f"{kv['gguf'] / kv['dense_gguf']:.3f}x dense")
+    return line
+
+
+def kv_warning(kv: dict[str, Any]) -> str | None:
+    """One line when the GGUF's KV cache is larger than the dense model's (in llama.cpp), else None."""
+    if not kv["dense_gguf"] or kv["gguf"] <= kv["dense_gguf"]:
+        return None
+    return (f"the GGUF's KV cache is larger than the dense model's: {kv['gguf']} against {kv['dense_gguf']} bytes "
+            f"per token in llama.cpp ({kv['gguf'] / kv['dense_gguf']:.3f}x), because unequal query groups are written "
+            "with duplicated key/value heads; prune with --granularity group or balanced for equal groups")
+
+
+__all__ = ["FORMATS", "export_model", "kv_cache_costs", "kv_cache_line", "kv_warning"]

@@ -219,7 +219,6 @@ def _register_headbudget() -> None:
 
 def _read_config(src: ModelSource) -> Any:
     from transformers import AutoConfig
-
     if src.is_local:
         cfg_file = Path(src.where) / "config.json"
         try:
@@ -244,7 +243,6 @@ def to_headbudget(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` as a :class:`~headbudget.models.HeadBudgetForCausalLM` (identity on one); a
     :class:`~headbudget.models.ConversionError` (a ``ValueError``) names a family it cannot convert."""
     from headbudget.models import to_headbudget as convert
-
     return convert(model)
 
 
@@ -302,7 +300,6 @@ def _refused_pickle(src: ModelSource, exc: pickle.UnpicklingError) -> ValueError
 
 def _load_causal(src: ModelSource) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
-
     _check_files(src)
     if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
         from headbudget.models.surgery import load_pruned
@@ -310,9 +307,11 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
         model = load_pruned(src.where)
         _check_role(model.config, "causal", src.where)
         return model
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     if src.gguf_file:
-        kwargs["gguf_file"] = src.gguf_file
+        from headbudget.models.import_gguf import read_if_deci  # a pruned model's GGUF: no transformers class
+        if (deci := read_if_deci(Path(src.where) / src.gguf_file)) is not None:
+            return deci
     else:
         config = _read_config(src)
         _check_role(config, "causal", src.where)
@@ -458,7 +457,8 @@ def load_tokenizer(spec: str | os.PathLike[str] | None = None, *,
                 return _with_pad(tok)
     if src.gguf_file:
         _check_files(src)
-        return _with_pad(_auto_tokenizer(str(d), gguf_file=src.gguf_file))
+        from headbudget.models.import_gguf import deci_tokenizer  # AutoTokenizer has no class for deci
+        return _with_pad(deci_tokenizer(d / src.gguf_file) or _auto_tokenizer(str(d), gguf_file=src.gguf_file))
     raise ValueError(f"{d}: no tokenizer found (none at the folder root, in tokenizer/ or in a GGUF file); "
                      "give one explicitly")
 

@@ -54,10 +54,14 @@ def run(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # the result and any warning are the output
     result = export_model(args.model, args.out, fmt=args.fmt, outtype=args.outtype, gguf_file=args.gguf_file,
                           tokenizer=args.tokenizer, tokenizer_pre=args.tokenizer_pre, overwrite=args.overwrite)
-    if result["warning"]:
-        print(f"headbudget export: warning: {result['warning']}", file=sys.stderr)
+    from headbudget.export import kv_cache_line
+
+    for warning in (result["warning"], result["kv_warning"]):
+        if warning:
+            print(f"headbudget export: warning: {warning}", file=sys.stderr)
     heads = result["n_heads"]
     shown = heads[0] if len(set(heads)) == 1 else ",".join(map(str, heads))
     print(f"wrote {result['out']} ({result['arch']}, {len(heads)} layers, heads {shown}, head size "
           f"{result['head_dim']}, {result['outtype']}, {result['bytes']} bytes; tokenizer {result['tokenizer']})")
+    print(kv_cache_line(result["kv_cache_bytes_per_token"]))
     return 0

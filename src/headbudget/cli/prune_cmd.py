@@ -136,7 +136,8 @@ def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy",
     cost = rep.get("cost") or {}
     sizes = [f"{label} {cost[key]['before']:,} -> {cost[key]['after']:,}"
              for key, label in (("params", "params"), ("flops_per_token", "FLOPs/token"),
-                                ("kv_cache_bytes_per_token", "KV-cache bytes/token")) if key in cost]
+                                ("kv_cache_bytes_per_token", "KV-cache bytes/token"),
+                                ("gguf_kv_cache_bytes_per_token", "as llama.cpp GGUF (f16)")) if key in cost]
     if sizes:
         print("  " + "; ".join(sizes))
 
@@ -228,7 +229,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             c = r["cost"]
             print(f"  params {c['params']['before']:,} -> {c['params']['after']:,}; FLOPs/token "
                   f"{c['flops_per_token']['before']:,} -> {c['flops_per_token']['after']:,}; KV-cache bytes/token "
-                  f"{kv['before']:,} -> {kv['after']:,}")
+                  f"{kv['before']:,} -> {kv['after']:,}" + (
+                      f"; as llama.cpp GGUF (f16) {g['before']:,} -> {g['after']:,}"
+                      if (g := c.get("gguf_kv_cache_bytes_per_token")) else ""))
     print(f"table in {job.out}/compare.md")
     return 0
 

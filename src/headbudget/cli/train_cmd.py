@@ -293,8 +293,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Train one model; writes metrics.jsonl, checkpoints/, model/ (HF format). Every "
                                    "config key is also a flag: --section.key VALUE (e.g. --train.lr 3e-4); flags given "
                                    "override CONFIG, whose values override the defaults shown.")
+    # --data and --tokens as distill spells them: recovering a model without a teacher (train --init) and with
+    # one (distill) take the same flags
     _add_common(p, aliases={"model.schedule": ("--schedule",), "distill.teacher": ("--teacher",),
-                            "model.init": ("--init",)})
+                            "model.init": ("--init",), "data.source": ("--data",), "train.tokens": ("--tokens",)})
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out (none yet: start at step 0 "
                    "with a notice; a finished run is left as it is)")
     p.add_argument("--overwrite", action="store_true",

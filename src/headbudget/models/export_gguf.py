@@ -40,6 +40,8 @@ from headbudget.models.convert import to_headbudget
 from headbudget.models.rotary_headbudget import default_inv_freq, rotary_inv_freq
 
 OUTTYPES = ("f32", "f16")
+#: bytes of one cached key or value element in llama.cpp: its default cache type is f16 (``-ctk/-ctv f16``)
+LLAMACPP_CACHE_BYTES = 2
 
 # llama.cpp's converter identifies a BPE pre-tokenizer by the sha256 of str(tokenizer.encode(CHECK_TEXT));
 # these are its hashes for the families headbudget converts (convert_hf_to_gguf.py, get_vocab_base_pre).
@@ -77,6 +79,12 @@ class GGUFPlan:
     @property
     def duplicated_layers(self) -> list[int]:
         return [i for i, (a, b) in enumerate(zip(self.n_kv_heads, self.source_kv_heads)) if a != b]
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes one token adds to llama.cpp's KV cache (f16, its default): k and v of every key/value head
+        as written, duplicated ones included."""
+        return 2 * sum(self.n_kv_heads) * self.head_dim * LLAMACPP_CACHE_BYTES
 
     def duplication_note(self, context: int | None = None) -> str | None:
         """One line saying what the duplicated key/value heads cost, or None when nothing was duplicated."""
@@ -138,6 +146,25 @@ def plan_gguf(config: Any, outtype: str = "f32") -> GGUFPlan:
     return GGUFPlan(arch="llama" if uniform else "deci", head_dim=head_dim, n_heads=n_heads, n_kv_heads=kv_out,
                     source_kv_heads=kv_in, feed_forward=ffn, kv_copies=copies,
                     extra_bytes=extra_rows * config.n_embd * (2 if outtype == "f16" else 4))
+
+
+def gguf_kv_cache_bytes(model: torch.nn.Module) -> int | None:
+    """KV-cache bytes per token of ``model``'s GGUF export as llama.cpp stores it (:attr:`GGUFPlan.kv_cache_bytes_per_token`),
+    or None when ``model`` is not a headbudget decoder llama.cpp runs (GPT-2 style, Prism widths, an encoder).
+
+    >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    >>> cfg = HeadBudgetConfig(schedule={"d_model": 32, "layers": [{"n_heads": 3, "head_dim": 8, "n_kv_heads": 2,
+    ...     "kv_groups": [1, 2]}]}, vocab_size=10, norm="rmsnorm", mlp="gated_silu", position="rotary", bias=False)
+    >>> gguf_kv_cache_bytes(HeadBudgetForCausalLM(cfg))   # 3 kv heads as written x (k, v) x 8 x 2 bytes
+    96
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "headbudget":
+        return None
+    try:
+        return plan_gguf(config).kv_cache_bytes_per_token
+    except GGUFExportError:
+        return None
 
 
 def interleave_rotary(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -353,5 +380,5 @@ def _is_temporary_of(name: Path, path: Path) -> bool:
     return name.parent == path.parent and name.name.startswith(f".{path.name}.") and name.suffix == ".tmp"
 
 
-__all__ = ["CHECK_TEXT", "GGUFExportError", "GGUFPlan", "OUTTYPES", "detect_pre_tokenizer", "export_gguf",
-           "interleave_rotary", "plan_gguf"]
+__all__ = ["CHECK_TEXT", "GGUFExportError", "GGUFPlan", "LLAMACPP_CACHE_BYTES", "OUTTYPES", "detect_pre_tokenizer",
+           "export_gguf", "gguf_kv_cache_bytes", "interleave_rotary", "plan_gguf"]

@@ -214,10 +214,14 @@ def run_prune(job: PruneJob, loaded: Workload | None = None,
 
 
 def _cost(model: Any) -> dict[str, Any]:
-    """Parameters, forward FLOPs per token and KV-cache bytes per token of ``model``."""
+    """Parameters, forward FLOPs per token and KV-cache bytes per token of ``model``: as headbudget stores them
+    (its dtype) and as llama.cpp stores its GGUF export (f16, unequal query groups with duplicated key/value
+    heads), which can exceed the dense model's while headbudget's shrinks."""
     from headbudget.evaluation.cost import model_cost, model_kv_cache_bytes
+    from headbudget.models.export_gguf import gguf_kv_cache_bytes
 
-    return dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model))
+    return dict(model_cost(model), kv_cache_bytes_per_token=model_kv_cache_bytes(model),
+                gguf_kv_cache_bytes_per_token=gguf_kv_cache_bytes(model))
 
 
 def _select(run: MethodRun, seconds: dict[str, float]) -> Selection:

@@ -6,9 +6,12 @@
      "middle_third_share", "knee_k", "k_source", "mss": [[k, value], ...], "metric": {"dense", "pruned", "finetuned"},
      "seconds": {...},
      "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context",
-              "kv_cache_bytes_per_token": {"before", "after"}}}
+              "kv_cache_bytes_per_token": {"before", "after"}, "gguf_kv_cache_bytes_per_token": {"before", "after"}}}
 
-(``kv_cache_bytes_per_token`` -- what one token adds to the KV cache at the model's dtype -- only for decoders.)
+(``kv_cache_bytes_per_token`` -- what one token adds to headbudget's KV cache at the model's dtype -- only for
+decoders; ``gguf_kv_cache_bytes_per_token`` -- what it adds to llama.cpp's f16 cache once exported to GGUF, where
+unequal query groups are stored with duplicated key/value heads, so it can exceed the dense model's while
+headbudget's shrinks -- only for decoders llama.cpp runs.)
 
 (``knee_k`` is CAHP's cluster count k and ``k_source`` says what set it, :func:`k_source_of`: ``"knee"`` of the
 MSS or accuracy curve, ``"forced"`` by a head count (keep / keep_ratio: no knee computed) or ``"fallback"`` (no
@@ -138,6 +141,10 @@ def build_report(
             **({"kv_cache_bytes_per_token": {"before": int(cost["before"]["kv_cache_bytes_per_token"]),
                                              "after": int(cost["after"]["kv_cache_bytes_per_token"])}}
                if cost["before"].get("kv_cache_bytes_per_token") is not None else {}),
+            **({"gguf_kv_cache_bytes_per_token": {"before": int(cost["before"]["gguf_kv_cache_bytes_per_token"]),
+                                                  "after": int(cost["after"]["gguf_kv_cache_bytes_per_token"])}}
+               if cost["before"].get("gguf_kv_cache_bytes_per_token") is not None
+               and cost["after"].get("gguf_kv_cache_bytes_per_token") is not None else {}),
         },
     }
 
@@ -213,7 +220,8 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
         lines += ["", f"## Size (forward FLOPs per token at context {c['context']})", "",
                   "| | before | after | ratio |", "| --- | --- | --- | --- |"]
         for key, label in (("params", "parameters"), ("flops_per_token", "FLOPs / token"),
-                           ("kv_cache_bytes_per_token", "KV-cache bytes / token")):
+                           ("kv_cache_bytes_per_token", "KV-cache bytes / token (headbudget)"),
+                           ("gguf_kv_cache_bytes_per_token", "KV-cache bytes / token (llama.cpp GGUF, f16)")):
             if key not in c:  # encoders have no KV cache
                 continue
             b, a = c[key]["before"], c[key]["after"]
@@ -246,10 +254,11 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
         head += [f"{s} pruned", f"{s} fine-tuned"]
     has_depth = any("mean_depth" in r for r in rows)
     head += (["mean depth", "middle third"] if has_depth else []) + ["select s", "finetune s"]
-    cost_keys = [k for k in ("params", "flops_per_token", "kv_cache_bytes_per_token")
+    cost_keys = [k for k in ("params", "flops_per_token", "kv_cache_bytes_per_token", "gguf_kv_cache_bytes_per_token")
                  if any(k in (r.get("cost") or {}) for r in rows)]
     head += [{"params": "params", "flops_per_token": "FLOPs / token",
-              "kv_cache_bytes_per_token": "KV-cache bytes / token"}[k] for k in cost_keys]
+              "kv_cache_bytes_per_token": "KV-cache bytes / token",
+              "gguf_kv_cache_bytes_per_token": "GGUF KV-cache bytes / token"}[k] for k in cost_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [str(r["method"]), str(r["heads_kept"])] + ([str(r.get("count_from", ""))] if has_from else [])
