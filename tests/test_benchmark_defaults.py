@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ def _paths(default: object) -> list[str]:
         if isinstance(v, Path):
             out.append(str(v))
         elif isinstance(v, str):
-            out += [piece for piece in v.split(",") if "/" in piece]
+            # a path has a "/" between names; "2/3" (a fraction) is none
+            out += [piece for piece in v.split(",") if "/" in piece and not re.fullmatch(r"[\d./]+", piece)]
     return out
 
 
