@@ -64,6 +64,8 @@ COMMANDS = {
     "finetune": ("model", ["finetune", "{IN}", "--task", "sst5", "--data-dir", "{T}", "--out", "{OUT}",
                            "--overwrite"]),
     "compress": ("model", ["compress", "{IN}", "--keep", "0.5", "--out", "{OUT}", "--overwrite"]),
+    "compress merge-kv --calib-data": ("text", ["compress", "{M}", "--method", "merge-kv", "--kv-heads", "1",
+                                                "--calib-data", "{IN}", "--out", "{OUT}", "--overwrite"]),
     "attention": ("model", ["attention", "{IN}", "--data", "{T}", "--out", "{OUT}", "--overwrite"]),
     "train --init": ("model", ["train", "quickstart", "--init", "{IN}", "--set", "data.source={T}", "--set", "train.steps=1",
                                "--out", "{OUT}", "--overwrite"]),

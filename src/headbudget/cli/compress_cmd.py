@@ -116,9 +116,8 @@ def run(args: argparse.Namespace) -> int:
     groups = read_groups(job.groups) if job.groups else None
     if groups is not None and job.method != "group":
         raise ValueError("--groups only applies to --method group")
-    inputs = {"MODEL": job.model, "--data": job.data, "--tokenizer": job.tokenizer, "--groups": job.groups,
-              "--config": getattr(args, "config", None)}
-    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite, inputs=inputs) as out:
+    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite,
+                          inputs=_inputs(job, args)) as out:
         report = run_compress(
             job.model, job.method, job.keep, job.allocation, str(out), data=job.data,
             tokenizer=job.tokenizer, sweep=sweep, groups=groups, context=job.context, stride=job.stride,
@@ -129,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}"
           + (f", {Path(job.out) / 'sweep.png'}" if sweep else ""))
     return 0
+
+
+def _inputs(job: CompressJob, args: argparse.Namespace) -> dict[str, object]:
+    """What a compress run reads, by flag: its --out must be none of them (nor contain or lie in one)."""
+    return {"MODEL": job.model, "--data": job.data, "--calib-data": job.calib_data, "--tokenizer": job.tokenizer,
+            "--groups": job.groups, "--config": getattr(args, "config", None)}
 
 
 def _run_merge_kv(job: CompressJob, args: argparse.Namespace) -> int:
@@ -142,9 +147,8 @@ def _run_merge_kv(job: CompressJob, args: argparse.Namespace) -> int:
     resolve_device(job.device)
     if job.context < 2:
         raise ValueError(f"--context must be >= 2, got {job.context}")
-    inputs = {"MODEL": job.model, "--data": job.data, "--calib-data": job.calib_data, "--tokenizer": job.tokenizer,
-              "--config": getattr(args, "config", None)}
-    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite, inputs=inputs) as out:
+    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite,
+                          inputs=_inputs(job, args)) as out:
         report = run_merge_kv(
             job.model, str(out), kv_heads=job.kv_heads, kv_budget=job.kv_budget, merge_rule=job.merge_rule,
             kv_allocation=job.kv_allocation, data=job.data, calib_data=job.calib_data, calib_tokens=job.calib_tokens,
