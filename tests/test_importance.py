@@ -118,3 +118,55 @@ def test_fisher_is_mean_of_per_example_squared_gradients():
     # the per-example mean of gradients is the batch gradient (a sanity check of the hand loop)
     np.testing.assert_allclose(torch.stack(per_example).view(2, 4, -1).mean(1).numpy(), torch.stack(per_batch).numpy(),
                                rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_batched_fisher_equals_example_by_example_on_causal_lms(family):
+    """One backward pass per batch (per-example gate rows) gives the textbook per-example Fisher of a causal LM,
+    also at other gate values (a pruned head's gate at 0) and with -100 labels in one example."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.importance import default_loss, gate_gradients
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=16, n_layer=2, n_head=4, n_positions=16))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+    ad = get_adapter(model)
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, 40, (3, 9), generator=g)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    batches[1]["labels"][0, 4:] = -100
+    values = [np.ones(4), np.array([1.0, 0.0, 1.0, 1.0])]
+    for gate_values in (None, values):
+        got = gate_gradients(ad, model, batches, reduce="example_square", gate_values=gate_values, progress=False)
+        want = gate_gradients(ad, model, batches, lambda m, b: default_loss(m, b), reduce="example_square",
+                              gate_values=gate_values, progress=False)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-12)
+        assert float(np.abs(got[0]).sum()) > 0
+
+
+def test_fisher_goes_example_by_example_when_the_loss_does_not_split():
+    """A regression head's loss is not the cross-entropy per_example_losses computes: the batched path must not run."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.importance import _losses_split, default_loss, gate_gradients
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=4, intermediate_size=32,
+                                                     max_position_embeddings=16, num_labels=1)).eval()
+    batches = [{"input_ids": torch.randint(0, 30, (3, 5)), "labels": torch.randn(3)}]
+    assert not _losses_split(model, batches)
+    ad = get_adapter(model)
+    got = gate_gradients(ad, model, batches, reduce="example_square", progress=False)
+    want = gate_gradients(ad, model, batches, lambda m, b: default_loss(m, b), reduce="example_square", progress=False)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert _losses_split(_bert(), _batches(1))

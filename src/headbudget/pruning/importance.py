@@ -116,6 +116,9 @@ def gate_gradients(
 
     if reduce not in ("abs", "square", "example_square"):
         raise ValueError(f"reduce must be 'abs', 'square' or 'example_square', got {reduce!r}")
+    if reduce == "example_square" and loss_fn is default_loss and _losses_split(model, batches):
+        return _example_fisher(adapter, model, batches, gate_values=gate_values, max_batches=max_batches,
+                               progress=progress, desc=desc)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -151,6 +154,80 @@ def gate_gradients(
     if reduce == "example_square":
         return [(t / n_examples).numpy() for t in totals]
     return [(t / n if reduce == "abs" else t).numpy() for t in totals]
+
+
+def per_example_losses(model: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
+    """Each example's own loss, as ``model(**one_example).loss`` computes it, from one forward pass of the
+    batch: cross-entropy for single-label classification, mean next-token cross-entropy (labels -100
+    ignored) for a causal LM; None for any other loss (the caller then goes example by example)."""
+    labels = batch.get("labels")
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    if labels is None or labels.is_floating_point() or problem not in (None, "single_label_classification"):
+        return None
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    if logits.dim() == 2 and labels.dim() == 1 and logits.shape[-1] > 1:
+        return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+    if logits.dim() == 3 and labels.shape == logits.shape[:2]:
+        target = labels[:, 1:]
+        tokens = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), target,
+                                                   reduction="none", ignore_index=-100)
+        return tokens.sum(1) / (target != -100).sum(1)
+    return None
+
+
+def _losses_split(model: torch.nn.Module, batches: Iterable[Batch]) -> bool:
+    """Whether :func:`per_example_losses` reproduces ``default_loss`` on the first batch (their mean is the
+    batch's loss), so that the batched Fisher computes the textbook one; otherwise it goes example by example."""
+    if not isinstance(batches, Sequence) or not batches:
+        return False
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            batch = batch_to_device(batches[0], next(model.parameters()).device)
+            losses = per_example_losses(model, batch)
+            return losses is not None and bool(torch.allclose(losses.mean(), default_loss(model, batch).float(),
+                                                              rtol=1e-4, atol=1e-6))
+    finally:
+        model.train(was_training)
+
+
+def _example_fisher(adapter: Any, model: torch.nn.Module, batches: Iterable[Batch], *,
+                    gate_values: Sequence[torch.Tensor | Sequence[float]] | None, max_batches: int | None,
+                    progress: bool, desc: str) -> list[np.ndarray]:
+    """``gate_gradients(..., reduce="example_square")`` with one backward pass per batch: every example gets
+    its own row of gates, so the gradient of the summed per-example losses at row b is ``dL_b/dgate``."""
+    from headbudget.progress import ProgressBar
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    base = [torch.ones(n, dtype=torch.float32, device=device) for n in adapter.head_counts()]
+    if gate_values is not None:
+        base = [torch.as_tensor(v, dtype=torch.float32, device=device).reshape(b.shape) for b, v in zip(base, gate_values)]
+    totals = [torch.zeros(b.shape, dtype=torch.float64) for b in base]
+    n = n_examples = 0
+    try:
+        with frozen_params(model):
+            for batch in ProgressBar(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
+                if max_batches is not None and n >= max_batches:
+                    break
+                part = batch_to_device(batch, device)
+                bsz = int(part["labels"].shape[0]) if torch.is_tensor(part.get("labels")) else 0
+                gates = [b.expand(bsz, -1).clone().requires_grad_(True) for b in base]
+                with adapter.gate_hooks(gates):
+                    losses = per_example_losses(model, part)
+                    assert losses is not None  # _losses_split checked that this loss splits
+                    losses.sum().backward()
+                for t, g in zip(totals, gates):
+                    t += (g.grad.detach().to("cpu", torch.float64) ** 2).sum(0)
+                n_examples += bsz
+                n += 1
+    finally:
+        model.train(was_training)
+    if n == 0:
+        raise ValueError("no batches for the gate gradients (empty training data?)")
+    return [(t / n_examples).numpy() for t in totals]
 
 
 def _examples(batch: Batch) -> list[dict[str, Any]]:

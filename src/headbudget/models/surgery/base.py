@@ -106,7 +106,8 @@ class HeadAdapter:
 
     @contextlib.contextmanager
     def gate_hooks(self, gates: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-        """Multiply each head's output by the caller's ``gates[layer][head]`` inside the block.
+        """Multiply each head's output by the caller's ``gates[layer][head]`` inside the block (or, for
+        gates of shape ``(batch, heads)``, example b's output by ``gates[layer][b, head]``).
 
         ``gates`` are the caller's own tensors (gate training passes trainable logits' gates);
         :meth:`gates` and :meth:`set_gate_values` build them for the common cases."""
@@ -114,7 +115,7 @@ class HeadAdapter:
         if len(gates) != self.num_layers:
             raise ValueError(f"expected gate values for {self.num_layers} layers, got {len(gates)}")
         for li, g in enumerate(gates):
-            if g.shape != (counts[li],):
+            if g.dim() not in (1, 2) or g.shape[-1] != counts[li]:
                 raise ValueError(f"layer {li}: gate shape {tuple(g.shape)} does not match {counts[li]} heads")
         handles = []
         for li, g in enumerate(gates):
@@ -122,8 +123,11 @@ class HeadAdapter:
 
             def pre_hook(module: nn.Module, args: tuple, _g: torch.Tensor = g, _d: int = dim) -> tuple:
                 x = args[0]
-                h = _g.shape[0]
-                gx = x.view(*x.shape[:-1], h, _d) * _g.to(dtype=x.dtype, device=x.device).view(h, 1)
+                h = _g.shape[-1]
+                # (H,) gates every example alike; (B, H) gates each example with its own row, so that one
+                # backward pass gives every example's own gate gradient (the batched empirical Fisher)
+                lead = (_g.shape[0], *([1] * (x.dim() - 2))) if _g.dim() == 2 else ()
+                gx = x.view(*x.shape[:-1], h, _d) * _g.to(dtype=x.dtype, device=x.device).view(*lead, h, 1)
                 return (gx.reshape(x.shape), *args[1:])
 
             handles.append(self._out_proj(li).register_forward_pre_hook(pre_hook))
