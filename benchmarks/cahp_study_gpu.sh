@@ -53,6 +53,9 @@ print("restored", len(w), "tensors to fp32 in", dst)
 EOF
 RES="$O/cahp_baselines_minilm_sst5.json"
 RUN=/tmp/cahp_run
+# resume: finished cells of an earlier machine (cells.tar.gz's done/, copied to $B/done) are kept when their
+# settings match, the dense model's hash included (the dense fine-tune is deterministic on one H200)
+if [ -d $B/done ]; then mkdir -p $RUN/done && cp $B/done/*.json $RUN/done/; fi
 timeout --signal=TERM --kill-after=30 "$STUDY_SECONDS" python3 benchmarks/cahp_study.py --model /tmp/cahp_minilm \
     --data-dir $B/sst5 --out $RUN --results "$RES" --device cuda --workers "$WORKERS" --threads 2 \
     --weights fp16-rounded --no-progress > "$O/launcher.log" 2>&1

@@ -403,3 +403,22 @@ def test_prune_compare_gives_the_baselines_the_preceding_cahp_knee(tiny, tmp_pat
         assert r["mean_depth"] == pytest.approx(sum(layer / 2 for layer in layers) / len(layers))
         assert r["middle_third_share"] == pytest.approx(layers.count(1) / len(layers))
     assert "mean depth" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("method", ["pipelined-dsp", "pass-frozen", "joint-dsp"])
+def test_gate_training_depends_on_its_seed_alone_not_on_the_callers_random_state(method):
+    """Dropout inside gate training draws from torch's global generator: two runs with one seed must agree whatever
+    the process drew before (a worker's earlier cells), and the caller's random state is left as it was."""
+    from headbudget.pruning.adapters import get_adapter
+    from headbudget.pruning.gated import GateSettings, train_gates
+
+    results = []
+    for before in (0, 1):
+        model = _tiny_bert()  # BERT's dropout 0.1 is on while gates train
+        torch.rand(before + 1)  # a different global random state at the start of gate training
+        state = torch.get_rng_state()
+        res = train_gates(method, get_adapter(model), model, _batches(n=6), 5, GateSettings(cooldown=3, seed=7),
+                          progress=False)
+        assert torch.equal(torch.get_rng_state(), state)
+        results.append(res.logits)
+    np.testing.assert_array_equal(results[0], results[1])

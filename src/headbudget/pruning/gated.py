@@ -48,9 +48,10 @@ globally and may remove whole layers: ``layer_floor=False`` keeps the ``k`` best
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,8 +271,9 @@ def train_gates(
             for p, _ in flags:
                 p.requires_grad_(False)
         model.train()
-        loop.run((batch for _epoch in range(s.epochs) for batch in batches), steps=total_steps,
-                 log_at=lambda done: True, on_log=log, on_step=lambda done, _rec: bar.update(1))
+        with seeded_dropout(s.seed, device):
+            loop.run((batch for _epoch in range(s.epochs) for batch in batches), steps=total_steps,
+                     log_at=lambda done: True, on_log=log, on_step=lambda done, _rec: bar.update(1))
     finally:
         bar.close()
         if hook is not None:
@@ -283,6 +285,17 @@ def train_gates(
     kept = select_top(unflatten(final, counts), n_keep, layer_floor=layer_floor)
     return GateResult(kept=kept, logits=final, steps=len(history), history=history,
                       info=_gate_info(method, s, len(history), n_keep, cooldown, pas))
+
+
+@contextlib.contextmanager
+def seeded_dropout(seed: int, device: torch.device) -> Iterator[None]:
+    """torch's global generators (CPU and ``device``'s) seeded with ``seed`` inside the block and restored after.
+
+    Dropout draws from them: seeded here, a gate selection depends on its seed alone, not on what the process drew
+    before (a study worker's earlier cells)."""
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(int(seed))
+        yield
 
 
 class _GateParams(torch.nn.Module):
