@@ -238,7 +238,7 @@ def _train_gates(method: str, toy_loss: bool):
     import torch
     from tests.test_baselines import _batches, _head_loss, _tiny_bert
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
 
     model = _tiny_bert(eager=True, seed=2)
@@ -268,9 +268,16 @@ def test_gate_training_runs_on_the_one_train_loop(monkeypatch):
 
 
 @pytest.mark.parametrize(("method", "toy_loss"), list(_OLD_LOOP))
-def test_gate_training_gives_what_the_old_loop_gave(method, toy_loss):
+def test_gate_training_gives_what_the_old_loop_gave(method, toy_loss, monkeypatch):
+    import contextlib
+
     import numpy as np
 
+    import headbudget.pruning.gated as gated
+
+    # the old loop drew dropout from the caller's generator; gate training now seeds it (seeded_dropout, tested in
+    # test_baselines): without that seeding the loop must still give the old numbers bit for bit
+    monkeypatch.setattr(gated, "seeded_dropout", lambda seed, device: contextlib.nullcontext())
     kept, reopened, logits = _OLD_LOOP[(method, toy_loss)]
     res = _train_gates(method, toy_loss)
     assert res.kept == kept and res.info.get("reopened") == reopened
