@@ -14,7 +14,9 @@ method is built with the library's own pipelines, scored, timed and recovered by
 * ``decode``: :func:`benchmarks.decode.run_interleaved`, the cell's model against dense in one process,
   ``--decode-contexts`` x ``--decode-batches``, medians of ``--decode-repeats``.
 * ``distill``: ``headbudget distill`` from the dense model, ``--distill-tokens`` (200k) on the calibration
-  text, in ``OUT/<cell>/distill-<tokens>`` with ``--resume`` (a killed run continues from its checkpoint).
+  text, in ``OUT/<cell>/distill-<tokens>`` with ``--resume`` (a killed run continues from its checkpoint); the
+  teacher's last hidden states are cached in ``OUT/teacher-cache`` by the first cell and read by the others
+  (``distill.teacher_cache``: the same loss, the teacher's body runs once per batch for the whole frontier).
 * ``rescore``: ``score`` again on the distilled model.
 
 **Equal KV bytes.** Every method in a fraction keeps the same number of key/value heads ``T``: the largest total
@@ -551,7 +553,8 @@ def distill_argv(a: argparse.Namespace, student: str | Path, teacher: str | Path
                 f"train.eval_every={steps}", "train.eval_batches=4", "train.log_every=1",
                 f"train.ckpt_every={a.ckpt_every}", "train.keep_last=1", "train.progress=false",
                 f"train.precision={a.precision}", f"data.max_chars={a.train_chars}", f"data.cache_dir={cache}",
-                "distill.temperature=2.0", "distill.alpha=1.0"]
+                "distill.temperature=2.0", "distill.alpha=1.0",
+                f"distill.teacher_cache={Path(cache).parent / 'teacher-cache'}"]  # one teacher pass for all cells
     argv = ["distill", str(student), "--teacher", str(teacher), "--data", str(data), "--tokens", str(a.distill_tokens),
             "--out", str(run), "--threads", str(a.threads), "--resume"]
     for kv in settings:  # --set takes one key=value each

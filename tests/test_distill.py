@@ -139,7 +139,7 @@ def test_smaller_student_learns_the_teacher_which_stays_frozen(tmp_path, models)
     attn = trainer.model.transformer.h[0].attn
     assert (attn.n_kv_heads if hasattr(attn, "n_kv_heads") else None) in (1, None)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["distill"] == {"teacher": str(teacher), "temperature": 2.0, "alpha": 1.0}
+    assert summary["distill"] == {"teacher": str(teacher), "temperature": 2.0, "alpha": 1.0, "teacher_cache": None}
 
 
 class Kill(Exception):
@@ -346,8 +346,8 @@ def test_a_padded_student_is_distilled_over_the_tokenizer_ids(tmp_path, models, 
     teacher, _ = models
     calls = []
 
-    def spy(student, teacher_model, x, y, temperature, alpha, vocab):
-        loss, parts = real(student, teacher_model, x, y, temperature, alpha, vocab)
+    def spy(student, teacher_model, x, y, temperature, alpha, vocab, cache=None):
+        loss, parts = real(student, teacher_model, x, y, temperature, alpha, vocab, cache)
         with torch.no_grad():
             s, t = student(input_ids=x).logits, teacher_model(input_ids=x).logits
             by_hand = distillation_kl(s[..., :257], t, y, temperature)
@@ -390,3 +390,87 @@ def test_train_init_takes_distills_data_and_tokens_flags(tmp_path, models, capsy
                                      "--data", "synthetic:20000", "--tokens", "300"]))
     assert ours["data"] == theirs["data"] and ours["train"]["tokens"] == theirs["train"]["tokens"] == "300"
     assert ours["model"]["init"] == theirs["model"]["init"] == str(student)
+
+
+def test_chunked_kl_equals_the_plain_formula_in_value_and_gradient():
+    """The chunked KL (forward and backward by rows) against log_softmax/kl_div on whole tensors, fp32 and bf16,
+    with ignored positions and a last chunk shorter than the others."""
+    import torch.nn.functional as F
+
+    def plain(s, t, y, T):
+        per = F.kl_div(F.log_softmax(s.float() / T, -1), F.log_softmax(t.float() / T, -1), reduction="none",
+                       log_target=True).sum(-1)
+        return per[y != -100].mean() * T * T
+
+    g = torch.Generator().manual_seed(5)
+    y = torch.randint(0, 50, (3, 7), generator=g)
+    y[1, 2:5] = -100
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        s = (torch.randn(3, 7, 50, generator=g) * 2).to(dtype).requires_grad_(True)
+        t = (torch.randn(3, 7, 50, generator=g) * 3).to(dtype)
+        for rows in (1, 4, 16, 64):
+            got = distillation_kl(s, t, y, 2.0, rows=rows)
+            want = plain(s, t, y, 2.0)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            g_got, = torch.autograd.grad(got, s)
+            g_want, = torch.autograd.grad(want, s)
+            assert g_got.dtype == dtype
+            torch.testing.assert_close(g_got.float(), g_want.float(), rtol=tol, atol=tol * 1e-2)
+            assert float(g_got[1, 3].abs().sum()) == 0  # an ignored position gets no gradient
+
+
+def test_teacher_cache_runs_the_teacher_once_per_batch_and_gives_its_exact_logits(tmp_path, models):
+    from headbudget.train.distill import TeacherCache
+
+    teacher_dir, student_dir = models
+    teacher = load_teacher(str(teacher_dir), ByteTokenizer().to_hf(), torch.device("cpu"))
+    body = []
+    teacher.model.layers[0].register_forward_hook(lambda *a: body.append(1))
+    x = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    want = teacher(input_ids=x, use_cache=False).logits
+    body.clear()
+    cache = TeacherCache(tmp_path / "c", teacher)
+    a, b = cache.logits(x), cache.logits(x)
+    assert len(body) == 1 and (cache.hits, cache.misses) == (1, 1)
+    assert torch.equal(a, want) and torch.equal(b, want)
+    assert len(list(cache.dir.glob("*.safetensors"))) == 1
+    cache.logits(x.flip(1))
+    assert cache.misses == 2 and len(body) == 2
+    other = load_teacher(str(student_dir), ByteTokenizer().to_hf(), torch.device("cpu"))
+    assert TeacherCache(tmp_path / "c", other).dir != cache.dir
+    # a teacher whose logits are not its output layer's (soft-capped) is refused, not silently mis-cached
+    teacher.register_forward_hook(lambda m, a, out: out.__setitem__("logits", 5 * torch.tanh(out.logits / 5)))
+    with pytest.raises(ValueError, match="not its output layer applied to its last hidden states"):
+        TeacherCache(tmp_path / "d", teacher).logits(x)
+    assert not any((tmp_path / "d").rglob("*.safetensors"))
+
+
+def test_a_second_student_reads_the_teacher_from_the_cache_and_trains_identically(tmp_path, models):
+    teacher, student = models
+    keys = ("train_loss", "val_loss", "grad_norm", "distill_kl", "lm_loss")
+    plain = Trainer(_cfg(tmp_path, student, teacher), tmp_path / "plain", save_model=False)
+    plain.run()
+    d = {"teacher_cache": str(tmp_path / "tc")}
+    first = Trainer(_cfg(tmp_path, student, teacher, distill=d), tmp_path / "a", save_model=False)
+    first.run()
+    second = Trainer(_cfg(tmp_path, student, teacher, distill=d), tmp_path / "b", save_model=False)
+    second.run()
+    assert first.summary["distill"]["cache"]["misses"] == 24 and first.summary["distill"]["cache"]["hits"] == 0
+    assert second.summary["distill"]["cache"] == {**first.summary["distill"]["cache"], "hits": 24, "misses": 0}
+    want = [[r[k] for k in keys] for r in _metrics(tmp_path / "plain")]
+    assert [[r[k] for k in keys] for r in _metrics(tmp_path / "a")] == want
+    assert [[r[k] for k in keys] for r in _metrics(tmp_path / "b")] == want
+
+
+def test_chunked_cross_entropy_equals_torchs():
+    from headbudget.train.distill import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 9, 30, generator=g) * 4
+    y = torch.randint(0, 30, (3, 9), generator=g)
+    y[0, :4] = -100
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 30), y.reshape(-1))
+    for rows in (1, 5, 64):
+        torch.testing.assert_close(chunked_cross_entropy(logits, y, rows=rows), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked_cross_entropy(logits.bfloat16(), y),
+                               torch.nn.functional.cross_entropy(logits.bfloat16().float().reshape(-1, 30), y.reshape(-1)))

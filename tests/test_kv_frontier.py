@@ -159,6 +159,8 @@ def test_decode_distill_and_rescore_stages_record_their_measurements(kvf, tmp_pa
     # the merged cache is a third of dense's, measured after decoding (16 + 2 tokens, then cropped and repeated)
     assert all(r["cache_bytes"] * 3 == r["dense_cache_bytes"] for r in rows)
     assert st["distill"]["steps"] == 2 and st["distill"]["tokens"] == 128  # 2 steps x 2 x 32 tokens
+    # the teacher's hidden states of both batches are cached for the frontier's other cells
+    assert len(list((tmp_path / "out" / "teacher-cache").rglob("*.safetensors"))) == 2
     assert Path(st["rescore"]["model"]).name == "model" and st["rescore"]["ppl"] != st["score"]["ppl"]
 
 

@@ -180,6 +180,9 @@ def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: 
         what = f"from {cfg.model.init}" if cfg.model.init else cfg.model.schedule
         if cfg.distill.teacher:
             what += f" distilling {cfg.distill.teacher} (T={cfg.distill.temperature:g}, alpha={cfg.distill.alpha:g})"
+            cache = (trainer.summary or {}).get("distill", {}).get("cache")
+            if cache:
+                what += f" [teacher cache: {cache['hits']} batches read, {cache['misses']} computed]"
         print(f"trained {what} ({result.params:,} params) for {result.steps} steps in "
               f"{time.perf_counter() - t0:.1f}s: val loss {val}, {result.tokens_per_s:,.0f} tokens/s, "
               f"peak {result.peak_memory_mb:,.0f} MB")
@@ -312,7 +315,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "built-in defaults with " + ", ".join(DISTILL_DEFAULTS) + ")")
     add_dataclass_flags(p, RunConfig, skip=("model.init",), hidden=THREADS["hidden"],
                         aliases={"distill.teacher": ("--teacher",), "distill.temperature": ("--temperature",),
-                                 "distill.alpha": ("--alpha",), "data.source": ("--data",),
+                                 "distill.alpha": ("--alpha",), "distill.teacher_cache": ("--teacher-cache",), "data.source": ("--data",),
                                  "train.tokens": ("--tokens",), **THREADS["aliases"]})
     _add_set_flags(p, "train.batch_size=8")
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")

@@ -135,6 +135,8 @@ class DistillSection:
     temperature: float = option(2.0, help="softmax temperature T of the KL")
     alpha: float = option(1.0, help="weight of the KL term; 1 - alpha weighs the LM cross-entropy (0: plain LM "
                                     "training)")
+    teacher_cache: str | None = option(None, help="folder where the teacher's last hidden states are kept per batch "
+                                                  "and reused by later students (the loss stays exact); null: none")
 
 
 @dataclass

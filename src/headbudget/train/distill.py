@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,29 +105,135 @@ def load_teacher(teacher: str, student_tok: Any, device: torch.device, dtype: to
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor | None = None,
-                    temperature: float = 1.0, ignore_index: int = -100) -> torch.Tensor:
+                    temperature: float = 1.0, ignore_index: int = -100, rows: int = 16) -> torch.Tensor:
     """``T^2 * KL(softmax(teacher/T) || softmax(student/T))`` averaged over tokens (positions whose target is
-    ``ignore_index`` left out), computed in float32.  Logits are ``(..., vocab)`` with the same vocab."""
-    t = temperature
-    log_ps = F.log_softmax(student_logits.float() / t, dim=-1)
-    log_pt = F.log_softmax(teacher_logits.float() / t, dim=-1)
-    per_token = F.kl_div(log_ps, log_pt, reduction="none", log_target=True).sum(-1)
-    if targets is not None:
-        per_token = per_token[targets != ignore_index]
-    return per_token.mean() * (t * t)
+    ``ignore_index`` left out), computed in float32.  Logits are ``(..., vocab)`` with the same vocab.
+
+    Forward and backward go ``rows`` tokens at a time and keep no vocabulary-wide float32 copy: the gradient is
+    ``T * (softmax(s/T) - softmax(t/T))`` per token, written straight into the student logits' dtype."""
+    s = student_logits.reshape(-1, student_logits.size(-1))
+    t = teacher_logits.reshape(-1, teacher_logits.size(-1)).detach()
+    keep = torch.ones(s.size(0), dtype=torch.float32, device=s.device) if targets is None else \
+        (targets.reshape(-1) != ignore_index).float()
+    return _ChunkedKL.apply(s, t, keep / keep.sum(), float(temperature), rows)
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """Sum over tokens of ``weight * T^2 * KL`` by chunks of rows (see :func:`distillation_kl`)."""
+
+    @staticmethod
+    def forward(ctx: Any, s: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, temperature: float,
+                rows: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=s.device)
+        for i in range(0, s.size(0), rows):
+            log_ps = F.log_softmax(s[i:i + rows].float() / temperature, dim=-1)
+            log_pt = F.log_softmax(t[i:i + rows].float() / temperature, dim=-1)
+            total += ((log_pt.exp() * (log_pt - log_ps)).sum(-1) * weight[i:i + rows]).sum()
+        ctx.save_for_backward(s, t, weight)
+        ctx.temperature, ctx.rows = temperature, rows
+        return total * temperature * temperature
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        s, t, weight = ctx.saved_tensors
+        temp, rows = ctx.temperature, ctx.rows
+        grad = torch.empty_like(s)
+        scale = weight * (temp * grad_out.float())
+        for i in range(0, s.size(0), rows):
+            diff = F.softmax(s[i:i + rows].float() / temp, dim=-1) - F.softmax(t[i:i + rows].float() / temp, dim=-1)
+            grad[i:i + rows] = diff * scale[i:i + rows, None]
+        return grad, None, None, None, None
+
+
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                          rows: int = 64) -> torch.Tensor:
+    """``F.cross_entropy(logits.float(), targets)`` (mean over the targets that are not ``ignore_index``), ``rows``
+    tokens at a time, without a gradient (what distillation reports as ``lm_loss`` when it does not train on it)."""
+    s, y = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=s.device)
+    for i in range(0, s.size(0), rows):
+        part, tgt = s[i:i + rows].float(), y[i:i + rows]
+        keep = tgt != ignore_index
+        picked = part.gather(-1, tgt.clamp_min(0)[:, None])[:, 0]
+        total += ((torch.logsumexp(part, -1) - picked) * keep).sum()
+    return total / (y != ignore_index).sum()
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of a model's parameter names, shapes, dtypes and bytes (which teacher a cache belongs to)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class TeacherCache:
+    """The teacher's last hidden states, computed once per batch and read back by every later student
+    (``distill.teacher_cache``): a hit runs only the teacher's output layer on them, so the logits -- and the loss --
+    are exactly those of the full forward pass, for about a fifth of a 135M teacher's cost.
+
+    One file per batch of token ids, under a folder named by the teacher's fingerprint, so a cache never answers
+    for another teacher (or another dtype of it); files are written atomically, so a killed run leaves none
+    half-written.  A teacher whose logits are not its output layer applied to that input (a soft-capped head, say)
+    is refused on the first batch.
+
+        >>> cache = TeacherCache("runs/teacher-cache", teacher)       # doctest: +SKIP
+        >>> logits = cache.logits(x)        # the teacher's body runs only for a batch it has not seen
+    """
+
+    def __init__(self, root: str | Path, teacher: torch.nn.Module) -> None:
+        self.teacher, self.head = teacher, teacher.get_output_embeddings()
+        self.dir = Path(root) / model_fingerprint(teacher)[:24]
+        self.hits = self.misses = 0
+
+    def path(self, x: torch.Tensor) -> Path:
+        ids = x.detach().to("cpu", torch.int64).contiguous()
+        digest = hashlib.sha256(str(tuple(ids.shape)).encode() + ids.numpy().tobytes()).hexdigest()[:32]
+        return self.dir / f"{digest}.safetensors"
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        from safetensors.torch import load_file, save_file
+
+        from headbudget.io import atomic_write_file
+
+        path = self.path(x)
+        with torch.no_grad():
+            if path.is_file():
+                self.hits += 1
+                return self.head(load_file(str(path))["hidden"].to(x.device))
+            seen: list[torch.Tensor] = []
+            hook = self.head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+            try:
+                logits = self.teacher(input_ids=x, use_cache=False).logits
+            finally:
+                hook.remove()
+            if self.misses == 0 and not torch.equal(self.head(seen[0]), logits):
+                raise ValueError("distill.teacher_cache: the teacher's logits are not its output layer applied to its "
+                                 "last hidden states (a soft-capped or scaled head?); run without the cache")
+            self.misses += 1
+            hidden = seen[0].to("cpu").contiguous()
+            atomic_write_file(path, lambda tmp: save_file({"hidden": hidden}, str(tmp)))
+            return logits
 
 
 def distill_step_loss(student: torch.nn.Module, teacher: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                      temperature: float, alpha: float, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float, alpha: float, vocab: int,
+                      cache: TeacherCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to backpropagate, detached [kl, ce]) of one micro-batch: ``alpha * kl + (1 - alpha) * ce``.
 
     ``alpha == 0`` backpropagates the cross-entropy alone (bit-identical to plain LM training; the KL is
     still measured, without gradient).  Logits of different widths (vocabularies padded differently) are
-    compared over the tokenizer's ``vocab`` ids."""
+    compared over the tokenizer's ``vocab`` ids.  With a ``cache`` the teacher's logits come from it."""
     logits = student(input_ids=x, use_cache=False).logits
-    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+    if alpha == 1:  # the cross-entropy is only reported: no graph, no vocabulary-wide float32 copy
+        with torch.no_grad():
+            ce = chunked_cross_entropy(logits, y)
+    else:
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
     with torch.no_grad():
-        t_logits = teacher(input_ids=x, use_cache=False).logits
+        t_logits = cache.logits(x) if cache is not None else teacher(input_ids=x, use_cache=False).logits
     s_logits = logits
     if t_logits.size(-1) != s_logits.size(-1):
         s_logits, t_logits = s_logits[..., :vocab], t_logits[..., :vocab]
@@ -140,5 +247,5 @@ def distill_step_loss(student: torch.nn.Module, teacher: torch.nn.Module, x: tor
     return loss, torch.stack([kl.detach(), ce.detach()])
 
 
-__all__ = ["TokenizerMismatchError", "check_same_tokenizer", "distill_step_loss", "distillation_kl",
-           "load_teacher", "tokenizer_digest"]
+__all__ = ["TeacherCache", "TokenizerMismatchError", "check_same_tokenizer", "distill_step_loss", "distillation_kl",
+           "load_teacher", "model_fingerprint", "tokenizer_digest"]

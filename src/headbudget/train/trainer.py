@@ -55,7 +55,7 @@ from headbudget.train.checkpoint import (
     save_checkpoint,
 )
 from headbudget.train.config import RunConfig
-from headbudget.train.distill import check_distill_section, distill_step_loss, load_teacher
+from headbudget.train.distill import TeacherCache, check_distill_section, distill_step_loss, load_teacher
 from headbudget.train.launcher import die_with_launcher  # (also imported from here)
 from headbudget.train.loop import (  # TrainingDivergedError and param_groups are also imported from here
     TrainingDivergedError,
@@ -105,6 +105,7 @@ class _Run:
     autocast: Any
     teacher: torch.nn.Module | None
     n_tokens: int
+    teacher_cache: TeacherCache | None
     val_set: list
     n_params: int
     ckpt_dir: Path
@@ -152,6 +153,7 @@ class Trainer:
             die_with_launcher()
         #: set by run() when ``resume`` found the run already finished (nothing was trained or written)
         self.already_finished = False
+        self.summary: dict[str, Any] | None = None  # what summary.json records, once a run has finished
         #: a callback sets it to end the run after the current step (a stopping rule); see the class doc
         self.stop_requested = False
         #: the step run() started training from: 0, or that of the checkpoint it resumed (``history`` still
@@ -248,12 +250,14 @@ class Trainer:
         use_bf16 = use_bf16_autocast(t.precision, device)
         autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if use_bf16
                     else contextlib.nullcontext())
-        teacher, n_tokens = None, 0
+        teacher, n_tokens, cache = None, 0, None
         if cfg.distill.teacher:  # every rank its own full, frozen copy (never sharded; headbudget.train.distill)
             student_tok = data.tokenizer.to_hf()
             n_tokens = len(student_tok)  # logits of differently padded vocabularies are compared over these
             teacher = load_teacher(cfg.distill.teacher, student_tok, device,
                                    torch.bfloat16 if use_bf16 else torch.float32)
+            if cfg.distill.teacher_cache:
+                cache = TeacherCache(cfg.distill.teacher_cache, teacher)
         fsdp = distributed and t.fsdp  # one process: a plain model whatever train.fsdp says
         n_params = sum(p.numel() for p in raw_model.parameters())  # before FSDP2 shards them
         decay_names = {n for n, p in raw_model.named_parameters() if p.dim() >= 2}
@@ -264,7 +268,7 @@ class Trainer:
                               context=t.context, rank=self.rank, world_size=self.world)
         return _Run(device=device, distributed=distributed, fsdp=fsdp, is_main=self.rank == 0, data=data,
                     vocab=vocab, model=model, raw_model=raw_model, optimizer=optimizer, autocast=autocast,
-                    teacher=teacher, n_tokens=n_tokens, val_set=val_set, n_params=n_params,
+                    teacher=teacher, n_tokens=n_tokens, teacher_cache=cache, val_set=val_set, n_params=n_params,
                     ckpt_dir=self.out / "checkpoints", metrics_path=self.out / "metrics.jsonl")
 
     def _resume_step(self, run: _Run) -> int:
@@ -302,7 +306,7 @@ class Trainer:
             if run.teacher is None:
                 return self.compute_loss(fwd_model, x, y)
             return distill_step_loss(fwd_model, run.teacher, x, y, cfg.distill.temperature, cfg.distill.alpha,
-                                     run.n_tokens)
+                                     run.n_tokens, run.teacher_cache)
 
         def hint() -> str:
             where = f"; the last good checkpoint is {last_good[0]}" if last_good[0] else \
@@ -382,7 +386,11 @@ class Trainer:
                            world_size=self.world, data=data.meta)
             if run.teacher is not None:
                 summary["distill"] = asdict(cfg.distill)
+                if run.teacher_cache is not None:  # batches read back vs computed by the teacher in this run
+                    summary["distill"]["cache"] = {"hits": run.teacher_cache.hits, "misses": run.teacher_cache.misses,
+                                                   "folder": str(run.teacher_cache.dir)}
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2))
+            self.summary = summary
         self.model = export
         return result
 
