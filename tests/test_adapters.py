@@ -316,21 +316,9 @@ def test_bert_padding_is_respected() -> None:
     assert (batch[2] - alone[0]).abs().max().item() <= 1e-5
 
 
-def test_surgery_lives_in_models_and_the_old_pruning_paths_still_work() -> None:
-    import importlib
-    import sys
-
+def test_the_loader_keeps_its_own_copy_of_the_kept_heads_file_name() -> None:
     import headbudget.loading as loading
     import headbudget.models.surgery as surgery
-    import headbudget.pruning.adapters as adapters
 
-    # the package name the pruning code uses is the same objects, not a copy
-    assert adapters.get_adapter is surgery.get_adapter and adapters.load_pruned is surgery.load_pruned
-    # the loader keeps its own copy of the file name (importing surgery there would import transformers)
+    # importing surgery in the loader would import transformers
     assert loading.KEPT_HEADS_FILE == surgery.KEPT_HEADS_FILE == "kept_heads.json"
-    for sub in ("base", "families", "checkpoint"):
-        sys.modules.pop(f"headbudget.pruning.adapters.{sub}", None)
-        with pytest.warns(DeprecationWarning, match=f"headbudget.models.surgery.{sub}"):
-            old = importlib.import_module(f"headbudget.pruning.adapters.{sub}")
-    assert old.load_pruned is surgery.load_pruned
-    assert importlib.import_module("headbudget.pruning.adapters.base")._STATE_ATTR == "_headbudget_prune_state"

@@ -60,7 +60,7 @@ def _job(model, out, **kw):
 def test_bert_layer_without_heads_equals_the_gated_dense_model_and_reloads(tmp_path):
     """All of layer 1's heads removed: the logits are the dense model's with that layer's gates at 0, and the
     layer's attention block outputs LayerNorm(output-projection bias + its input) -- nothing else."""
-    from headbudget.pruning.adapters import get_adapter, load_pruned, save_pruned
+    from headbudget.models.surgery import get_adapter, load_pruned, save_pruned
 
     model = _bert()
     ids = torch.randint(1, 60, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -99,7 +99,7 @@ def test_bert_layer_without_heads_equals_the_gated_dense_model_and_reloads(tmp_p
 def test_decoders_refuse_to_empty_a_layer_in_one_line(family):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     model = (GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=4, vocab_size=50)) if family == "gpt2" else
              LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -136,7 +136,7 @@ def test_michel_without_the_floor_removes_a_whole_layer(monkeypatch):
 def test_gate_training_without_the_floor_keeps_the_best_logits_globally():
     """The toy loss rewards only layer 0's heads: with the floor layers 1 and 2 keep one head each, without it
     all 3 kept heads are layer 0's."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
     from test_baselines import _batches, _head_loss
 
@@ -161,7 +161,7 @@ def low_middle():
 
 def test_run_prune_without_the_floor_empties_the_weakest_layer_physically(finetuned, tmp_path, low_middle):
     from headbudget.loading import load_model
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.pipeline import run_prune
 
     floored = run_prune(_job(finetuned, tmp_path / "a", method=low_middle, keep=5))["report"]

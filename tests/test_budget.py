@@ -7,13 +7,12 @@ import pytest
 from headbudget import schedule_spec, schedules
 from headbudget.budget import (
     BudgetError,
-    budget_report,
-    budget_step,
     budgeted_schedule,
     fit_integer_total,
     parse_budget_spec,
     reference_schedule,
 )
+from headbudget.budget_report import budget_report, budget_step
 from headbudget.schedules import HeadSchedule, ScheduleError
 
 PRESETS = ["cpu-tiny", "cpu-small", "gpt2-124m"]
@@ -112,25 +111,6 @@ def test_spec_parsing_and_registration():
     assert s2.head_dims == (32,) * 6
     s3 = schedule_spec.SCHEDULE_KINDS["late_dim_decay"](schedules.get_preset("cpu-small"), spec_arg="0.75")
     assert s3 == s
-
-
-def test_budget_schedule_from_spec_moved_to_schedule_spec_with_a_warning():
-    import headbudget.budget as budget
-
-    with pytest.warns(DeprecationWarning, match="headbudget.schedule_spec.schedule_from_spec"):
-        old = budget.budget_schedule_from_spec
-    assert old is schedule_spec.schedule_from_spec
-    assert old("custom:4x32/4x32/2x32/2x32", "cpu-tiny").heads == (4, 4, 2, 2)
-
-
-@pytest.mark.parametrize("name", ["schedule_from_spec", "register_schedule_kind"])
-def test_names_budget_used_to_import_still_resolve_with_a_warning(name):
-    # `from headbudget.budget import schedule_from_spec` worked before the spec parser moved out
-    import headbudget.budget as budget
-
-    with pytest.warns(DeprecationWarning, match=f"headbudget.schedule_spec.{name}"):
-        old = getattr(budget, name)
-    assert old is getattr(schedule_spec, name)
 
 
 def test_budget_report_counts():

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
+from headbudget.data.classification import Example
 from headbudget.pruning.finetune import finetune
-from headbudget.pruning.tasks import Example
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
 

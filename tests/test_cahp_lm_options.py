@@ -75,7 +75,7 @@ def test_importance_allocation_on_the_knee_path_keeps_the_knee_count():
 def _tiny_lm():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32)).eval()

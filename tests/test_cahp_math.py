@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from headbudget.pruning.cahp import (
-    cluster_sweep,
-    ensure_one_per_layer,
-    find_knee,
-    kept_by_layer,
-    mean_simplified_silhouette,
-    representatives,
-    select_heads,
-)
+from headbudget.pruning.cahp import ensure_one_per_layer, kept_by_layer, representatives, select_heads
+from headbudget.pruning.clustering import cluster_sweep, find_knee, mean_simplified_silhouette
 from headbudget.pruning.importance import head_list, michel_iterative, prune_spec, select_top
 from headbudget.pruning.signatures import (
     ClassSignatureAccumulator,
@@ -255,8 +248,9 @@ def test_parity_defaults_seed_and_tsne_float32(monkeypatch):
 
     import sklearn.manifold
 
-    from headbudget.pruning.cahp import cahp_select, cluster_sweep, embed_heads, select_heads
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.cahp import cahp_select, select_heads
+    from headbudget.pruning.clustering import cluster_sweep, embed_heads
+    from headbudget.pruning.job import PruneJob
 
     for fn in (cahp_select, select_heads, embed_heads, cluster_sweep):
         assert inspect.signature(fn).parameters["seed"].default == 42, fn.__name__

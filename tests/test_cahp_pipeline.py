@@ -56,7 +56,7 @@ def tiny_bert(tmp_path_factory):
 
 
 def _job(model, out, **kw):
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.job import PruneJob
 
     base = dict(model=str(model), task="sst5", data_dir=str(DATA), out=str(out), pool_size=8, batch_size=16,
                 finetune_epochs=0, progress=False, lr=1e-3)
@@ -66,7 +66,7 @@ def _job(model, out, **kw):
 
 def test_signatures_from_model_ignore_padding(tiny_bert):
     """A batch padded to a longer length gives the same signature as unpadded inputs."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.cahp import model_signatures
 
     model = load_classifier(tiny_bert, 5).eval()
@@ -113,7 +113,7 @@ def test_prune_cahp_cli_end_to_end(tiny_bert, tmp_path):
         assert (out / name).exists(), name
     # the saved model is physically pruned and reloads with the kept heads
     model = load_classifier(out / "model", 5)
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     ad = get_adapter(model)
     assert {str(k): v for k, v in ad.original_heads().items()} == rep["kept"]
@@ -122,11 +122,11 @@ def test_prune_cahp_cli_end_to_end(tiny_bert, tmp_path):
 
 def test_cahp_forced_keep_and_removed_equals_gated(tiny_bert, tmp_path):
     """--keep gives exactly that many heads and the pruned model's dev accuracy equals the gated dense one."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.data.classification import load_task
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.finetune import evaluate_accuracy, predict
     from headbudget.pruning.importance import gate_mask
     from headbudget.pruning.pipeline import run_prune
-    from headbudget.pruning.tasks import load_task
 
     res = run_prune(_job(tiny_bert, tmp_path / "k5", keep=5))
     rep = res["report"]
@@ -181,7 +181,7 @@ def test_reproducible_with_seed(tiny_bert, tmp_path):
 
 
 def test_gpt2_decoder_family_pipeline(tmp_path):
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.pipeline import run_prune
 
     model_dir = _save_tiny(tmp_path, "gpt2")
@@ -209,7 +209,7 @@ def test_label_free_lm_mode_on_tiny_gpt2():
     """Label-free CAHP: JS-divergence signatures + LM-loss salience on a tiny causal LM."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.cahp import cahp_select
 
     torch.manual_seed(0)
@@ -298,7 +298,7 @@ def test_label_free_signatures_values_rows_renormalised_before_pooling():
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.cahp import model_signatures
 
     torch.manual_seed(1)
@@ -365,11 +365,3 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
     assert calls == ["cahp"]  # another seed: not the finished run
 
 
-def test_run_compare_old_import_path_warns_and_is_the_same_function():
-    import headbudget.pruning.compare as cmp
-    import headbudget.pruning.pipeline as pl
-
-    with pytest.warns(DeprecationWarning, match="moved to headbudget.pruning.compare.run_compare"):
-        assert pl.run_compare is cmp.run_compare
-    with pytest.raises(AttributeError):
-        pl.no_such_name  # noqa: B018

@@ -102,8 +102,8 @@ def test_decoder_chain(family, tmp_path, capsys):
 def test_encoder_chain_finetune_prune_evaluate(tmp_path):
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
+    from headbudget.data.classification import load_task
     from headbudget.pruning.finetune import evaluate_accuracy
-    from headbudget.pruning.tasks import load_task
     from test_prune_cli import DATA, FIX
 
     tok = BertTokenizerFast(vocab_file=str(FIX / "vocab.txt"))
@@ -119,7 +119,7 @@ def test_encoder_chain_finetune_prune_evaluate(tmp_path):
     report = json.loads((tmp_path / "p" / "report.json").read_text())
     model = load_model(tmp_path / "p" / "model", kind="classifier", num_labels=5)
     assert type(model).__name__ == "BertForSequenceClassification"  # encoders keep their HF class
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     assert sum(get_adapter(model).head_counts()) == 5
     tokenizer = load_tokenizer(model_dir=tmp_path / "p" / "model")

@@ -114,7 +114,8 @@ def _tiny_llama(d: Path) -> Path:
 
 
 def test_weights_that_do_not_fit_their_config_name_the_file_and_tensor(tmp_path):
-    from headbudget.loading import WeightsMismatchError, load_model
+    from headbudget.loading import load_model
+    from headbudget.weight_shapes import WeightsMismatchError
 
     d = _tiny_llama(tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
@@ -177,7 +178,7 @@ def test_a_set_typo_is_refused_before_torch_is_imported():
 
 def test_non_utf8_files_name_the_file_and_byte_offset(tmp_path, capsys):
     from headbudget.data.sources import read_source
-    from headbudget.evaluation.perplexity import read_text
+    from headbudget.data.text import read_text
     from headbudget.evaluation.tasks import iter_jsonl
 
     cfg = tmp_path / "cfg.yaml"

@@ -61,12 +61,11 @@ def test_iter_jsonl_values_blank_lines_and_errors(tmp_path):
 
 
 def test_every_reader_of_the_package_goes_through_data_text(tmp_path):
-    """The old homes re-export the one reader, with each caller's error class."""
+    """Every reader goes through the one reader, with each caller's error class."""
     from headbudget.data.classification import TaskDataError, load_task
     from headbudget.data.sources import SourceError, read_source
-    from headbudget.evaluation import perplexity, tasks
+    from headbudget.evaluation import tasks
 
-    assert perplexity.read_text is read_text
     rows = tmp_path / "piqa_validation.jsonl"
     rows.write_text("7\n")
     with pytest.raises(tasks.DataError, match=r"piqa_validation\.jsonl:1: expected a JSON object, got int$"):
@@ -92,14 +91,6 @@ def test_every_reader_of_the_package_goes_through_data_text(tmp_path):
     assert [(e.text, e.text_pair, e.label) for e in data.train] == [("a", "b", 1), ("e", "f", 0)]
 
 
-def test_classification_data_keeps_its_old_import_path():
-    import headbudget.data.classification as new
-    import headbudget.pruning.tasks as old
-
-    assert all(getattr(old, name) is getattr(new, name) for name in old.__all__)
-    assert old.load_task is new.load_task and old.TaskDataError is new.TaskDataError
-
-
 def test_gpt2_tokenizer_files_that_are_not_utf8_name_the_file(tmp_path):
     pytest.importorskip("transformers")
     from headbudget.data.tokenizers import gpt2_hf_tokenizer
@@ -121,18 +112,6 @@ def test_a_non_utf8_include_path_yaml_names_file_byte_offset_and_line(tmp_path):
                         "lm-eval skips such a file, so task 'hb_bad' is not defined")  # the line was missing
     (tmp_path / "bad.yaml").unlink()
     assert _malformed_yaml(tmp_path, "hb_ok") is None
-
-
-def test_the_old_io_names_warn_and_give_the_one_reader():
-    import headbudget.io as hio
-
-    with pytest.warns(DeprecationWarning, match=r"headbudget\.io\.read_text_file is deprecated: use "
-                                                r"headbudget\.data\.text\.read_text"):
-        assert hio.read_text_file is read_text
-    with pytest.warns(DeprecationWarning):
-        assert hio.NotUTF8Error is NotUTF8Error
-    with pytest.raises(AttributeError):
-        hio.no_such_name  # noqa: B018
 
 
 def test_ptb_and_tsv_files_with_old_mac_line_ends_read_as_in_text_mode(tmp_path):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tests.test_eval_zeroshot import byte_tokenizer, tiny_gpt2
 
-from headbudget.evaluation.perplexity import loss_by_context_length, perplexity, read_text, window_plan
+from headbudget.data.text import read_text
+from headbudget.evaluation.perplexity import loss_by_context_length, perplexity, window_plan
 
 
 @pytest.fixture(autouse=True)

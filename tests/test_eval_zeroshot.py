@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from headbudget.evaluation.encoding import HarnessEncoder
+from headbudget.evaluation.scorer import Scorer
 from headbudget.evaluation.tasks import DataError, MCExample, get_task, load_examples
-from headbudget.evaluation.zeroshot import HarnessEncoder, Scorer, mc_metrics, mean_stderr
+from headbudget.evaluation.zeroshot import mc_metrics, mean_stderr
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "zeroshot"
 TASKS4 = ["piqa", "hellaswag", "arc_easy", "winogrande"]

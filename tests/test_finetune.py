@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizer
 
+from headbudget.data.classification import Example
 from headbudget.loading import load_model, load_tokenizer, resolve_model
-from headbudget.pruning.adapters import get_adapter
+from headbudget.models.surgery import get_adapter
 from headbudget.pruning.finetune import (
     evaluate_accuracy,
     finetune,
@@ -21,7 +22,6 @@ from headbudget.pruning.finetune import (
     run_finetune,
     save_classifier,
 )
-from headbudget.pruning.tasks import Example
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
 
@@ -221,7 +221,7 @@ def test_run_finetune_end_to_end(encoder_dir: Path, tmp_path: Path) -> None:
     assert saved["steps"] == 4 and saved["final"] == summary["final"]
     assert (out / "finetune.png").stat().st_size > 1000
     assert (out / "kept_heads.json").exists() and (out / "tokenizer.json").exists()
-    from headbudget.pruning.tasks import load_task
+    from headbudget.data.classification import load_task
 
     data = load_task("sst5", FIX / "sst5")
     model = load_classifier(out, num_labels=5)

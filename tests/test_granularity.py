@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from headbudget.accounting import config_cost, kv_cache_bytes_per_token
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
-from headbudget.pruning.adapters import get_adapter
+from headbudget.models.surgery import get_adapter
 from headbudget.pruning.granularity import apply_granularity, kv_groups_of
 from headbudget.pruning.importance import gate_mask, prune_spec
 
@@ -197,7 +197,8 @@ def test_prune_cli_granularity_group_reports_kv_cache_bytes(tmp_path, capsys):
 def test_granularity_job_is_checked_and_fingerprinted():
     from dataclasses import replace
 
-    from headbudget.pruning.pipeline import PruneJob, _job_fingerprint, check_job
+    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.pipeline import _job_fingerprint, check_job
 
     job = PruneJob("m", "lm", None, "out", data=str(TEXT), method="magnitude", keep=4, granularity="groups")
     with pytest.raises(ValueError, match="granularity must be head, group or balanced, got 'groups'"):
@@ -210,7 +211,8 @@ def test_balanced_after_a_method_without_scores_keeps_its_heads_first(tmp_path):
     """michel has no single final score: its kept set ranks first (1 kept, 0 not); balanced then keeps an
     equal number of query heads per kv head in every layer, at the budget."""
     from headbudget.data.tokenizers import ByteTokenizer
-    from headbudget.pruning.pipeline import PruneJob, run_prune
+    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.pipeline import run_prune
 
     run = tmp_path / "run"
     _llama_like(vocab=257).save_pretrained(run / "model")

@@ -64,7 +64,7 @@ def module_name(path: Path, src: Path) -> str:
 
 def is_deprecation_shim(node: ast.AST) -> bool:
     """A module-level ``def __getattr__`` that warns a DeprecationWarning: the lazy home of an old import
-    path (``headbudget.schedules.schedule_from_spec`` -> ``headbudget.schedule_spec``).  Any other
+    path (``headbudget.pruning.importance.IMPORTANCES`` -> ``headbudget.pruning.methods``).  Any other
     ``__getattr__`` is ordinary code and its imports count."""
     return (isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
             and any(isinstance(n, ast.Name) and n.id == "DeprecationWarning" for n in ast.walk(node)))

@@ -98,7 +98,7 @@ def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from headbudget.pruning.compare import run_compare
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.job import PruneJob
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=257, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(
@@ -256,7 +256,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
     """A comparison stopped after its first method has compare.json / compare.md with that method's row."""
     import headbudget.pruning.pipeline as pl
     from headbudget.pruning.compare import run_compare
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.job import PruneJob
 
     real = pl.run_prune
     calls = []
@@ -293,7 +293,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
 def test_prune_compare_seeds_cut_short_keep_the_finished_seeds(run_dir, tmp_path, monkeypatch):
     import headbudget.pruning.pipeline as pl
     from headbudget.pruning.compare import run_compare
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.job import PruneJob
 
     real = pl.run_prune
 

@@ -157,16 +157,6 @@ def test_registration_errors_and_a_scorer_of_the_wrong_shape(tiny, tmp_path, reg
         run_prune(_job(tiny, tmp_path / "oor", method="out-of-range", keep=4))
 
 
-def test_old_methods_tuple_warns_and_reads_the_registry(registered):
-    from headbudget.pruning import pipeline
-
-    methods.register_importance("late", lambda ctx: SCORES)
-    registered.append("late")
-    with pytest.warns(DeprecationWarning, match="available_importances"):
-        names = pipeline.METHODS
-    assert names == (*BUILTINS, "late")
-
-
 def test_a_comparison_runs_every_methods_check_before_any_method(tiny, tmp_path, registered):
     from headbudget.pruning.compare import run_compare
 

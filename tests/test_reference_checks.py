@@ -12,7 +12,7 @@ from headbudget.accounting import config_cost
 from headbudget.budget import fit_integer_total
 from headbudget.compression.svd import svd_compress
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM, to_headbudget
-from headbudget.pruning.adapters import get_adapter
+from headbudget.models.surgery import get_adapter
 from headbudget.pruning.importance import head_weight_norms
 from headbudget.schedules import HeadSchedule, LayerSpec
 

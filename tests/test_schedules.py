@@ -98,13 +98,3 @@ def test_schedule_from_spec_forms():
     assert schedule_from_spec("prism", "gpt2-124m", max_head_dim=128).heads[0] == 6
 
 
-@pytest.mark.parametrize("name", ["schedule_from_spec", "schedule_from_model", "SCHEDULE_KINDS",
-                                  "register_schedule_kind", "ScheduleFactory"])
-def test_spec_names_moved_to_schedule_spec_still_import_from_schedules_with_a_warning(name):
-    import headbudget.schedule_spec as schedule_spec
-    import headbudget.schedules as schedules
-
-    with pytest.warns(DeprecationWarning, match=f"headbudget.schedule_spec.{name}"):
-        assert getattr(schedules, name) is getattr(schedule_spec, name)
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        schedules.not_a_name  # noqa: B018

@@ -15,7 +15,8 @@ import torch
 from tests.test_eval_zeroshot import FIXTURES, byte_tokenizer
 
 from headbudget.cli.main import main
-from headbudget.evaluation.scorer import Scorer, logprob_tolerance
+from headbudget.evaluation.scorer import Scorer
+from headbudget.evaluation.scorer_check import logprob_tolerance
 from headbudget.evaluation.tasks import load_examples
 
 pytest.importorskip("lm_eval")

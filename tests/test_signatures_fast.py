@@ -74,7 +74,7 @@ def _signatures(adapter, batches, n_classes, legacy, calls=None):
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_regrouped_signatures_and_kept_heads_equal_the_per_batch_reference(family):
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.cahp import select_heads
 
     adapter = get_adapter(_tiny(family))
@@ -100,7 +100,7 @@ def test_regrouped_signatures_and_kept_heads_equal_the_per_batch_reference(famil
 
 
 def test_label_free_regrouped_equals_reference():
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     adapter = get_adapter(_tiny("bert"))
     batches = _batches(batch_size=16)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from headbudget.pruning.adapters import get_adapter
+from headbudget.models.surgery import get_adapter
 from headbudget.pruning.cahp import allocate_by_importance, select_heads
 from headbudget.pruning.importance import ImportanceContext, flatten, prune_spec
 from headbudget.pruning.methods import select_by_method

@@ -68,9 +68,9 @@ def test_every_command_has_the_same_threads_flag():
 
 
 def test_the_experiments_use_the_one_thread_helper():
-    from headbudget.experiments import _common
+    from headbudget.experiments import ngram, saturation
 
-    assert _common.torch_threads is torch_threads
+    assert ngram.torch_threads is saturation.torch_threads is torch_threads
 
 
 @pytest.mark.parametrize("command", TRAIN_LIKE)

@@ -116,7 +116,7 @@ def test_verdicts_use_a_paired_t_test():
 
 
 def test_paired_differences_hand_example():
-    from headbudget.train.compare import paired_differences
+    from headbudget.train.paired import paired_differences
 
     # diffs per seed: -0.1, -0.2, -0.3 -> mean -0.2, std 0.1, se 0.1/sqrt(3).  With 2 degrees of freedom the
     # t quantile has a closed form: t(p) = (2p - 1) / sqrt(2p(1 - p)); t(0.975) = 0.95 / sqrt(0.04875) = 4.3027
@@ -169,7 +169,7 @@ def test_until_flat_stops_at_the_first_flat_eval_point():
 
 
 def test_steps_for_tokens():
-    from headbudget.train.compare import steps_for_tokens
+    from headbudget.train.config import steps_for_tokens
 
     assert steps_for_tokens(1_000_000, 16, 128) == 489  # 2,048 a step: 488.28 rounded up
     assert steps_for_tokens(2048 * 10, 16, 128) == 10
@@ -332,7 +332,7 @@ def test_cli_compare_resume(tmp_path, capsys):
 
 
 def test_decide_states_a_null_result_only_inside_the_margin():
-    from headbudget.train.compare import decide
+    from headbudget.train.paired import decide
 
     assert decide([-0.03, -0.001]) == "lower" and decide([0.001, 0.02]) == "higher"
     assert decide([-0.01, 0.02]) == "inconclusive"  # no margin: a straddling interval decides nothing
@@ -348,7 +348,7 @@ def test_min_detectable_difference_has_the_stated_power():
     import numpy as np
     from scipy import stats
 
-    from headbudget.train.compare import min_detectable_difference
+    from headbudget.train.paired import min_detectable_difference
 
     for n, sd in ((5, 0.0093), (3, 0.02)):
         mdd = min_detectable_difference(sd, n)
@@ -362,7 +362,7 @@ def test_min_detectable_difference_has_the_stated_power():
 
 
 def test_cli_compare_margin_reports_equivalence_and_what_the_seeds_detect(tmp_path, capsys):
-    from headbudget.train.compare import min_detectable_difference
+    from headbudget.train.paired import min_detectable_difference
 
     cfgfile = tmp_path / "c.yaml"
     cfgfile.write_text(tiny(tmp_path).to_yaml())

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from headbudget.train.config import ConfigError, RunConfig, apply_overrides, load_config, resolve_config_path
-from headbudget.train.trainer import build_schedule, lr_at
+from headbudget.train.setup import build_schedule, lr_at
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

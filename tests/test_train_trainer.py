@@ -194,7 +194,8 @@ def test_resume_refuses_a_different_model_or_data_order(tmp_path):
 
 
 def test_param_groups_decay_matrices_only():
-    from headbudget.train.trainer import build_model, param_groups
+    from headbudget.train.loop import param_groups
+    from headbudget.train.setup import build_model
 
     cfg = tiny_config(Path("."))
     model = build_model(cfg, 320)

@@ -186,7 +186,8 @@ def test_include_path_runs_python_only_for_the_tasks_requested(tmp_path):
     """``--include-path`` runs a requested task's ``!function`` module only with ``allow_code`` (documented);
     indexing the folder or requesting another task of it never does."""
     pytest.importorskip("lm_eval")
-    from headbudget.evaluation.harness import TaskCodeError, load_harness_tasks
+    from headbudget.evaluation.harness import load_harness_tasks
+    from headbudget.evaluation.task_code import TaskCodeError
 
     data = tmp_path / "docs.jsonl"
     data.write_text('{"q": "pick one"}\n')
@@ -277,11 +278,12 @@ def test_the_loader_guard_refuses_what_the_early_check_missed(tmp_path, monkeypa
     path into it the check did not foresee still runs nothing); the built-in task files keep working."""
     pytest.importorskip("lm_eval")
     from headbudget.evaluation import harness
+    from headbudget.evaluation.task_code import TaskCodeError
 
     marker = tmp_path / "IMPORTED"
     task = _coded_task_folder(tmp_path / "mine", marker)
     monkeypatch.setattr(harness, "check_task_code", lambda *a, **k: None)
-    with pytest.raises(harness.TaskCodeError, match=r"!function utils\.process_docs would run Python from"):
+    with pytest.raises(TaskCodeError, match=r"!function utils\.process_docs would run Python from"):
         harness.load_harness_tasks([str(task)])
     assert not marker.exists()
     # headbudget's own task files (prompts.py) need no consent

@@ -46,10 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# The report of a budgeted schedule lives in its own module; re-exported so both are one import away.
-from headbudget.budget_report import BudgetReport as BudgetReport
-from headbudget.budget_report import budget_report as budget_report
-from headbudget.budget_report import budget_step
+from headbudget.budget_report import budget_report, budget_step  # noqa: F401  (budget_report: docs/allocation.md)
 from headbudget.schedules import HeadSchedule, LayerSpec, ModelPreset, ScheduleError, get_preset, uniform
 
 STRATEGIES = ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom")
@@ -443,20 +440,3 @@ def value_is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def __getattr__(name: str) -> Any:
-    # budget_schedule_from_spec moved up to headbudget.schedule_spec (as schedule_from_spec, which reads
-    # every form); imported late because schedule_spec imports this module.
-    # schedule_from_spec / register_schedule_kind were importable from here as a side effect of its imports.
-    moved = {"budget_schedule_from_spec": "schedule_from_spec", "schedule_from_spec": "schedule_from_spec",
-             "register_schedule_kind": "register_schedule_kind"}
-    if name in moved:
-        import warnings
-
-        warnings.warn(f"headbudget.budget.{name} moved: use headbudget.schedule_spec.{moved[name]}",
-                      DeprecationWarning, stacklevel=2)
-        import headbudget.schedule_spec as schedule_spec
-
-        return getattr(schedule_spec, moved[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

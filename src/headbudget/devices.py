@@ -5,7 +5,6 @@
     >>> resolve_dtype("bfloat16"), resolve_device("cpu")
     (torch.bfloat16, device(type='cpu'))
 
-(Also importable from :mod:`headbudget.loading`, where they were first defined.)
 """
 
 from __future__ import annotations

@@ -285,21 +285,3 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
         pyplot = sys.modules.get("matplotlib.pyplot")  # not imported: no figure of pyplot's to close
         if pyplot is not None:
             pyplot.close(fig)  # a no-op for new_figure's figures, which pyplot does not hold
-
-
-#: text readers that lived here before issue 21: old name -> name in :mod:`headbudget.data.text`
-_MOVED_TO_DATA_TEXT = {"NotUTF8Error": "NotUTF8Error", "read_text_file": "read_text", "iter_text_lines": "iter_text_lines"}
-
-
-def __getattr__(name: str) -> Any:
-    """The old import paths of the text readers, with a DeprecationWarning naming the new one."""
-    if name not in _MOVED_TO_DATA_TEXT:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    new = _MOVED_TO_DATA_TEXT[name]
-    warnings.warn(f"headbudget.io.{name} is deprecated: use headbudget.data.text.{new}", DeprecationWarning,
-                  stacklevel=2)
-    from headbudget.data import text
-
-    return getattr(text, new)

@@ -55,9 +55,9 @@ from typing import Any
 import torch
 
 from headbudget import model_files  # what a folder holds: each file checked before it is opened
-from headbudget.devices import DTYPES, resolve_device, resolve_dtype  # re-exported: loading's public names
+from headbudget.devices import resolve_device  # its documented path here: docs/evaluation.md
 from headbudget.io import regular_file
-from headbudget.weight_shapes import WeightsMismatchError, check_weight_shapes  # re-exported
+from headbudget.weight_shapes import check_weight_shapes
 
 # torch warns in two lines before refusing a plain pickle (a crafted .bin), which loading reports in one
 warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
@@ -495,6 +495,5 @@ def load_model_and_tokenizer(
     return model, tok
 
 
-__all__ = ["DTYPES", "KINDS", "ModelSource", "WeightsMismatchError", "check_vocab", "check_weight_shapes",
-           "checkpoint_role", "load_model", "load_model_and_tokenizer", "load_tokenizer", "resolve_device",
-           "resolve_dtype", "resolve_model", "to_headbudget"]
+__all__ = ["KINDS", "ModelSource", "check_vocab", "checkpoint_role", "load_model", "load_model_and_tokenizer",
+           "load_tokenizer", "resolve_device", "resolve_model", "to_headbudget"]

@@ -395,22 +395,3 @@ def get_preset(name: str) -> ModelPreset:
         return PRESETS[name]
     except KeyError:
         raise ScheduleError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None
-
-
-# Spec parsing (``schedule_from_spec``, the kind registry, ``from:DIR``) lives one level up in
-# headbudget.schedule_spec, which also reads the budget forms of headbudget.budget; importing it from
-# here would close the circle schedules -> budget -> ... -> schedules.  Old import paths still work:
-_MOVED_TO_SCHEDULE_SPEC = ("SCHEDULE_KINDS", "ScheduleFactory", "register_schedule_kind", "schedule_from_model",
-                           "schedule_from_spec")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_SCHEDULE_SPEC:
-        import warnings
-
-        warnings.warn(f"headbudget.schedules.{name} moved to headbudget.schedule_spec.{name}; "
-                      "import it from there", DeprecationWarning, stacklevel=2)
-        from headbudget import schedule_spec
-
-        return getattr(schedule_spec, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

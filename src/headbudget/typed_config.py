@@ -51,18 +51,18 @@ def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: tuple
     return dataclasses.field(default=default, metadata=meta)
 
 
-#: the names of headbudget.loading.DTYPES (not imported: settings are read without torch)
+#: the names of headbudget.devices.DTYPES (not imported: settings are read without torch)
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 def device_option() -> Any:
-    """The ``device`` field of every job that loads a model (checked by ``headbudget.loading.resolve_device``)."""
+    """The ``device`` field of every job that loads a model (checked by ``headbudget.devices.resolve_device``)."""
     return option(None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
 
 
 def dtype_option(auto: str = "the checkpoint's own") -> Any:
     """The ``dtype`` field of every job that loads a model: a plain string checked by
-    ``headbudget.loading.resolve_dtype`` (a bad value is one error line)."""
+    ``headbudget.devices.resolve_dtype`` (a bad value is one error line)."""
     return option("auto", metavar="{" + ",".join(DTYPE_NAMES) + "}",
                   help=f"float type of the model's weights (default auto: {auto}); bfloat16/float16 halve memory "
                        "and, on hardware with fast half-precision, time")

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if job.method == "merge-kv":
         return _run_merge_kv(job, args)
     from headbudget.compression.pipeline import format_report, run_compress
-    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.devices import resolve_device, resolve_dtype
     from headbudget.run_dir import claim_output_dir
 
     resolve_dtype(job.dtype)
@@ -139,7 +139,7 @@ def _inputs(job: CompressJob, args: argparse.Namespace) -> dict[str, object]:
 def _run_merge_kv(job: CompressJob, args: argparse.Namespace) -> int:
     """--method merge-kv: the library's run_merge_kv in a claimed --out, then its summary."""
     from headbudget.compression.merge_kv_pipeline import format_merge_report, run_merge_kv
-    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.devices import resolve_device, resolve_dtype
     from headbudget.run_dir import claim_output_dir
 
     _check_merge_kv_flags(job)

@@ -106,7 +106,7 @@ class AttentionSettings(ModelSettings):
 def _check_model_flags(args: argparse.Namespace) -> None:
     """--device and --dtype checked (one-line errors) before any slow work; ``args.device`` becomes
     the resolved device (cuda when available), which the scorer is given too."""
-    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.devices import resolve_device, resolve_dtype
 
     args.device = str(resolve_device(args.device))
     resolve_dtype(args.dtype)
@@ -114,7 +114,8 @@ def _check_model_flags(args: argparse.Namespace) -> None:
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model and tokenizer of ``args``, its flags already checked by :func:`_check_model_flags`."""
-    from headbudget.loading import load_model_and_tokenizer, resolve_dtype
+    from headbudget.devices import resolve_dtype
+    from headbudget.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(args.model, tokenizer=args.tokenizer, gguf_file=args.gguf_file,
                                     device=args.device, dtype=resolve_dtype(args.dtype))
@@ -215,7 +216,8 @@ def _print_report(report: dict[str, Any], format_report: Any) -> None:
 def run_perplexity(args: argparse.Namespace) -> int:
     if printed(args):
         return 0
-    from headbudget.evaluation.perplexity import loss_by_context_length, perplexity, read_text
+    from headbudget.data.text import read_text
+    from headbudget.evaluation.perplexity import loss_by_context_length, perplexity
     from headbudget.experiments._common import parse_int_list
 
     if args.json:  # checked before the model loads, not after the scoring
@@ -260,8 +262,9 @@ def run_attention(args: argparse.Namespace, out: Path | None = None) -> int:
         plot_distance_comparison,
         write_json,
     )
-    from headbudget.evaluation.perplexity import read_text
-    from headbudget.loading import load_model_and_tokenizer, resolve_dtype
+    from headbudget.data.text import read_text
+    from headbudget.devices import resolve_dtype
+    from headbudget.loading import load_model_and_tokenizer
 
     _check_model_flags(args)
     text = read_text(args.data)

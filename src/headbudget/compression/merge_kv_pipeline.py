@@ -85,7 +85,7 @@ def run_merge_kv(
     """Merge ``model_path``'s key/value heads and write ``out/model/`` and ``out/report.json``; returns the
     report.  Fitting and merging run in float64/float32 on the CPU; ``dtype``/``device`` are what perplexity
     is measured in and (``dtype``) the model is saved in, as for the other compress methods."""
-    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.devices import resolve_device, resolve_dtype
     from headbudget.threads import torch_threads
 
     if merge_rule not in MERGE_RULES:

@@ -230,7 +230,7 @@ def run_compress(
     small models on a busy CPU.  The compression itself is computed in float32 on the CPU; ``dtype``
     (auto/None: float32) is the float type perplexity is measured in and the compressed model is saved
     in, ``device`` (default: cuda when available) where perplexity is measured."""
-    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.devices import resolve_device, resolve_dtype
     from headbudget.threads import torch_threads
 
     torch_dtype = resolve_dtype(dtype) or torch.float32

@@ -14,7 +14,6 @@ local directory (nothing is downloaded):
 
 Malformed input raises :class:`TaskDataError` (a ``ValueError``) naming the file and line; a file that
 is not UTF-8 a :class:`headbudget.data.text.NotUTF8Error` naming the file, byte offset and line.
-(``headbudget.pruning.tasks``, this module's old home, re-exports it.)
 
     >>> from headbudget.data.classification import load_task, make_loader
     >>> data = load_task("sst5", "../shared/data/classification/sst5")

@@ -41,9 +41,8 @@ import torch
 
 from headbudget.data.text import NotUTF8Error, read_text
 from headbudget.evaluation.scorer import Scorer
-from headbudget.evaluation.task_code import (  # noqa: F401 (TaskCodeError: part of this module's errors)
+from headbudget.evaluation.task_code import (
     BUILTIN_TASKS_DIR,
-    TaskCodeError,
     check_task_code,
     code_guard,
     sandboxed_templates,
@@ -122,7 +121,7 @@ class HeadBudgetLM(LM):
                  strategy: str = "prefix", add_bos_token: Any = None, max_length: Any = None,
                  progress: Any = True, max_batch_size: Any = None, dtype: Any = None,
                  **unknown: Any) -> None:
-        from headbudget.loading import resolve_device, resolve_dtype
+        from headbudget.devices import resolve_device, resolve_dtype
 
         super().__init__()
         if unknown:

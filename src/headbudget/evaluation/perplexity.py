@@ -6,7 +6,8 @@ window scores all but its first token), so every token after the first is scored
 up to ``context - stride`` tokens of left context.  The result is the token-level mean negative
 log-likelihood (``loss``, nats) and ``ppl = exp(loss)``.
 
-    >>> from headbudget.evaluation.perplexity import perplexity, read_text
+    >>> from headbudget.data.text import read_text
+    >>> from headbudget.evaluation.perplexity import perplexity
     >>> r = perplexity(model, tokenizer, read_text("../shared/data/text/wikitext2_valid.tokens"),
     ...                context=1024, stride=512)                               # doctest: +SKIP
     >>> r["ppl"], r["tokens_scored"]                                        # doctest: +SKIP
@@ -20,10 +21,9 @@ from typing import Any
 
 import torch
 
-from headbudget.data.text import read_text  # re-exported: callers and docs import it from here
 from headbudget.progress import ProgressBar
 
-__all__ = ["loss_by_context_length", "perplexity", "read_text", "window_plan"]
+__all__ = ["loss_by_context_length", "perplexity", "window_plan"]
 
 
 def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:

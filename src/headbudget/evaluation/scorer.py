@@ -34,7 +34,6 @@ import torch
 
 from headbudget.evaluation.encoding import HarnessEncoder, model_max_length
 from headbudget.evaluation.scorer_check import _TreeMismatch, _unit_kind, verify_units
-from headbudget.evaluation.scorer_check import logprob_tolerance as logprob_tolerance  # public here too
 from headbudget.evaluation.tasks import MCExample
 from headbudget.evaluation.token_trie import common_prefix_len as _common_prefix_len
 from headbudget.evaluation.token_trie import trie_layout

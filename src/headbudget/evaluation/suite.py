@@ -33,7 +33,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from headbudget.evaluation.harness import DEFAULT_SEEDS, parse_seed  # noqa: F401  (re-exported: the old path)
+from headbudget.evaluation.harness import parse_seed
 from headbudget.evaluation.tasks import TASKS, get_task, load_examples
 from headbudget.evaluation.zeroshot import evaluate_tasks, format_table
 

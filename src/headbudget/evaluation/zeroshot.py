@@ -26,12 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from headbudget.evaluation.encoding import HarnessEncoder, model_max_length
 from headbudget.evaluation.scorer import Scorer
 from headbudget.evaluation.tasks import MCExample, get_task, load_examples
 
-__all__ = ["HarnessEncoder", "Scorer", "evaluate_tasks", "format_table", "mc_metrics", "mean_stderr",
-           "model_max_length"]
+__all__ = ["evaluate_tasks", "format_table", "mc_metrics", "mean_stderr"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,4 @@
-"""Small helpers shared by the synthetic experiments: thread control and flag parsing.
-
-Atomic JSON/PNG writes come from :mod:`headbudget.io` (re-exported here for the experiment modules).
-"""
+"""Small helpers shared by the synthetic experiments: the recorded config, flag parsing and result files."""
 
 from __future__ import annotations
 
@@ -11,13 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from headbudget.io import atomic_write_json, atomic_write_text, new_figure, save_figure
-from headbudget.threads import torch_threads  # the one thread helper, re-exported for the experiments
+from headbudget.io import atomic_write_json, atomic_write_text  # noqa: F401  (atomic_write_text: benchmarks/)
 
-__all__ = [
-    "RUN_SETTINGS", "atomic_write_json", "atomic_write_text", "new_figure", "parse_int_list", "recorded_config",
-    "save_figure", "torch_threads", "write_result",
-]
+__all__ = ["RUN_SETTINGS", "parse_int_list", "recorded_config", "write_result"]
 
 #: config fields that say where and how a run reports (its --out folder, its progress bars), not what it
 #: measures: left out of the config recorded in the result JSON

@@ -29,14 +29,10 @@ from typing import Any
 
 import torch
 
-from headbudget.experiments._common import (
-    new_figure,
-    recorded_config,
-    save_figure,
-    torch_threads,
-    write_result,
-)
+from headbudget.experiments._common import recorded_config, write_result
+from headbudget.io import new_figure, save_figure
 from headbudget.progress import ProgressBar
+from headbudget.threads import torch_threads
 from headbudget.train.loop import TrainLoop
 from headbudget.typed_config import option
 

@@ -14,12 +14,6 @@ from __future__ import annotations
 
 from headbudget.models import modeling_headbudget as standalone
 from headbudget.models.config import HeadBudgetConfig
-from headbudget.models.modeling_headbudget import (  # noqa: F401  (re-exported)
-    HeadBudgetAttention,
-    HeadBudgetBlock,
-    HeadBudgetMLP,
-    HeadBudgetRMSNorm,
-)
 
 
 class HeadBudgetModel(standalone.HeadBudgetModel):

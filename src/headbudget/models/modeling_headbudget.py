@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_headbudget import HeadBudgetConfig
-from .rotary_headbudget import ROPE_TYPES, default_inv_freq, rope_problem, rotary_inv_freq  # noqa: F401 (re-exported)
+from .rotary_headbudget import rope_problem, rotary_inv_freq
 
 try:  # transformers >= 5 tracks which tensors were initialised (so loading does not re-init them)
     from transformers import initialization as init

@@ -30,32 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from headbudget.pruning.clustering import (  # re-exported: CAHP's public names since before the split
-    MSS_VARIANTS,
-    Clustering,
-    cluster_sweep,
-    embed_heads,
-    find_knee,
-    mean_simplified_silhouette,
-)
+from headbudget.pruning.clustering import Clustering, cluster_sweep, embed_heads, find_knee
 
-__all__ = [
-    "ALLOCATIONS",
-    "MSS_VARIANTS",
-    "CAHPSelection",
-    "Clustering",
-    "LM_DEFAULTS",
-    "REPRESENTATIVES",
-    "allocate_by_importance",
-    "cluster_sweep",
-    "embed_heads",
-    "ensure_one_per_layer",
-    "find_knee",
-    "kept_by_layer",
-    "mean_simplified_silhouette",
-    "representatives",
-    "select_heads",
-]
+__all__ = ["ALLOCATIONS", "CAHPSelection", "LM_DEFAULTS", "REPRESENTATIVES", "allocate_by_importance",
+           "ensure_one_per_layer", "kept_by_layer", "representatives", "select_heads"]
 
 ALLOCATIONS = ("cluster", "importance")
 REPRESENTATIVES = ("salience", "fisher")

@@ -1,6 +1,5 @@
 """Several pruning methods at one head count (:func:`run_compare`), optionally once per LM calibration seed
 with the per-seed values aggregated and ranked; each method runs through :func:`headbudget.pruning.pipeline.run_prune`.
-Split out of :mod:`headbudget.pruning.pipeline`, which still re-exports :func:`run_compare` and :func:`parse_methods`.
 
     >>> from headbudget.pruning.compare import run_compare
     >>> run_compare(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cmp"),
@@ -15,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from headbudget.io import atomic_write_text
 from headbudget.pruning import pipeline
 from headbudget.pruning.job import PruneJob
 from headbudget.pruning.methods import get_importance
@@ -197,7 +197,7 @@ def _write_seeds_summary(job: PruneJob, loaded: LMWorkload, entries: list[tuple[
         md.append("\n".join(f"| {lbl} | {t} | " + " | ".join(rpt._fmt(v) for v in vs) + " |"
                             for lbl, d in values[st].items() for t, vs in d.items()) + "\n")
     md.append("Each seed's own table: " + ", ".join(f"[seed {s}](seed{s}/compare.md)" for s in seeds) + ".\n")
-    rpt.atomic_write_text(out / "compare.md", "\n".join(md))
+    atomic_write_text(out / "compare.md", "\n".join(md))
     summary = {"task": job.task, "model": job.model, "metric_name": loaded.metric_name,
                "heads_total": loaded.heads_total, "calibration_seeds": seeds,
                **({"calibration_seeds_planned": planned} if planned is not None else {}), "texts": names,
@@ -294,7 +294,7 @@ def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]],
           "![heads per layer](heads_per_layer.png)\n\n![accuracy vs heads](accuracy_vs_heads.png)\n")
     if mname == "perplexity":
         md += "\nMetric: held-out perplexity (lower is better).\n"
-    rpt.atomic_write_text(out / "compare.md", md)
+    atomic_write_text(out / "compare.md", md)
     summary = {"task": job.task, "model": job.model, "metric_name": mname, "heads_total": loaded.heads_total,
                "load_seconds": loaded.load_seconds, **({"methods_planned": list(planned)} if planned else {}),
                "rows": rows}

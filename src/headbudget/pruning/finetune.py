@@ -28,8 +28,8 @@ from torch import nn
 from headbudget.data.classification import Example, TaskData, get_task, load_task, make_loader, subsample
 from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_json, follow_umask, save_figure
+from headbudget.models.surgery import get_adapter, save_pruned
 from headbudget.progress import ProgressBar
-from headbudget.pruning.adapters import get_adapter, save_pruned
 from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
 
 
@@ -282,7 +282,8 @@ def run_finetune(
     the model + tokenizer (``save_pretrained``, plus ``kept_heads.json``), ``finetune.json``
     (history, accuracy before and after) and ``finetune.png`` (accuracy per epoch).  Returns the summary.
     """
-    from headbudget.loading import load_model_and_tokenizer, resolve_device
+    from headbudget.devices import resolve_device
+    from headbudget.loading import load_model_and_tokenizer
 
     dev = resolve_device(device)  # the default every command shares: cuda when available
     spec = get_task(task)

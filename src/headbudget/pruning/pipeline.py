@@ -1,7 +1,8 @@
 """The pruning pipeline of one method (:func:`run_prune`); several at one head count are
 :func:`headbudget.pruning.compare.run_compare`.
 
-    >>> from headbudget.pruning.pipeline import PruneJob, run_prune
+    >>> from headbudget.pruning.job import PruneJob
+    >>> from headbudget.pruning.pipeline import run_prune
     >>> run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
     ...                                                                              # doctest: +SKIP
     >>> run_prune(PruneJob("runs/prism", "lm", None, "runs/cahp-lm", data="../shared/data/text/tinyshakespeare.txt",
@@ -9,7 +10,7 @@
 
 Classification tasks (``sst5``, ``mnli``) prune a classifier (BERT family or a fine-tuned
 ``*ForSequenceClassification``); it keeps its Hugging Face class and is saved with
-:func:`headbudget.pruning.adapters.save_pruned` (``kept_heads.json`` records the kept heads, and
+:func:`headbudget.models.surgery.save_pruned` (``kept_heads.json`` records the kept heads, and
 :func:`headbudget.loading.load_model` reads it back).  ``task="lm"`` prunes a causal LM label-free
 (:mod:`headbudget.pruning.lm`): the decoder is converted to a headbudget model
 (``load_model(..., as_headbudget=True)``), pruned by ``model.prune_heads`` and saved with
@@ -28,12 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from headbudget.io import atomic_write_text
 from headbudget.pruning import report as rpt
 from headbudget.pruning.job import PruneJob
 from headbudget.pruning.methods import (
     MethodRun,
     Selection,
-    available_importances,
     get_importance,
     method_job_fields,
 )
@@ -47,7 +48,7 @@ from headbudget.pruning.workloads import (
 
 def check_job(job: PruneJob) -> None:
     """A one-line ``ValueError`` naming the first invalid setting of ``job``."""
-    from headbudget.loading import resolve_device, resolve_dtype
+    from headbudget.devices import resolve_device, resolve_dtype
 
     resolve_dtype(job.dtype, flag="dtype")
     resolve_device(job.device, flag="device")
@@ -209,7 +210,7 @@ def run_prune(job: PruneJob, loaded: Workload | None = None,
     plots = sel.plots + _plot_result(run, report, kept_layers, stages[loaded.primary], details)
     rpt.write_json(out / "report.json", report)
     rpt.write_json(out / "details.json", details)
-    rpt.atomic_write_text(out / "report.md", rpt.report_markdown(report, details, plots))
+    atomic_write_text(out / "report.md", rpt.report_markdown(report, details, plots))
     return {"report": report, "details": details}
 
 
@@ -342,26 +343,6 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
             if k not in mine:
                 d.pop(k, None)
     return json.loads(json.dumps(d, default=str))
-
-
-def __getattr__(name: str) -> Any:
-    # run_compare / parse_methods moved to headbudget.pruning.compare (which imports this module): the old
-    # import path keeps working, with a warning, until callers have moved
-    if name == "METHODS":  # was a fixed tuple; the methods are now a registry users can add to
-        import warnings
-
-        warnings.warn("headbudget.pruning.pipeline.METHODS is deprecated: use "
-                      "headbudget.pruning.methods.available_importances()", DeprecationWarning, stacklevel=2)
-        return available_importances()
-    if name in ("parse_methods", "run_compare"):
-        import warnings
-
-        from headbudget.pruning import compare
-
-        warnings.warn(f"headbudget.pruning.pipeline.{name} moved to headbudget.pruning.compare.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(compare, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["PruneJob", "check_job", "run_prune"]

@@ -38,11 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from headbudget.io import atomic_write_text, save_figure  # atomic_write_text: re-exported for the CLI
+from headbudget.io import atomic_write_text, save_figure
 
 __all__ = [
     "REPORT_KEYS",
-    "atomic_write_text",
     "build_report",
     "compare_markdown",
     "depth_profile",

@@ -23,13 +23,13 @@ from headbudget.pruning.job import PruneJob
 
 
 def _device(job: PruneJob) -> Any:
-    from headbudget.loading import resolve_device
+    from headbudget.devices import resolve_device
 
     return resolve_device(job.device, flag="device")
 
 
 def _dtype(job: PruneJob) -> Any:
-    from headbudget.loading import resolve_dtype
+    from headbudget.devices import resolve_dtype
 
     return resolve_dtype(job.dtype, flag="dtype")
 
@@ -37,7 +37,7 @@ def _dtype(job: PruneJob) -> Any:
 def _save(model: Any, tokenizer: Any, out: Path, sidecar: bool) -> None:
     """``save_pretrained`` of model and tokenizer into one folder, atomically; ``sidecar`` adds
     ``kept_heads.json`` (encoders, whose HF class cannot record per-layer head counts)."""
-    from headbudget.pruning.adapters import save_pruned
+    from headbudget.models.surgery import save_pruned
 
     def write(tmp: Path) -> None:
         if sidecar:
@@ -246,6 +246,6 @@ def load_workload(job: PruneJob) -> Workload:
 
 def model_adapter(model: Any) -> Any:
     """The head adapter of ``model`` (imported late: adapters pull in the model families)."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     return get_adapter(model)

@@ -35,21 +35,23 @@ from scipy import stats  # a dependency of scikit-learn, which headbudget requir
 
 from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text
-from headbudget.train.compare_plots import (  # re-exported
+from headbudget.train.compare_plots import (
     plot_curves,
     plot_paired_curves,
     plot_paired_differences,
 )
 from headbudget.train.config import RunConfig
-from headbudget.train.config import steps_for_tokens as steps_for_tokens  # re-exported
+from headbudget.train.config import steps_for_tokens as steps_for_tokens  # kept for benchmarks/prism_study.py
 from headbudget.train.loop import distributed_env, init_distributed, training_device
-from headbudget.train.paired import (  # re-exported: the study and older callers import them from here
+from headbudget.train.paired import (
     decide,
     min_detectable_difference,
     paired_differences,
     sample_std,
 )
-from headbudget.train.trainer import Trainer, TrainResult, build_schedule
+from headbudget.train.records import TrainResult
+from headbudget.train.setup import build_schedule
+from headbudget.train.trainer import Trainer
 
 
 def parse_schedules(text: str | Sequence[str]) -> list[str]:

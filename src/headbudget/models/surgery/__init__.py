@@ -3,7 +3,7 @@
 One home for the per-family knowledge of where each layer's heads live: headbudget's own decoder
 delegates removal to ``HeadBudgetForCausalLM.prune_heads``, the HF families are cut here.  It sits in
 the models layer so that :mod:`headbudget.loading` opens pruned checkpoints (``kept_heads.json``)
-with a downward import; :mod:`headbudget.pruning.adapters` re-exports it for the pruning code.
+with a downward import.
 
 transformers 5 dropped ``head_mask`` and ``prune_heads`` from its models, so every family gets an
 adapter that finds each layer's query/key/value/output projections and head counts itself:
