@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,14 @@ os.environ["HEADBUDGET_CPU_BF16"] = "0"
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed_and_one_thread() -> Iterator[None]:
+    """Every test starts from seed 0 on one thread (tiny models run fastest single-threaded on a shared CPU);
+    a test or command that changes the thread count has it restored afterwards."""
     torch.manual_seed(0)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def load_benchmark(name: str):

@@ -25,15 +25,6 @@ from headbudget.models.surgery import get_adapter, load_pruned, save_pruned
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest single-threaded on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _bert():
     cfg = BertConfig(
         hidden_size=32,

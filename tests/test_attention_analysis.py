@@ -16,17 +16,6 @@ from headbudget.analysis.attention import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared CPU run far faster on one thread; restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_hand_made_matrix():
     # head 0: every query attends to key 0; head 1: uniform over the causal prefix
     t = 4

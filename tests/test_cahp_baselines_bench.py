@@ -17,14 +17,6 @@ from headbudget.pruning.finetune import finetune
 FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    from headbudget.threads import torch_threads
-
-    with torch_threads(1):
-        yield
-
-
 # --------------------------------------------------------------------------- finetune(precision=...)
 def _toy(n: int) -> list[Example]:
     return [Example(f"the {'good' if i % 2 else 'bad'} film .", i % 2) for i in range(n)]

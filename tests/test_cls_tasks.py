@@ -26,15 +26,6 @@ FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "classification" / "sst5"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest single-threaded on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import BertTokenizer

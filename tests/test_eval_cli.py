@@ -11,17 +11,6 @@ from tests.test_eval_zeroshot import FIXTURES, byte_tokenizer, tiny_gpt2
 from headbudget.cli.main import main
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared CPU run far faster on one thread; restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tiny")

@@ -12,17 +12,6 @@ from headbudget.data.text import read_text
 from headbudget.evaluation.perplexity import loss_by_context_length, perplexity, window_plan
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared CPU run far faster on one thread; restored afterwards."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("n, ctx, stride", [(50, 16, 8), (50, 16, 15), (17, 16, 5), (10, 64, 32)])
 def test_every_token_after_the_first_is_scored_once(n, ctx, stride):
     scored = []
@@ -75,7 +64,6 @@ def test_window_plan_with_stride_equal_to_context_never_asks_for_more_targets_th
     assert all(trg <= end - begin - 1 for begin, end, trg in plan)
     assert [b for b, _, _ in plan] == [0, 32, 64, 96]
     assert sum(t for _, _, t in plan) == 100 - 4  # each window's first token has no in-window context
-
 
 
 def test_loss_by_context_length_scores_the_same_targets_with_k_tokens_before_them():

@@ -36,15 +36,6 @@ def tiny_gpt2(seed: int = 0):
                                       vocab_size=257)).eval()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared CPU run far faster on one thread; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return byte_tokenizer()

@@ -34,15 +34,6 @@ def resolve_model_dir(path):
     return resolve_model(path).where
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest single-threaded on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _config(**kw) -> BertConfig:
     return BertConfig(
         hidden_size=32,
