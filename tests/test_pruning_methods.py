@@ -168,3 +168,37 @@ def test_a_comparison_runs_every_methods_check_before_any_method(tiny, tmp_path,
     with pytest.raises(ValueError, match=r"^method picky cannot run on task sst5 \(picky\)$"):
         run_compare(_job(tiny, tmp_path / "cmp", keep=4), "random,picky")
     assert not (tmp_path / "cmp" / "random").exists()  # was: random ran (and wrote its folder) first
+
+
+def _install_plugin(root, monkeypatch, entry_points: str, module: str) -> None:
+    """An installed distribution outside src: a module and a dist-info whose entry_points.txt names it."""
+    root.mkdir()
+    (root / "hb_demo_plugin.py").write_text(module)
+    info = root / "hb_demo_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hb-demo-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{methods.ENTRY_POINT_GROUP}]\n{entry_points}\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(methods, "_plugins_loaded", False)
+
+
+def test_an_installed_package_adds_an_importance_the_cli_can_use(tiny, tmp_path, monkeypatch, registered, capsys):
+    from headbudget.cli.main import main
+
+    _install_plugin(tmp_path / "site", monkeypatch, "fixed-plugin = hb_demo_plugin:scores\nbroken = hb_demo_plugin:gone",
+                    "import numpy as np\n\ndef scores(ctx):\n"
+                    "    return [np.array([0.1, 0.9, 0.2, 0.3]), np.array([0.8, 0.05, 0.7, 0.6])]\n")
+    registered.append("fixed-plugin")
+    rc = main(["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--method", "fixed-plugin", "--keep", "4",
+               "--finetune-epochs", "0", "--limit-train", "32", "--limit-eval", "16", "--no-progress",
+               "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    # the plug-in's scores decide, as a registered scorer's do (see test_user_scorer_decides_the_kept_heads)
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["kept"] == {"0": [1], "1": [0, 2, 3]}
+    # the broken entry point is one warning line and stays out; the built-ins and the good plug-in are in
+    assert [ln for ln in err.splitlines() if "plug-in" in ln] == [
+        "headbudget: warning: importance plug-in broken = hb_demo_plugin:gone not loaded: "
+        "module 'hb_demo_plugin' has no attribute 'gone'"]
+    assert methods.available_importances()[: len(BUILTINS)] == BUILTINS
+    assert "fixed-plugin" in methods.available_importances() and "broken" not in methods.available_importances()

@@ -27,6 +27,10 @@ as soon as it is registered:
     >>> run_prune(PruneJob("runs/ft", "sst5", "data/sst5", "runs/last", method="last-heads", keep=12))
     ...                                                                              # doctest: +SKIP
     >>> unregister("last-heads")
+
+An installed package adds one with no import by the user: ``last-heads = "my_pruning.scores:last_heads"`` under
+``[project.entry-points."headbudget.importance"]`` in its pyproject.toml, and ``headbudget prune MODEL --method
+last-heads`` works (:func:`load_plugins` reads the group on the first lookup).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ __all__ = [
     "available_importances",
     "get_importance",
     "importance_table",
+    "load_plugins",
     "register_importance",
     "register_selector",
     "score_heads",
@@ -235,13 +240,45 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
+#: the entry-point group through which an installed package adds importances: ``name = "module:function"`` (in
+#: pyproject.toml, ``[project.entry-points."headbudget.importance"]``) registers ``function`` as method ``name``
+ENTRY_POINT_GROUP = "headbudget.importance"
+_plugins_loaded = False
+
+
+def load_plugins() -> list[str]:
+    """Register the importances of installed packages (:data:`ENTRY_POINT_GROUP`), once; returns their names.
+
+    One that fails to load, or takes a name already registered, is left out with one warning line naming it."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return []
+    _plugins_loaded = True
+    import sys
+    from importlib.metadata import entry_points
+
+    added = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            register_importance(ep.name, ep.load())
+        except Exception as exc:  # a broken plug-in must not take the built-in methods down with it
+            print(f"headbudget: warning: importance plug-in {ep.name} = {ep.value} not loaded: {exc}",
+                  file=sys.stderr)
+            continue
+        added.append(ep.name)
+    return added
+
+
 def available_importances() -> tuple[str, ...]:
-    """Every registered method name, built-ins first, then in the order they were registered."""
+    """Every registered method name: built-ins first, then installed plug-ins, then in the order registered."""
+    load_plugins()
     return tuple(_REGISTRY)
 
 
 def get_importance(name: str) -> PruningMethod:
     """The method registered as ``name``, or a one-line :class:`UnknownMethodError` naming the registered ones."""
+    if name not in _REGISTRY:
+        load_plugins()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -254,12 +291,15 @@ class _ImportanceView(Mapping[str, Importance]):
     later is in it)."""
 
     def __getitem__(self, name: str) -> Importance:
+        if name not in _REGISTRY:
+            load_plugins()
         method = _REGISTRY.get(name) if isinstance(name, str) else None
         if method is None or method.importance is None:
             raise KeyError(name)
         return method.importance
 
     def __iter__(self) -> Iterator[str]:
+        load_plugins()
         return iter([name for name, m in _REGISTRY.items() if m.importance is not None])
 
     def __len__(self) -> int:
