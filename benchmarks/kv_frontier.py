@@ -594,13 +594,15 @@ def _at(cells: dict[str, Any], fraction: Fraction, prefix: tuple[str, ...]) -> l
             and d["stages"].get("build", {}).get("applies", True)]
 
 
-def goal_checks(data: dict[str, Any], fraction: Fraction = GOAL_FRACTION) -> dict[str, Any]:
+def goal_checks(data: dict[str, Any], fraction: Fraction = GOAL_FRACTION,
+                llamacpp: dict[str, Any] | None = None) -> dict[str, Any]:
     """The issue's goals, each "met" / "not met" / "not measured yet" (per held-out text where it has texts).
 
     1. before recovery, at ``fraction``: the best fitted merge's gap to dense (ppl/dense - 1) <= the best group
        pruning's gap; 2. after distillation, at ``fraction``: the best method's perplexity <= 1.15 x dense;
     3. decode at 2048 tokens, batch 8, >= 1.3x dense for every cell that is best after recovery on some text
-    (2's winners); 4. llama.cpp's perplexity of the exported file within 1% (not measured by this driver)."""
+    (2's winners); 4. llama.cpp's perplexity of the exported file within 1%: read from ``llamacpp``, the results of
+    benchmarks/gguf_llamacpp.py run on the cells' models (a distilled model keeps its cell's layout)."""
     cells = data["cells"]
     dense = _ppl(cells, "dense", "score")
     texts = list(dense) if dense else []
@@ -640,10 +642,14 @@ def goal_checks(data: dict[str, Any], fraction: Fraction = GOAL_FRACTION) -> dic
     out["decode_2048_b8_at_least_1.3x"] = g3
     out["llamacpp_ppl_within_1pct"] = {"status": "not measured yet",
                                        "how": "export the chosen cell's model to GGUF and run benchmarks/gguf_llamacpp.py"}
+    if llamacpp and llamacpp.get("rows"):
+        apart = {name: row["ppl_rel_diff"] for name, row in llamacpp["rows"].items()}
+        out["llamacpp_ppl_within_1pct"] = {"status": "met" if max(apart.values()) <= 0.01 else "not met",
+                                           "ppl_rel_diff": apart}
     return out
 
 
-def markdown(data: dict[str, Any]) -> str:
+def markdown(data: dict[str, Any], llamacpp: dict[str, Any] | None = None) -> str:
     cells = data["cells"]
     dense = _ppl(cells, "dense", "score") or {}
     texts = list(dense)
@@ -674,7 +680,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append(f"| {c} | {b.get('kv_heads', '–')} | {b.get('kv_bytes_per_token', 0):,} | {b.get('params', 0):,} | "
                      + " | ".join(cols + accs) + f" | {speed} |")
     out = ["\n".join(lines), "", f"Goals (at {GOAL_FRACTION} of the cache):"]
-    for goal, res in goal_checks(data).items():
+    for goal, res in goal_checks(data, llamacpp=llamacpp).items():
         if "status" in res:
             out.append(f"- {goal}: **{res['status']}**" + "".join(f", {k} {v:.4g}" if isinstance(v, float) else
                                                                  f", {k} {v}" for k, v in res.items() if k != "status"))
@@ -766,6 +772,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", nargs="?", const=str(HERE / "results" / "kv_frontier_smollm2.png"), default=None,
                     help="draw the plot from --results (to this path) and exit")
     ap.add_argument("--report", action="store_true", help="print the table and the goal checks from --results")
+    ap.add_argument("--llamacpp-results", default=str(HERE / "results" / "gguf_llamacpp_kv_layouts.json"),
+                    help="benchmarks/gguf_llamacpp.py's results on the cells' models (the llama.cpp goal; if present)")
     return ap
 
 
@@ -774,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report or args.plot:
         data = json.loads(Path(args.results).read_text())
         if args.report:
-            print(markdown(data))
+            cpp = Path(args.llamacpp_results)
+            print(markdown(data, json.loads(cpp.read_text()) if cpp.is_file() else None))
         if args.plot:
             plot(data, Path(args.plot))
             print(f"wrote {args.plot}")

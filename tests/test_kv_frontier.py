@@ -204,6 +204,13 @@ def test_goal_checks_per_text_on_hand_made_records(kvf):
     assert kvf.goal_checks(one)["decode_2048_b8_at_least_1.3x"]["status"] == "met"
     assert g["llamacpp_ppl_within_1pct"]["status"] == "not measured yet"
 
+    # the llama.cpp goal from gguf_llamacpp.py's results on the cells' models: met only if every file is within 1%
+    cpp = {"rows": {"dense": {"ppl_rel_diff": 1e-5}, "merge": {"ppl_rel_diff": 0.004}}}
+    assert kvf.goal_checks(one, llamacpp=cpp)["llamacpp_ppl_within_1pct"] == {
+        "status": "met", "ppl_rel_diff": {"dense": 1e-5, "merge": 0.004}}
+    cpp["rows"]["group"] = {"ppl_rel_diff": 0.02}
+    assert kvf.goal_checks(one, llamacpp=cpp)["llamacpp_ppl_within_1pct"]["status"] == "not met"
+    assert kvf.goal_checks(one)["llamacpp_ppl_within_1pct"]["status"] == "not measured yet"
     empty = kvf.goal_checks({"cells": {"dense": _cell("dense", None, {"a": 10.0}, kv=90)}})
     assert empty["merge_gap_le_group_gap_before_recovery"]["a"]["status"] == "not measured yet"
     assert empty["best_after_recovery_within_1.15x_dense"]["a"]["status"] == "not measured yet"
