@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from prune_latency import measure
 
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.finetune import run_finetune
     from headbudget.pruning.pipeline import PruneJob
     from headbudget.pruning.report import write_json
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json(Path(args.results), results_summary(rows, args, seconds))
 
     t = time.perf_counter()
-    summary = run_compare(job, args.methods, resume=not args.no_resume, on_row=on_row)
+    summary = run_prune_compare(job, args.methods, resume=not args.no_resume, on_row=on_row)
     seconds["compare"] = time.perf_counter() - t
     if args.results:
         write_json(Path(args.results), results_summary(rows, args, seconds))

@@ -193,12 +193,12 @@ def test_gpt2_decoder_family_pipeline(tmp_path):
 
 
 def test_prune_compare_same_head_count(tiny_bert, tmp_path):
-    from headbudget.pruning.compare import parse_methods, run_compare
+    from headbudget.pruning.compare import parse_methods, run_prune_compare
 
     assert parse_methods("cahp@2, michel") == [("cahp-d2", "cahp", 2), ("michel", "michel", None)]
     with pytest.raises(ValueError, match="unknown pruning method 'foo'; choose from cahp, michel, "):
         parse_methods("cahp,foo")
-    summary = run_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False), "cahp@2,magnitude,random")
+    summary = run_prune_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False), "cahp@2,magnitude,random")
     counts = {r["label"]: r["heads_kept"] for r in summary["rows"]}
     assert len(set(counts.values())) == 1, counts
     assert (tmp_path / "cmp" / "compare.md").read_text().count("\n| ") >= 3
@@ -243,10 +243,10 @@ def test_accuracy_curve_knee(tiny_bert, tmp_path):
 
 def test_prune_compare_each_cahp_its_own_knee(tiny_bert, tmp_path):
     """Every cahp@d finds its own knee; a baseline takes the count of the nearest cahp entry before it."""
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.pipeline import run_prune
 
-    summary = run_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False),
+    summary = run_prune_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False),
                           "cahp@6,magnitude,cahp@3,random")  # knees 5 and 4 at seed 42
     rows = {r["label"]: r for r in summary["rows"]}
     assert rows["cahp-d6"]["count_from"] == "cahp-d6 knee"
@@ -263,7 +263,7 @@ def test_prune_compare_each_cahp_its_own_knee(tiny_bert, tmp_path):
     assert rows["cahp-d6"]["knee_k"] != rows["cahp-d3"]["knee_k"], rows
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "count from" in md and "cahp-d3 knee" in md
-    forced = run_compare(_job(tiny_bert, tmp_path / "f", save_model=False, keep=3), "cahp@6,cahp@3,random")
+    forced = run_prune_compare(_job(tiny_bert, tmp_path / "f", save_model=False, keep=3), "cahp@6,cahp@3,random")
     assert [(r["heads_kept"], r["count_from"]) for r in forced["rows"]] == [(3, "keep=3")] * 3
 
 
@@ -343,10 +343,10 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
     """``resume``: methods finished with the same settings are read back (not rerun) with identical rows;
     changed settings rerun them."""
     import headbudget.pruning.pipeline as pl
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
 
     job = _job(tiny_bert, tmp_path / "cmp", keep=4)
-    first = run_compare(job, "cahp@6,random")
+    first = run_prune_compare(job, "cahp@6,random")
     calls = []
     real = pl.run_prune
 
@@ -356,12 +356,12 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
 
     monkeypatch.setattr(pl, "run_prune", spy)
     seen = []
-    again = run_compare(job, "cahp@6,random,magnitude", resume=True, on_row=lambda r: seen.append(r["label"]))
+    again = run_prune_compare(job, "cahp@6,random,magnitude", resume=True, on_row=lambda r: seen.append(r["label"]))
     assert calls == ["magnitude"] and seen == ["cahp-d6", "random", "magnitude"]
     for a, b in zip(first["rows"], again["rows"]):
         assert a == b
     calls.clear()
-    run_compare(dataclasses.replace(job, seed=7), "cahp@6", resume=True)
+    run_prune_compare(dataclasses.replace(job, seed=7), "cahp@6", resume=True)
     assert calls == ["cahp"]  # another seed: not the finished run
 
 

@@ -97,7 +97,7 @@ def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
     the pruned GPT-2 is saved as a headbudget checkpoint whose schedule is what was kept."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.job import PruneJob
 
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
     job = PruneJob(str(tmp_path / "gpt2"), "lm", None, str(tmp_path / "cmp"), data=str(TEXT), tokenizer="byte",
                    context=32, calib_windows=8, pool_size=8, batch_size=4, keep=4, finetune_epochs=0,
                    progress=False, device="cpu")
-    summary = run_compare(job, "cahp,random")
+    summary = run_prune_compare(job, "cahp,random")
     assert summary["metric_name"] == "perplexity"
     assert [r["heads_kept"] for r in summary["rows"]] == [4, 4]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "cmp" / "random" / "model")
@@ -255,7 +255,7 @@ def test_prune_compare_says_each_stage_with_no_progress(run_dir, tmp_path, capsy
 def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, monkeypatch):
     """A comparison stopped after its first method has compare.json / compare.md with that method's row."""
     import headbudget.pruning.pipeline as pl
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.job import PruneJob
 
     real = pl.run_prune
@@ -272,7 +272,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
     job = PruneJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8, pool_size=8,
                    batch_size=4, keep=6, progress=False, device="cpu")
     with pytest.raises(KeyboardInterrupt):
-        run_compare(job, "magnitude,random,fisher")
+        run_prune_compare(job, "magnitude,random,fisher")
     summary = json.loads((out / "compare.json").read_text())
     rep = json.loads((out / "magnitude" / "report.json").read_text())
     assert [r["label"] for r in summary["rows"]] == ["magnitude"]
@@ -284,7 +284,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
 
     # the finished comparison has every row and no partial marks
     monkeypatch.setattr(pl, "run_prune", real)
-    summary = run_compare(job, "magnitude,random,fisher", resume=True)
+    summary = run_prune_compare(job, "magnitude,random,fisher", resume=True)
     assert [r["label"] for r in summary["rows"]] == ["magnitude", "random", "fisher"]
     assert "methods_planned" not in json.loads((out / "compare.json").read_text())
     assert "Partial" not in (out / "compare.md").read_text()
@@ -292,7 +292,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
 
 def test_prune_compare_seeds_cut_short_keep_the_finished_seeds(run_dir, tmp_path, monkeypatch):
     import headbudget.pruning.pipeline as pl
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.job import PruneJob
 
     real = pl.run_prune
@@ -307,7 +307,7 @@ def test_prune_compare_seeds_cut_short_keep_the_finished_seeds(run_dir, tmp_path
     job = PruneJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8, pool_size=8,
                    batch_size=4, keep=6, progress=False, device="cpu")
     with pytest.raises(KeyboardInterrupt):
-        run_compare(job, "magnitude,random", calibration_seeds=[0, 1])
+        run_prune_compare(job, "magnitude,random", calibration_seeds=[0, 1])
     summary = json.loads((out / "compare.json").read_text())
     assert summary["calibration_seeds"] == [0] and summary["calibration_seeds_planned"] == [0, 1]
     seed0 = json.loads((out / "seed0" / "compare.json").read_text())

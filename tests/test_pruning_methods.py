@@ -1,5 +1,5 @@
 """The pruning-method registry (:mod:`headbudget.pruning.methods`): a scorer a user registers is a method of
-``run_prune`` / ``run_compare`` / the CLI, keeps exactly the heads its scores say, and unknown names are a
+``run_prune`` / ``run_prune_compare`` / the CLI, keeps exactly the heads its scores say, and unknown names are a
 one-line error listing the registered ones."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_user_scorer_decides_the_kept_heads(tiny, tmp_path, registered):
 
 
 def test_user_scorer_in_a_comparison_and_a_class_registers_an_instance(tiny, tmp_path, registered):
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
 
     @methods.register_importance("by-class")
     class ByClass:  # Torch-Pruning style: an object with __call__(ctx)
@@ -84,14 +84,14 @@ def test_user_scorer_in_a_comparison_and_a_class_registers_an_instance(tiny, tmp
 
     registered.append("by-class")
     assert isinstance(ByClass, type)  # the decorator gives the class back
-    summary = run_compare(_job(tiny, tmp_path / "cmp", keep=4), "by-class,random")
+    summary = run_prune_compare(_job(tiny, tmp_path / "cmp", keep=4), "by-class,random")
     rows = {r["label"]: r for r in summary["rows"]}
     assert rows["by-class"]["kept"] == {"0": [1], "1": [0, 2, 3]}
     assert rows["random"]["heads_kept"] == 4 and rows["by-class"]["count_from"] == "keep=4"
 
 
 def test_user_selector_that_finds_its_own_count_leads_a_comparison(tiny, tmp_path, registered):
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
 
     targets = []
 
@@ -104,7 +104,7 @@ def test_user_selector_that_finds_its_own_count_leads_a_comparison(tiny, tmp_pat
 
     methods.register_selector("firsts", first_of_each_layer, finds_count=True)
     registered.append("firsts")
-    summary = run_compare(_job(tiny, tmp_path / "cmp"), "firsts,magnitude")
+    summary = run_prune_compare(_job(tiny, tmp_path / "cmp"), "firsts,magnitude")
     rows = {r["label"]: r for r in summary["rows"]}
     assert targets == [None] and rows["firsts"]["kept"] == {"0": [0], "1": [0, 1]}
     assert rows["magnitude"]["heads_kept"] == 3 and rows["magnitude"]["count_from"] == "firsts knee"
@@ -158,7 +158,7 @@ def test_registration_errors_and_a_scorer_of_the_wrong_shape(tiny, tmp_path, reg
 
 
 def test_a_comparison_runs_every_methods_check_before_any_method(tiny, tmp_path, registered):
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
 
     def refuse(job):
         raise ValueError(f"method picky cannot run on task {job.task} ({job.method})")
@@ -166,7 +166,7 @@ def test_a_comparison_runs_every_methods_check_before_any_method(tiny, tmp_path,
     methods.register_importance("picky", lambda ctx: SCORES, check=refuse)
     registered.append("picky")
     with pytest.raises(ValueError, match=r"^method picky cannot run on task sst5 \(picky\)$"):
-        run_compare(_job(tiny, tmp_path / "cmp", keep=4), "random,picky")
+        run_prune_compare(_job(tiny, tmp_path / "cmp", keep=4), "random,picky")
     assert not (tmp_path / "cmp" / "random").exists()  # was: random ran (and wrote its folder) first
 
 

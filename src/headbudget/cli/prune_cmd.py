@@ -187,7 +187,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from headbudget.evaluation.rankings import format_spread
-    from headbudget.pruning.compare import run_compare
+    from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.workloads import eval_text_name
 
     job = settings.prune_job()
@@ -207,7 +207,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--calibration-seeds {settings.calibration_seeds!r}: repeated seed")
     with claim_output_dir(job.out, command="headbudget prune-compare", resume=args.resume,
                           overwrite=args.overwrite, inputs=prune_inputs(job, args)) as out:
-        summary = run_compare(dataclasses.replace(job, out=str(out)), settings.methods, resume=args.resume, calibration_seeds=seeds,
+        summary = run_prune_compare(dataclasses.replace(job, out=str(out)), settings.methods, resume=args.resume, calibration_seeds=seeds,
                               ranking_rule=settings.ranking_rule, on_stage=_print_stage)
     if seeds is not None:
         for stage, rank in summary["ranking"].items():

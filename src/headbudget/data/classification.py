@@ -67,7 +67,7 @@ class TaskData:
 
 
 @dataclass(frozen=True)
-class TaskSpec:
+class ClassificationTask:
     """Registry entry: label set, split names and the loader ``loader(data_dir, splits) -> (splits, source)``."""
 
     name: str
@@ -281,8 +281,8 @@ def _load_mnli(data_dir: Path, splits: Sequence[str]) -> tuple[dict[str, list[Ex
     return out, "+".join(sorted(sources))
 
 
-TASKS: dict[str, TaskSpec] = {
-    "sst5": TaskSpec(
+TASKS: dict[str, ClassificationTask] = {
+    "sst5": ClassificationTask(
         name="sst5",
         num_labels=5,
         label_names=("very negative", "negative", "neutral", "positive", "very positive"),
@@ -290,7 +290,7 @@ TASKS: dict[str, TaskSpec] = {
         eval_splits=("dev", "test"),
         loader=_load_sst5,
     ),
-    "mnli": TaskSpec(
+    "mnli": ClassificationTask(
         name="mnli",
         num_labels=3,
         label_names=_MNLI_LABELS,
@@ -302,7 +302,7 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
-def get_task(name: str) -> TaskSpec:
+def get_task(name: str) -> ClassificationTask:
     """The registry entry for ``name`` (``ValueError`` listing the known tasks otherwise)."""
     try:
         return TASKS[name]
@@ -401,7 +401,7 @@ __all__ = [
     "Example",
     "TaskData",
     "TaskDataError",
-    "TaskSpec",
+    "ClassificationTask",
     "get_task",
     "iter_batches",
     "load_task",

@@ -1,8 +1,8 @@
-"""Several pruning methods at one head count (:func:`run_compare`), optionally once per LM calibration seed
+"""Several pruning methods at one head count (:func:`run_prune_compare`), optionally once per LM calibration seed
 with the per-seed values aggregated and ranked; each method runs through :func:`headbudget.pruning.pipeline.run_prune`.
 
-    >>> from headbudget.pruning.compare import run_compare
-    >>> run_compare(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cmp"),
+    >>> from headbudget.pruning.compare import run_prune_compare
+    >>> run_prune_compare(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cmp"),
     ...             "cahp@2,cahp@6,michel,fisher,magnitude,random")                  # doctest: +SKIP
 """
 
@@ -70,7 +70,7 @@ def _finished(sub: PruneJob) -> dict[str, Any] | None:
     return {"report": report, "details": details}
 
 
-def run_compare(job: PruneJob, methods: str, resume: bool = False,
+def run_prune_compare(job: PruneJob, methods: str, resume: bool = False,
                 on_row: Callable[[dict[str, Any]], None] | None = None,
                 calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean",
                 on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def run_compare(job: PruneJob, methods: str, resume: bool = False,
     sample std and min-max per text, and the ranking of :func:`headbudget.evaluation.rankings.rank_methods`
     (``ranking_rule``): a method is named best only if it is best on every text, else "no method best".
 
-        run_compare(PruneJob("runs/smol", "lm", None, "runs/cmp", data="movie_reviews.txt", keep_ratio=0.7,
+        run_prune_compare(PruneJob("runs/smol", "lm", None, "runs/cmp", data="movie_reviews.txt", keep_ratio=0.7,
                              eval_data=("wikitext2_valid.tokens", "tinyshakespeare.txt")),
                     "cahp,fisher,random", calibration_seeds=[0, 1, 2])
     """
@@ -302,4 +302,4 @@ def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]],
     return summary
 
 
-__all__ = ["parse_methods", "run_compare"]
+__all__ = ["parse_methods", "run_prune_compare"]

@@ -14,7 +14,7 @@ Like Torch-Pruning's ``Importance``, a method is a plug-in registered under a na
 Every built-in method registers here: ``cahp``, ``michel``, ``fisher``, ``magnitude``, ``random``,
 ``pipelined-dsp``, ``joint-dsp``, ``joint-dsp-finetuned``, ``pass``, ``pass-frozen``, ``attattr``.  Every method
 but ``cahp`` (``keeps_layer_floor``: its paper keeps a head per layer) follows the job's ``layer_floor``.  A new one is usable by
-:func:`headbudget.pruning.pipeline.run_prune`, :func:`headbudget.pruning.compare.run_compare` and the CLI
+:func:`headbudget.pruning.pipeline.run_prune`, :func:`headbudget.pruning.compare.run_prune_compare` and the CLI
 as soon as it is registered:
 
     >>> import numpy as np

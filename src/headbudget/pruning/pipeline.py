@@ -1,5 +1,5 @@
 """The pruning pipeline of one method (:func:`run_prune`); several at one head count are
-:func:`headbudget.pruning.compare.run_compare`.
+:func:`headbudget.pruning.compare.run_prune_compare`.
 
     >>> from headbudget.pruning.job import PruneJob
     >>> from headbudget.pruning.pipeline import run_prune
