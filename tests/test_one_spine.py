@@ -139,7 +139,7 @@ def test_no_module_calls_a_trainers_private_methods():
 
 
 # ------------------------------------------------------------------ the registry is the one table of importances
-def test_importances_old_table_is_a_deprecated_live_view_of_the_registry():
+def test_the_importance_table_is_a_live_read_only_view_of_the_registry():
     import numpy as np
 
     from headbudget.pruning import importance, methods
@@ -149,8 +149,8 @@ def test_importances_old_table_is_a_deprecated_live_view_of_the_registry():
         return [np.arange(n, dtype=float) for n in ctx.head_counts]
 
     try:
-        with pytest.warns(DeprecationWarning, match="pruning.methods.importance_table"):
-            table = importance.IMPORTANCES
+        table = methods.importance_table()
+        assert not hasattr(importance, "IMPORTANCES")  # the old name is gone: one table, in the registry
         assert table["spine-test-scorer"] is scorer  # registered after import: the registry is the table
         assert set(table) == set(methods.importance_table()) >= {"michel", "fisher", "magnitude", "random"}
         assert "cahp" not in table  # a selector without per-head scores
@@ -164,7 +164,7 @@ def test_importances_old_table_is_a_deprecated_live_view_of_the_registry():
 def test_select_by_method_and_score_heads_read_the_registry():
     import numpy as np
 
-    from headbudget.pruning import importance, methods
+    from headbudget.pruning import methods
 
     ctx = type("Ctx", (), {"head_counts": [3, 2]})()
     methods.register_importance("spine-last", lambda c: [np.arange(n, dtype=float) for n in c.head_counts])
@@ -172,8 +172,6 @@ def test_select_by_method_and_score_heads_read_the_registry():
         assert [list(s) for s in methods.score_heads("spine-last", ctx)] == [[0, 1, 2], [0, 1]]
         kept, flat = methods.select_by_method("spine-last", ctx, 3)
         assert kept == [1, 2, 4] and list(flat) == [0, 1, 2, 0, 1]
-        with pytest.warns(DeprecationWarning, match="select_by_method"):
-            assert importance.select_by_method("spine-last", ctx, 3)[0] == kept
     finally:
         methods.unregister("spine-last")
     with pytest.raises(ValueError, match="unknown importance 'cahp'; choose from michel, fisher, magnitude, random"):

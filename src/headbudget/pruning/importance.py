@@ -360,24 +360,6 @@ def random_importance(ctx: ImportanceContext) -> list[np.ndarray]:
     return [rng.random(n) for n in ctx.head_counts]
 
 
-#: old names served from the registry of :mod:`headbudget.pruning.methods` (see :func:`__getattr__`)
-_MOVED = {"IMPORTANCES": "importance_table()", "select_by_method": "select_by_method"}
-
-
-def __getattr__(name: str) -> Any:
-    """``IMPORTANCES`` (a read-only view of the registry's scorers) and ``select_by_method``, deprecated here:
-    the registry of :mod:`headbudget.pruning.methods` is the one table of methods."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    warnings.warn(f"headbudget.pruning.importance.{name} is deprecated: use headbudget.pruning.methods."
-                  f"{_MOVED[name]} (the registry is the one table of methods)", DeprecationWarning, stacklevel=2)
-    from headbudget.pruning import methods
-
-    return methods.importance_table() if name == "IMPORTANCES" else methods.select_by_method
-
-
 # --------------------------------------------------------------------------- selection
 def select_top(scores: Sequence[np.ndarray], n_keep: int, heads: Sequence[tuple[int, int]] | None = None,
                layer_floor: bool = True) -> list[int]:
