@@ -41,7 +41,7 @@ def log(msg: str) -> None:
 
 
 def parse_tokens(value: str) -> int:
-    from headbudget.cli.train_cmd import parse_token_count
+    from headbudget.train.config import parse_token_count
 
     return parse_token_count(value)
 

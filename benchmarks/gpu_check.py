@@ -41,7 +41,9 @@ from headbudget.threads import configure_threads
 from headbudget.train import Trainer, build_model
 from headbudget.train.compare import run_compare
 from headbudget.train.config import RunConfig, apply_overrides, load_config, resolve_config_path
-from headbudget.train.trainer import PeakMemory, build_schedule, param_groups
+from headbudget.train.loop import param_groups
+from headbudget.train.memory import PeakMemory
+from headbudget.train.trainer import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 #: dense bf16 tensor-core peaks (FLOP/s) by a substring of torch.cuda.get_device_name()

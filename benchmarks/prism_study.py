@@ -697,7 +697,7 @@ def report_only(args: argparse.Namespace) -> int:
 
 
 def _parse_tokens(text: str | None, sizes: list[str]) -> dict[str, int]:
-    from headbudget.cli.train_cmd import parse_token_count
+    from headbudget.train.config import parse_token_count
 
     if not text:
         missing = [s for s in sizes if REGISTERED_TOKENS.get(s) is None]

@@ -280,7 +280,7 @@ _LAUNCHER = textwrap.dedent("""
 """)
 _WORKER = textwrap.dedent("""
     import time
-    from headbudget.train.trainer import die_with_launcher
+    from headbudget.train.launcher import die_with_launcher
     die_with_launcher()
     print("armed", flush=True)
     time.sleep(60)

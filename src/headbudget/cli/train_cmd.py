@@ -24,7 +24,6 @@ from pathlib import Path
 
 from headbudget.cli.dataclass_flags import add_dataclass_flags, deep_merge, flag_values, print_config
 from headbudget.train.config import CompareConfig, RunConfig, load_config, resolve_config_path
-from headbudget.train.config import parse_token_count as parse_token_count  # noqa: I001 (its old home: benchmarks/)
 
 #: ``train.threads`` is set by the one ``--threads`` every command takes (headbudget.threads); its generated
 #: ``--train.threads`` spelling still parses, into the same field, but is left out of the help
@@ -159,7 +158,8 @@ def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: 
     """Claim ``out`` and train (or distill: ``cfg.distill.teacher``) into it; what train and distill share."""
     _quiet_transformers()
     from headbudget.run_dir import claim_output_dir, write_dir
-    from headbudget.train.trainer import Trainer, TrainingDivergedError
+    from headbudget.train.loop import TrainingDivergedError
+    from headbudget.train.trainer import Trainer
 
     t0 = time.perf_counter()
     # one writer: rank 0 holds the folder for the whole job (torchrun stops the others if it refuses)

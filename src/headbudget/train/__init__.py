@@ -12,7 +12,7 @@ from headbudget.train.config import ConfigError, RunConfig, apply_overrides, loa
 __all__ = ["ConfigError", "RunConfig", "apply_overrides", "load_config", "resolve_config_path", "Trainer",
            "TrainingDivergedError", "TrainResult", "build_model", "train"]
 
-_TRAINER = {"Trainer", "TrainingDivergedError", "TrainResult", "build_model", "train"}
+_TRAINER = {"Trainer", "TrainResult", "build_model", "train"}
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from headbudget.train import trainer
 
         return getattr(trainer, name)
+    if name == "TrainingDivergedError":
+        from headbudget.train import loop
+
+        return loop.TrainingDivergedError
     raise AttributeError(f"module 'headbudget.train' has no attribute {name!r}")

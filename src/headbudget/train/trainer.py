@@ -56,14 +56,12 @@ from headbudget.train.checkpoint import (
 )
 from headbudget.train.config import RunConfig
 from headbudget.train.distill import TeacherCache, check_distill_section, distill_step_loss, load_teacher
-from headbudget.train.launcher import die_with_launcher  # (also imported from here)
-from headbudget.train.loop import (  # TrainingDivergedError and param_groups are also imported from here
-    TrainingDivergedError,
+from headbudget.train.launcher import die_with_launcher
+from headbudget.train.loop import (
     TrainLoop,
     build_adamw,
     distributed_env,
     init_distributed,
-    param_groups,
     shard_or_replicate,
     training_device,
 )
@@ -85,8 +83,7 @@ from headbudget.train.setup import (
     resolve_vocab_size,
 )
 
-__all__ = ["Trainer", "TrainingDivergedError", "TrainResult", "build_model", "build_schedule", "die_with_launcher",
-           "lr_at", "param_groups", "train"]
+__all__ = ["Trainer", "TrainResult", "build_model", "build_schedule", "lr_at", "train"]
 
 
 @dataclass
