@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import sys
 import time
@@ -33,15 +32,7 @@ from pathlib import Path
 
 import torch
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from headbudget.devices import cpu_description
 
 
 def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 576, n: int = 1536, reps: int = 5) -> float:
@@ -168,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     base = summary["plain KL"]["tokens_per_cpu_s"]
     for name in summary:
         summary[name]["speedup_vs_plain"] = summary[name]["tokens_per_cpu_s"] / base
-    result = {"cpu": cpu_name(), "torch": torch.__version__, "threads": args.threads, "precision": args.precision,
+    result = {"cpu": cpu_description(), "torch": torch.__version__, "threads": args.threads, "precision": args.precision,
               "batch": [args.batch_size, args.context], "matmul_peak_flops": peak,
               "runs": rows, "summary": summary,
               "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{cpu_name()}, {args.threads} thread(s), precision {args.precision}; matmul peak "
+    print(f"\n{cpu_description()}, {args.threads} thread(s), precision {args.precision}; matmul peak "
           f"{peak['fp32'] / 1e9:.0f} GFLOP/s fp32, {peak['bf16'] / 1e9:.0f} bf16")
     print(f"{'config':11s} {'tokens/CPU-s':>12s} {'x plain':>7s} {'GFLOP/s':>8s} {'% fp32 peak':>11s} {'% bf16 peak':>11s}")
     for name, v in summary.items():

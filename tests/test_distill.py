@@ -474,3 +474,23 @@ def test_chunked_cross_entropy_equals_torchs():
         torch.testing.assert_close(chunked_cross_entropy(logits, y, rows=rows), want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(chunked_cross_entropy(logits.bfloat16(), y),
                                torch.nn.functional.cross_entropy(logits.bfloat16().float().reshape(-1, 30), y.reshape(-1)))
+
+
+@pytest.mark.parametrize("where", ["student", "out"])
+def test_a_teacher_cache_inside_an_input_or_the_output_is_refused(tmp_path, models, capsys, where):
+    teacher, student = models
+    before = {f.name: f.read_bytes() for f in student.iterdir() if f.is_file()}
+    out = tmp_path / "o"
+    if where == "out":  # an earlier run's folder, which --overwrite would replace (and the cache in it)
+        out.mkdir()
+        (out / "summary.json").write_text("{}")
+    cache = student / "tc" if where == "student" else out / "tc"
+    rc = main(["distill", str(student), "--teacher", str(teacher), "--out", str(out), "--tokens", "1M",
+               "--data", "synthetic:20000", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+               "--teacher-cache", str(cache), *(["--overwrite"] if where == "out" else [])])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--teacher-cache" in err, err
+    assert ("STUDENT" if where == "student" else "--out") in err
+    assert {f.name: f.read_bytes() for f in student.iterdir() if f.is_file()} == before
+    assert not cache.exists()
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"] if where == "out" else not out.exists()

@@ -157,14 +157,17 @@ def run_inputs(cfg: RunConfig, args: argparse.Namespace, command: str = "train")
 def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
     """Claim ``out`` and train (or distill: ``cfg.distill.teacher``) into it; what train and distill share."""
     _quiet_transformers()
-    from headbudget.run_dir import claim_output_dir, write_dir
+    from headbudget.run_dir import check_not_an_input, claim_output_dir, write_dir
     from headbudget.train.loop import TrainingDivergedError
     from headbudget.train.trainer import Trainer
 
     t0 = time.perf_counter()
+    inputs = run_inputs(cfg, args, command)
+    if cfg.distill.teacher_cache:  # written too: never into what the run reads, nor into the folder it may replace
+        check_not_an_input(cfg.distill.teacher_cache, {**inputs, "--out": out}, flag="--teacher-cache")
     # one writer: rank 0 holds the folder for the whole job (torchrun stops the others if it refuses)
     claim = claim_output_dir(out, command=f"headbudget {command}", resume=args.resume, overwrite=args.overwrite,
-                             inputs=run_inputs(cfg, args, command)) \
+                             inputs=inputs) \
         if _is_main() else contextlib.nullcontext(write_dir(out, args.overwrite))
     try:
         with claim as write_to:
