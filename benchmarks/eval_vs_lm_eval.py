@@ -75,7 +75,7 @@ def tiny_gpt2(directory: Path) -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.data.tokenizers import gpt2_hf_tokenizer
+    from headbudget.models.tokenizers import gpt2_hf_tokenizer
 
     torch.manual_seed(0)
     tok = gpt2_hf_tokenizer(SHARED / "tokenizers" / "gpt2")

@@ -92,8 +92,8 @@ def test_summary_from_a_long_text_encodes_only_a_prefix_with_the_whole_texts_ids
     """`headbudget attention` on a many-MB file used to tokenize all of it for a few hundred tokens."""
     from headbudget.analysis.attention import _leading_ids, attention_summary_from_text
     from headbudget.data.synthetic import generate_text
-    from headbudget.data.tokenizers import BPETokenizer
     from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.models.tokenizers import BPETokenizer
     from headbudget.schedules import uniform
 
     text = generate_text(20000, seed=3)

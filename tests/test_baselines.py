@@ -364,7 +364,7 @@ def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
     torch.manual_seed(0)
     HeadBudgetForCausalLM(HeadBudgetConfig(schedule=prism(3, 64, 32, 8), vocab_size=257, n_positions=64,
                                            dropout=0.0)).save_pretrained(tmp_path / "run" / "model")
-    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models.tokenizers import ByteTokenizer
 
     ByteTokenizer().save(tmp_path / "run" / "tokenizer")
     out = tmp_path / method

@@ -178,8 +178,8 @@ def test_a_set_typo_is_refused_before_torch_is_imported():
 
 def test_non_utf8_files_name_the_file_and_byte_offset(tmp_path, capsys):
     from headbudget.data.sources import read_source
-    from headbudget.data.text import read_text
     from headbudget.evaluation.tasks import iter_jsonl
+    from headbudget.io import read_text
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_bytes(b"name: x\n# caf\xe9\n")

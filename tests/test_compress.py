@@ -220,7 +220,7 @@ def test_value_output_svd_on_a_llama_gqa_model_is_exact_at_full_rank_and_shares_
 
 def test_compress_cli(tmp_path, capsys):
     from headbudget.cli.main import main
-    from headbudget.data.tokenizers import make_tokenizer
+    from headbudget.models.tokenizers import make_tokenizer
 
     m = _model(vocab=257)
     m.save_pretrained(tmp_path / "model")

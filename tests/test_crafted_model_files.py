@@ -27,7 +27,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models.tokenizers import ByteTokenizer
 
     root = tmp_path_factory.mktemp("crafted")
     torch.manual_seed(0)

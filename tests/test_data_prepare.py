@@ -13,7 +13,7 @@ from headbudget.data import prepare as prep
 from headbudget.data.loader import train_batch, val_batches
 from headbudget.data.prepare import prepare_data, split_documents, token_dtype
 from headbudget.data.sources import SourceError, read_source
-from headbudget.data.tokenizers import ByteTokenizer
+from headbudget.models.tokenizers import ByteTokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
 

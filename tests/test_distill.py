@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from headbudget.cli.main import build_parser, main
-from headbudget.data.tokenizers import ByteTokenizer
+from headbudget.models.tokenizers import ByteTokenizer
 from headbudget.train import RunConfig, Trainer, train
 from headbudget.train.distill import distill_step_loss, distillation_kl, load_teacher
 
@@ -174,7 +174,7 @@ def test_resume_after_interruption_is_bit_identical(tmp_path, models):
 
 def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, models, capsys):
     teacher, student = models
-    from headbudget.data.tokenizers import make_tokenizer
+    from headbudget.models.tokenizers import make_tokenizer
 
     other = tmp_path / "other-teacher"
     _llama(other, hidden=32, heads=2, kv=1, layers=1, seed=3)

@@ -90,8 +90,8 @@ def test_perplexity_and_attention_commands(model_dir, tmp_path, capsys):
 
 def test_tokenizer_saved_by_training_is_found_with_the_same_ids(tmp_path):
     """An older checkpoint keeps its tokenizer in model/tokenizer/ (the legacy place): still found, same ids."""
-    from headbudget.data.tokenizers import make_tokenizer
     from headbudget.loading import load_tokenizer
+    from headbudget.models.tokenizers import make_tokenizer
 
     text = "the dogs that the cat chases run . = end marco = " * 20
     bpe = make_tokenizer("bpe:300", [text])
@@ -109,8 +109,8 @@ def byte_run(tmp_path_factory) -> Path:
     the tokenizer saved at the model folder's root."""
     import torch
 
-    from headbudget.data.tokenizers import ByteTokenizer
     from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.models.tokenizers import ByteTokenizer
     from headbudget.schedules import prism
 
     run = tmp_path_factory.mktemp("byte") / "run"

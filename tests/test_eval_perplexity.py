@@ -8,8 +8,8 @@ import pytest
 import torch
 from tests.test_eval_zeroshot import byte_tokenizer, tiny_gpt2
 
-from headbudget.data.text import read_text
 from headbudget.evaluation.perplexity import loss_by_context_length, perplexity, window_plan
+from headbudget.io import read_text
 
 
 @pytest.mark.parametrize("n, ctx, stride", [(50, 16, 8), (50, 16, 15), (17, 16, 5), (10, 64, 32)])

@@ -472,7 +472,7 @@ def test_prune_report_and_export_give_kv_bytes_per_runtime_against_dense(tmp_pat
     16 -- the report says both, the export says so against the dense model and warns."""
     import json
 
-    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models.tokenizers import ByteTokenizer
     from test_granularity import TEXT, _llama_like
 
     run, out = tmp_path / "run", tmp_path / "out"

@@ -175,7 +175,7 @@ def test_hf_llama_group_granularity_removes_kv_rows():
 
 def test_prune_cli_granularity_group_reports_kv_cache_bytes(tmp_path, capsys):
     from headbudget.cli.main import main
-    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models.tokenizers import ByteTokenizer
 
     run = tmp_path / "run"
     _llama_like(vocab=257).save_pretrained(run / "model")  # the byte tokenizer's 257 ids
@@ -210,7 +210,7 @@ def test_granularity_job_is_checked_and_fingerprinted():
 def test_balanced_after_a_method_without_scores_keeps_its_heads_first(tmp_path):
     """michel has no single final score: its kept set ranks first (1 kept, 0 not); balanced then keeps an
     equal number of query heads per kv head in every layer, at the budget."""
-    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models.tokenizers import ByteTokenizer
     from headbudget.pruning.job import PruneJob
     from headbudget.pruning.pipeline import run_prune
 

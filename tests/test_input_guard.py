@@ -41,7 +41,7 @@ def _snapshot(d: Path) -> dict[str, bytes]:
 def model_dir(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models.tokenizers import ByteTokenizer
 
     d = tmp_path_factory.mktemp("guard") / "tiny-llama"
     torch.manual_seed(0)

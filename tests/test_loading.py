@@ -36,7 +36,7 @@ def _ids(tok, text: str) -> list[int]:
 
 
 def test_tokenizer_precedence_explicit_root_legacy_run_folder(tmp_path):
-    from headbudget.data.tokenizers import ByteTokenizer, make_tokenizer
+    from headbudget.models.tokenizers import ByteTokenizer, make_tokenizer
 
     bpe = make_tokenizer("bpe:300", [TEXT])
     sample = "the cat chases the dogs ."
@@ -63,7 +63,7 @@ def test_tokenizer_precedence_explicit_root_legacy_run_folder(tmp_path):
 
 
 def test_run_folder_opens_its_model(tmp_path):
-    from headbudget.data.tokenizers import ByteTokenizer
+    from headbudget.models.tokenizers import ByteTokenizer
 
     model_dir = _headbudget(tmp_path / "run" / "model")
     ByteTokenizer().save(model_dir)

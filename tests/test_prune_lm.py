@@ -16,8 +16,8 @@ COMMON = ["--context", "32", "--calib-windows", "8", "--pool-size", "8", "--batc
 
 def _tiny_headbudget(path: Path, with_tokenizer: bool) -> Path:
     """A `headbudget train`-style run folder: run/model (weights) and, optionally, run/tokenizer (byte)."""
-    from headbudget.data.tokenizers import ByteTokenizer
     from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.models.tokenizers import ByteTokenizer
     from headbudget.schedules import prism
 
     torch.manual_seed(0)

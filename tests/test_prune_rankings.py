@@ -93,8 +93,8 @@ def test_calibration_offsets_differ_per_seed():
 
 # --------------------------------------------------------------------------- prune-compare, seeds x texts
 def _tiny_run(path: Path) -> Path:
-    from headbudget.data.tokenizers import ByteTokenizer
     from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.models.tokenizers import ByteTokenizer
     from headbudget.schedules import prism
 
     torch.manual_seed(0)

@@ -326,8 +326,8 @@ def test_prepared_data_and_analysis_files_follow_the_umask(tmp_path, umask022):
 
 
 def test_compress_disk_full_is_one_line_and_leaves_no_temp_files(tmp_path, capsys, monkeypatch):
-    from headbudget.data.tokenizers import make_tokenizer
     from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    from headbudget.models.tokenizers import make_tokenizer
 
     model_dir = tmp_path / "model"
     HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=257)).save_pretrained(model_dir)

@@ -379,7 +379,7 @@ def _with_pad(tok: Any) -> Any:
 
 def _tokenizer_in(d: Path) -> Any | None:
     """The tokenizer stored in folder ``d``, or None when it holds none."""
-    from headbudget.data.tokenizers import SPEC_FILE, gpt2_hf_tokenizer, read_tokenizer
+    from headbudget.models.tokenizers import SPEC_FILE, gpt2_hf_tokenizer, read_tokenizer
 
     model_files.check_folder_files(d, model_files.TOKENIZER_FILES)
     if (d / SPEC_FILE).is_file():  # headbudget's own record: exact ids even for pre-HF-form saves
@@ -403,7 +403,7 @@ def _auto_tokenizer(name: str, **kwargs: Any) -> Any:
 
 
 def _tokenizer_from_spec(spec: str) -> Any:
-    from headbudget.data.tokenizers import ByteTokenizer, TokenizerError, make_tokenizer
+    from headbudget.models.tokenizers import ByteTokenizer, TokenizerError, make_tokenizer
 
     p = Path(spec)
     if p.is_dir():

@@ -215,7 +215,7 @@ def to_yaml(obj: Any) -> str:
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """A YAML file's top-level mapping (empty file: ``{}``); a missing file, invalid YAML (with its line) or a
     non-mapping is one error line naming the file."""
-    from headbudget.data.text import read_text
+    from headbudget.io import read_text
 
     p = Path(path)
     if not p.is_file():

@@ -18,7 +18,7 @@ from headbudget.cli.dataclass_flags import (
     print_config,
 )
 from headbudget.compression.job import CompressJob
-from headbudget.data.text import read_text
+from headbudget.io import read_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -216,9 +216,9 @@ def _print_report(report: dict[str, Any], format_report: Any) -> None:
 def run_perplexity(args: argparse.Namespace) -> int:
     if printed(args):
         return 0
-    from headbudget.data.text import read_text
     from headbudget.evaluation.perplexity import loss_by_context_length, perplexity
     from headbudget.experiments._common import parse_int_list
+    from headbudget.io import read_text
 
     if args.json:  # checked before the model loads, not after the scoring
         check_output_file(args.json, "--json", inputs=_inputs(args))
@@ -262,8 +262,8 @@ def run_attention(args: argparse.Namespace, out: Path | None = None) -> int:
         plot_distance_comparison,
         write_json,
     )
-    from headbudget.data.text import read_text
     from headbudget.devices import resolve_dtype
+    from headbudget.io import read_text
     from headbudget.loading import load_model_and_tokenizer
 
     _check_model_flags(args)

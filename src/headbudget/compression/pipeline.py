@@ -138,13 +138,13 @@ def compress_model(
 
 # ---------------------------------------------------------------------- data
 def read_eval_text(data: str) -> str:
-    """Text to score: a file or Hugging Face dataset (:func:`headbudget.data.text.read_text`), or
+    """Text to score: a file or Hugging Face dataset (:func:`headbudget.io.read_text`), or
     ``synthetic[:N_WORDS]``: the built-in grammar's text drawn with a seed training never uses (held out)."""
     if data.split(":", 1)[0] == "synthetic" and not Path(data).exists():
         from headbudget.data.sources import read_source
 
         return "\n\n".join(read_source(data, seed=HELDOUT_SEED).documents)
-    from headbudget.data.text import read_text
+    from headbudget.io import read_text
 
     return read_text(data)
 

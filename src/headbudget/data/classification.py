@@ -13,7 +13,7 @@ local directory (nothing is downloaded):
   with ``premise``/``hypothesis``/``label``.  Labels: 0 entailment, 1 neutral, 2 contradiction.
 
 Malformed input raises :class:`TaskDataError` (a ``ValueError``) naming the file and line; a file that
-is not UTF-8 a :class:`headbudget.data.text.NotUTF8Error` naming the file, byte offset and line.
+is not UTF-8 a :class:`headbudget.io.NotUTF8Error` naming the file, byte offset and line.
 
     >>> from headbudget.data.classification import load_task, make_loader
     >>> data = load_task("sst5", "../shared/data/classification/sst5")
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from headbudget.data.text import iter_jsonl, iter_text_lines
+from headbudget.io import iter_jsonl, iter_text_lines
 
 
 class TaskDataError(ValueError):
@@ -153,7 +153,7 @@ _LONE_CR = re.compile(r"(?<=\r)(?!\n)")
 
 def _universal_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(line_number, line)`` split at ``\\n``, ``\\r\\n`` and a lone ``\\r``, as a file opened in text mode
-    splits them (how these readers read before :func:`~headbudget.data.text.iter_text_lines`, which splits at
+    splits them (how these readers read before :func:`~headbudget.io.iter_text_lines`, which splits at
     ``\\n`` only: a file with old Mac line ends was one line, and ``csv`` refuses a ``\\r`` inside one)."""
     lineno = 0
     for _, line in iter_text_lines(path):  # not UTF-8: names the file, offset and line

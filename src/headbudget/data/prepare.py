@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from headbudget.data.sources import read_source, source_key
-from headbudget.data.tokenizers import Tokenizer, make_tokenizer, read_tokenizer
 from headbudget.io import atomic_write_json
+from headbudget.models.tokenizers import Tokenizer, make_tokenizer, read_tokenizer
 
 PREP_VERSION = 1
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "headbudget", "data")

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from headbudget.data import synthetic
-from headbudget.data.text import iter_jsonl, read_text
+from headbudget.io import iter_jsonl, read_text
 
 DEFAULT_SYNTHETIC_WORDS = 1_000_000
 

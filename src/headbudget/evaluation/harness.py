@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from headbudget.data.text import NotUTF8Error, read_text
 from headbudget.evaluation.scorer import Scorer
 from headbudget.evaluation.task_code import (
     BUILTIN_TASKS_DIR,
@@ -47,6 +46,7 @@ from headbudget.evaluation.task_code import (
     code_guard,
     sandboxed_templates,
 )
+from headbudget.io import NotUTF8Error, read_text
 
 try:
     from lm_eval.api.model import LM

@@ -6,7 +6,7 @@ window scores all but its first token), so every token after the first is scored
 up to ``context - stride`` tokens of left context.  The result is the token-level mean negative
 log-likelihood (``loss``, nats) and ``ppl = exp(loss)``.
 
-    >>> from headbudget.data.text import read_text
+    >>> from headbudget.io import read_text
     >>> from headbudget.evaluation.perplexity import perplexity
     >>> r = perplexity(model, tokenizer, read_text("../shared/data/text/wikitext2_valid.tokens"),
     ...                context=1024, stride=512)                               # doctest: +SKIP

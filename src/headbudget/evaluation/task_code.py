@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from headbudget.data.text import read_text
+from headbudget.io import read_text
 
 #: headbudget's own lm-eval task files (and the prompts.py they name)
 BUILTIN_TASKS_DIR = Path(__file__).resolve().with_name("lm_eval_tasks")

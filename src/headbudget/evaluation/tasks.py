@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from headbudget.data import text as data_text
+from headbudget import io
 
 
 class DataError(ValueError):
@@ -267,8 +267,8 @@ register_task(TaskSpec(
 # Loading
 
 
-#: ``(line_number, row)`` of a task's JSONL file (:func:`headbudget.data.text.iter_jsonl`); a bad line is a DataError
-iter_jsonl = functools.partial(data_text.iter_jsonl, error=DataError)
+#: ``(line_number, row)`` of a task's JSONL file (:func:`headbudget.io.iter_jsonl`); a bad line is a DataError
+iter_jsonl = functools.partial(io.iter_jsonl, error=DataError)
 
 
 def _examples(spec: TaskSpec, rows: Iterator[tuple[int, Any]], source: str,

@@ -67,7 +67,7 @@ def lm_data(tokenizer: Any, data: str | os.PathLike[str], *, context: int = 128,
             calib_seed: int | None = None) -> LMData:
     """Tokenize ``data`` (a text file) with a Hugging Face ``tokenizer`` (no special tokens added) and split
     it into calibration windows (the first ones, or seeded ones: ``calib_seed``) and a held-out tail."""
-    from headbudget.data.text import read_text
+    from headbudget.io import read_text
 
     if context < 2:
         raise ValueError(f"context must be >= 2 tokens, got {context}")

@@ -230,7 +230,7 @@ def _token_ids(tokenizer: Any, path: str | Path, vocab_size: int) -> Any:
     """Token ids of a whole text file (no special tokens), refused when an id exceeds the model's vocabulary."""
     import torch
 
-    from headbudget.data.text import read_text
+    from headbudget.io import read_text
 
     ids = torch.tensor(tokenizer(read_text(str(path)), add_special_tokens=False)["input_ids"], dtype=torch.long)
     if len(ids) and int(ids.max()) >= vocab_size:

@@ -1,4 +1,4 @@
-"""The one text reader and the one JSONL reader (headbudget.data.text) and the modules that use them."""
+"""The one text reader and the one JSONL reader (headbudget.io) and the modules that use them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from headbudget.data.text import NotUTF8Error, iter_jsonl, iter_text_lines, read_text
+from headbudget.io import NotUTF8Error, iter_jsonl, iter_text_lines, read_text
 
 
 def test_read_text_returns_the_exact_text_and_names_file_byte_offset_line(tmp_path):
@@ -60,7 +60,7 @@ def test_iter_jsonl_values_blank_lines_and_errors(tmp_path):
     assert str(exc.value) == f"{f}: not UTF-8 text (byte 0xff at offset 16, line 2)"
 
 
-def test_every_reader_of_the_package_goes_through_data_text(tmp_path):
+def test_every_reader_of_the_package_goes_through_the_one_text_reader(tmp_path):
     """Every reader goes through the one reader, with each caller's error class."""
     from headbudget.data.classification import TaskDataError, load_task
     from headbudget.data.sources import SourceError, read_source
@@ -93,7 +93,7 @@ def test_every_reader_of_the_package_goes_through_data_text(tmp_path):
 
 def test_gpt2_tokenizer_files_that_are_not_utf8_name_the_file(tmp_path):
     pytest.importorskip("transformers")
-    from headbudget.data.tokenizers import gpt2_hf_tokenizer
+    from headbudget.models.tokenizers import gpt2_hf_tokenizer
 
     (tmp_path / "encoder.json").write_bytes(b'{"a": 0, "\xe9": 1}')
     (tmp_path / "vocab.bpe").write_text("#version: 0.2\n")

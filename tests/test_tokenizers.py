@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from headbudget.data.tokenizers import TokenizerError, make_tokenizer, read_tokenizer
+from headbudget.models.tokenizers import TokenizerError, make_tokenizer, read_tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
 GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "gpt2"

@@ -21,8 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from headbudget.data.text import read_text
-from headbudget.io import atomic_write_text, regular_file
+from headbudget.io import atomic_write_text, read_text, regular_file
 
 #: Default folder of the offline GPT-2 BPE files (relative to the project root / current directory).
 DEFAULT_GPT2_DIR = "../shared/data/tokenizers/gpt2"
