@@ -338,7 +338,7 @@ def _with_precision(loaded: Any, precision: str) -> None:
 
 def _dense_recovery(loaded: Any, job: Any) -> dict[str, Any]:
     """The full-count cell: the dense model fine-tuned again with the recovery recipe, as run_prune's result."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     model = loaded.fresh_model(job)
     t = time.perf_counter()

@@ -48,7 +48,7 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, Any]]:
     """``LABEL:field=value,field=value`` -> ``{LABEL: {field: value}}`` (PruneJob fields of a cahp variant)."""
     from dataclasses import fields
 
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.job import PruneJob
 
     names = {f.name for f in fields(PruneJob)}
     out: dict[str, dict[str, Any]] = {}
@@ -247,7 +247,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from headbudget.io import atomic_write_json
     from headbudget.loading import load_model_and_tokenizer
-    from headbudget.pruning.pipeline import PruneJob, run_prune
+    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.pipeline import run_prune
     from headbudget.pruning.workloads import LMWorkload
 
     out = Path(args.out)

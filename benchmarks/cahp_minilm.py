@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.finetune import run_finetune
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.job import PruneJob
     from headbudget.pruning.report import write_json
 
     out = Path(args.out)

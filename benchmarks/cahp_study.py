@@ -506,7 +506,7 @@ def settings_of(args: argparse.Namespace, dense_id: str | None) -> dict[str, Any
 
 
 def _device_kind(device: str | None) -> str:
-    from headbudget.loading import resolve_device
+    from headbudget.devices import resolve_device
 
     return resolve_device(device).type
 

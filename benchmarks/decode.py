@@ -128,7 +128,7 @@ def use_index_select(model: Any) -> Any:
 def build_models(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The dense model and one pruned copy per (granularity, keep ratio), with how each was made."""
     from headbudget.loading import load_model_and_tokenizer
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.granularity import apply_granularity, kv_groups_of
     from headbudget.pruning.importance import ImportanceContext, prune_spec, select_top
     from headbudget.pruning.lm import lm_batches, lm_data

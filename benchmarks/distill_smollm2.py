@@ -151,7 +151,8 @@ def perplexities(model_path: str, texts: dict[str, Path], args: argparse.Namespa
 
 
 def prune(method: str, ratio: float, texts: dict[str, Path], args: argparse.Namespace, work: Path) -> Path:
-    from headbudget.pruning.pipeline import PruneJob, run_prune
+    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.pipeline import run_prune
 
     out = work / f"pruned-{method}-{ratio:g}"
     if not (out / "model" / "config.json").exists():

@@ -277,7 +277,7 @@ class Frontier:
 
     def _layout_from_model(self) -> list[tuple[int, int]]:
         from headbudget.compression.svd import rotary_reason
-        from headbudget.pruning.adapters import get_adapter
+        from headbudget.models.surgery import get_adapter
         from headbudget.pruning.granularity import kv_groups_of
 
         model = self.load(self.dense_dir())
@@ -414,7 +414,8 @@ class Frontier:
     def _prune(self, d: Path, plan: dict[str, Any], settings: dict[str, Any], calib: Path) -> dict[str, Any]:
         """run_prune at the planned head count (group) or at the searched one (head; probes cached in the cell)."""
         from headbudget.io import atomic_write_json
-        from headbudget.pruning.pipeline import PruneJob, run_prune
+        from headbudget.pruning.job import PruneJob
+        from headbudget.pruning.pipeline import run_prune
         from headbudget.pruning.workloads import load_workload
         from headbudget.threads import torch_threads
 

@@ -49,7 +49,7 @@ def measure(dense_path: str, pruned_path: str, num_labels: int = 5, batch_size: 
     The two models' passes are *interleaved* (dense, pruned, dense, ...) so that load from other
     processes on a shared machine hits both alike.
     """
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     models = {"dense": _load(dense_path, num_labels).to(device), "pruned": _load(pruned_path, num_labels).to(device)}
     vocab = int(models["dense"].config.vocab_size)

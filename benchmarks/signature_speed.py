@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from headbudget.data.classification import load_task, make_loader
     from headbudget.io import atomic_write_json
     from headbudget.loading import load_model_and_tokenizer
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     if not Path(args.model).exists():
         print(f"error: --model {args.model}: no such folder", file=sys.stderr)

@@ -69,7 +69,7 @@ def main() -> None:
 
     from headbudget.compression.pipeline import format_report, run_compress
     from headbudget.data.prepare import split_documents
-    from headbudget.experiments._common import atomic_write_text
+    from headbudget.io import atomic_write_text
 
     _, val = split_documents([DATA.read_text(encoding="utf-8")], 0.05)
     val_file = ROOT / "runs" / "theory_tinyshakespeare_val.txt"  # runs/ is git-ignored: no data copies

@@ -110,7 +110,7 @@ def test_pass_clip_and_reopen_follow_the_published_schedule():
 def test_pass_confidence_is_the_mean_max_pre_softmax_score():
     """PASS's reopen probabilities come from each head's max (over keys) scaled q.k score, averaged over the
     batch and the queries and summed over forwards -- checked against q and k computed by hand."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import _confidence_patch
 
     model = _tiny_bert()
@@ -136,7 +136,7 @@ def test_pass_confidence_is_the_mean_max_pre_softmax_score():
 # --------------------------------------------------------------------------- gate training
 @pytest.mark.parametrize("method", ["pipelined-dsp", "pass-frozen"])
 def test_frozen_gate_training_keeps_weights_and_trains_only_the_logits(method):
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
     from headbudget.pruning.importance import prune_spec
 
@@ -159,7 +159,7 @@ def test_frozen_gate_training_keeps_weights_and_trains_only_the_logits(method):
 
 @pytest.mark.parametrize("method", ["joint-dsp", "joint-dsp-finetuned", "pass"])
 def test_joint_gate_training_trains_the_weights_too(method):
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
 
     model = _tiny_bert()
@@ -176,7 +176,7 @@ def test_joint_gate_training_trains_the_weights_too(method):
 def test_gate_logits_move_the_way_the_loss_says(method):
     """Only head (1, 2)'s output lowers the task loss: its logit gains on every other one (DSP's soft top-k
     and PASS's sparsity target push the others down), ends the largest, and is kept."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
 
     model = _tiny_bert()
@@ -195,7 +195,7 @@ def test_gate_logits_move_the_way_the_loss_says(method):
 
 def test_at_least_one_head_per_layer_even_when_the_loss_wants_one_layer():
     """The toy loss only rewards layer 0's heads; keeping 3 heads still keeps one in every layer."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
 
     model = _tiny_bert()
@@ -212,9 +212,9 @@ def test_attattr_equals_a_brute_force_integrated_gradients_loop(monkeypatch):
     import transformers.models.bert.modeling_bert as mb
     from transformers import BertTokenizerFast
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.data.classification import ClassificationCollator, load_task
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.attattr import attattr_scores
-    from headbudget.pruning.tasks import ClassificationCollator, load_task
 
     tok = BertTokenizerFast(vocab_file=str(FIX / "vocab.txt"))
     from transformers import BertConfig, BertForSequenceClassification
@@ -266,7 +266,8 @@ def test_attattr_equals_a_brute_force_integrated_gradients_loop(monkeypatch):
 
 
 def test_attattr_refuses_lm_and_bad_settings():
-    from headbudget.pruning.pipeline import PruneJob, check_job
+    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.pipeline import check_job
 
     with pytest.raises(ValueError, match="attattr attributes a class probability"):
         check_job(PruneJob("m", "lm", None, "o", method="attattr", keep=3, data="t.txt"))
@@ -315,7 +316,7 @@ def tiny(tmp_path_factory):
 def test_prune_cli_baseline_writes_a_loadable_model(tiny, tmp_path, method, extra):
     from headbudget.cli.main import main
     from headbudget.loading import load_model
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     out = tmp_path / method
     rc = main(["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--method", method, "--keep", "5",
@@ -380,7 +381,7 @@ def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
     if method.startswith("pass"):
         assert details["gate_training"]["reopen"] is False
     assert details["gate_training"]["start"] == "model"
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
 
     model = HeadBudgetForCausalLM.from_pretrained(out / "model")
     assert get_adapter(model).head_counts() == [len(rep["kept"][str(i)]) for i in range(3)]
@@ -388,7 +389,7 @@ def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
 
 def test_prune_compare_gives_the_baselines_the_preceding_cahp_knee(tiny, tmp_path):
     from headbudget.pruning.compare import run_prune_compare
-    from headbudget.pruning.pipeline import PruneJob
+    from headbudget.pruning.job import PruneJob
 
     job = PruneJob(model=str(tiny), task="sst5", data_dir=str(DATA), out=str(tmp_path / "cmp"), pool_size=8,
                    batch_size=16, finetune_epochs=0, progress=False, save_model=False, gate_cooldown=2,
@@ -409,7 +410,7 @@ def test_prune_compare_gives_the_baselines_the_preceding_cahp_knee(tiny, tmp_pat
 def test_gate_training_depends_on_its_seed_alone_not_on_the_callers_random_state(method):
     """Dropout inside gate training draws from torch's global generator: two runs with one seed must agree whatever
     the process drew before (a worker's earlier cells), and the caller's random state is left as it was."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.gated import GateSettings, train_gates
 
     results = []

@@ -25,7 +25,7 @@ def _batches(n=3):
 def test_magnitude_matches_hand_computation_bert_and_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.importance import head_weight_norms
 
     model = _bert()
@@ -48,7 +48,7 @@ def test_magnitude_matches_hand_computation_bert_and_gpt2():
 
 
 def test_gate_gradients_abs_and_square_and_salience():
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.importance import default_loss, flatten, gate_gradients, salience
 
     model = _bert()
@@ -73,7 +73,7 @@ def test_gate_gradients_abs_and_square_and_salience():
 
 
 def test_fisher_and_random_through_registry():
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.importance import ImportanceContext
     from headbudget.pruning.methods import importance_table, select_by_method
 
@@ -91,7 +91,7 @@ def test_fisher_and_random_through_registry():
 
 def test_fisher_is_mean_of_per_example_squared_gradients():
     """Fisher = mean over examples of (dL_i/dgate)^2: a batch of 4 vs 4 single-example backward passes by hand."""
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.importance import ImportanceContext, default_loss, fisher_importance, flatten
 
     model = _bert()
@@ -126,7 +126,7 @@ def test_batched_fisher_equals_example_by_example_on_causal_lms(family):
     also at other gate values (a pruned head's gate at 0) and with -100 labels in one example."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.importance import default_loss, gate_gradients
 
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def test_fisher_goes_example_by_example_when_the_loss_does_not_split():
     """A regression head's loss is not the cross-entropy per_example_losses computes: the batched path must not run."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from headbudget.pruning.adapters import get_adapter
+    from headbudget.models.surgery import get_adapter
     from headbudget.pruning.importance import _losses_split, default_loss, gate_gradients
 
     torch.manual_seed(0)

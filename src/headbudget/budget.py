@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from headbudget.budget_report import budget_report, budget_step  # noqa: F401  (budget_report: docs/allocation.md)
+from headbudget.budget_report import budget_step
 from headbudget.schedules import HeadSchedule, LayerSpec, ModelPreset, ScheduleError, get_preset, uniform
 
 STRATEGIES = ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom")

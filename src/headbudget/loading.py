@@ -55,7 +55,6 @@ from typing import Any
 import torch
 
 from headbudget import model_files  # what a folder holds: each file checked before it is opened
-from headbudget.devices import resolve_device  # its documented path here: docs/evaluation.md
 from headbudget.io import regular_file
 from headbudget.weight_shapes import check_weight_shapes
 
@@ -496,4 +495,4 @@ def load_model_and_tokenizer(
 
 
 __all__ = ["KINDS", "ModelSource", "check_vocab", "checkpoint_role", "load_model", "load_model_and_tokenizer",
-           "load_tokenizer", "resolve_device", "resolve_model", "to_headbudget"]
+           "load_tokenizer", "resolve_model", "to_headbudget"]

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from headbudget.io import atomic_write_json, atomic_write_text  # noqa: F401  (atomic_write_text: benchmarks/)
+from headbudget.io import atomic_write_json
 
 __all__ = ["RUN_SETTINGS", "parse_int_list", "recorded_config", "write_result"]
 

@@ -345,4 +345,4 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
-__all__ = ["PruneJob", "check_job", "run_prune"]
+__all__ = ["check_job", "run_prune"]
