@@ -313,3 +313,37 @@ def test_the_loader_keeps_its_own_copy_of_the_kept_heads_file_name() -> None:
 
     # importing surgery in the loader would import transformers
     assert loading.KEPT_HEADS_FILE == surgery.KEPT_HEADS_FILE == "kept_heads.json"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_family_is_a_head_adapter(name: str) -> None:
+    from headbudget.models.surgery import HeadAdapter
+
+    adapter = get_adapter(_build(name))
+    assert isinstance(adapter, HeadAdapter)
+    q, k, v = adapter.qkv_weights(0)
+    n, n_kv = adapter.head_counts()[0], adapter.kv_head_counts()[0]
+    assert q.shape[0] % n == 0 and k.shape[0] % n_kv == 0 and v.shape == k.shape  # rows head by head
+    assert len(adapter.kv_group(0)) == n and max(adapter.kv_group(0)) < n_kv
+
+
+def test_outside_surgery_an_adapter_is_used_only_through_its_interface() -> None:
+    """Every ``<...>adapter.<name>`` read in the package outside models/surgery names a member of the Protocol."""
+    import ast
+    from pathlib import Path
+
+    from headbudget.models.surgery import HeadAdapter
+
+    members = {n for n in dir(HeadAdapter) if not n.startswith("__")} | set(HeadAdapter.__annotations__)
+    src = Path(__file__).resolve().parents[1] / "src" / "headbudget"
+    used = {}
+    for path in src.rglob("*.py"):
+        if "surgery" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            base = node.value if isinstance(node, ast.Attribute) else None
+            name = (base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else "")
+            if name.endswith("adapter") and not node.attr.startswith("__"):
+                used.setdefault(node.attr, str(path.relative_to(src)))
+    assert {a: p for a, p in used.items() if a not in members} == {}
+    assert {"head_counts", "prune_heads", "attention_module"} <= set(used)

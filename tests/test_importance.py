@@ -26,7 +26,6 @@ def test_magnitude_matches_hand_computation_bert_and_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from headbudget.models.surgery import get_adapter
-    from headbudget.pruning.importance import head_weight_norms
 
     model = _bert()
     sa = model.bert.encoder.layer[1].attention.self
@@ -34,7 +33,7 @@ def test_magnitude_matches_hand_computation_bert_and_gpt2():
     h = 2
     want = sum(float((w[h * 4:(h + 1) * 4] ** 2).sum()) for w in (sa.query.weight.detach(), sa.key.weight.detach(), sa.value.weight.detach()))
     want = np.sqrt(want + float((o[:, h * 4:(h + 1) * 4] ** 2).sum()))
-    got = head_weight_norms(get_adapter(model))
+    got = get_adapter(model).head_weight_norms()
     assert [len(s) for s in got] == [4, 4]
     assert got[1][h] == pytest.approx(want, rel=1e-5)
 
@@ -44,7 +43,7 @@ def test_magnitude_matches_hand_computation_bert_and_gpt2():
     w, c = attn.c_attn.weight.detach(), attn.c_proj.weight.detach()  # Conv1D: [in, 3E], [E, out]
     want = sum(float((w[:, k * 16 + h * 4:k * 16 + (h + 1) * 4] ** 2).sum()) for k in range(3))
     want = np.sqrt(want + float((c[h * 4:(h + 1) * 4] ** 2).sum()))
-    assert head_weight_norms(get_adapter(gpt))[0][h] == pytest.approx(want, rel=1e-5)
+    assert get_adapter(gpt).head_weight_norms()[0][h] == pytest.approx(want, rel=1e-5)
 
 
 def test_gate_gradients_abs_and_square_and_salience():

@@ -13,7 +13,7 @@ from headbudget.budget import fit_integer_total
 from headbudget.compression.svd import svd_compress
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM, to_headbudget
 from headbudget.models.surgery import get_adapter
-from headbudget.pruning.importance import head_weight_norms
+
 from headbudget.schedules import HeadSchedule, LayerSpec
 
 
@@ -88,7 +88,7 @@ def test_second_pruning_round_on_llama_gqa_indexes_current_heads():
 
 def test_magnitude_importance_on_grouped_query_model_counts_each_heads_own_kv_head():
     m = _pruned_llama()
-    norms = head_weight_norms(get_adapter(m))
+    norms = get_adapter(m).head_weight_norms()
     for layer, block in enumerate(m.transformer.h):
         a = block.attn
         p = a.projections()

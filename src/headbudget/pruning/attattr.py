@@ -27,21 +27,24 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from headbudget.models.surgery import HeadAdapter
 
 __all__ = ["attattr_scores", "patched_eager_attention", "supports_attention_patch"]
 
 AttentionWrapper = Callable[..., Any]
 
 
-def _attention_modules(adapter: Any) -> list[Any]:
-    return [sys.modules.get(type(adapter._attn_module(li)).__module__) for li in range(adapter.num_layers)]
+def _attention_modules(adapter: HeadAdapter) -> list[Any]:
+    return [sys.modules.get(type(adapter.attention_module(li)).__module__) for li in range(adapter.num_layers)]
 
 
-def supports_attention_patch(adapter: Any) -> bool:
+def supports_attention_patch(adapter: HeadAdapter) -> bool:
     """Whether every attention layer of ``adapter``'s model calls its module's ``eager_attention_forward``."""
     try:
         mods = _attention_modules(adapter)
@@ -51,7 +54,7 @@ def supports_attention_patch(adapter: Any) -> bool:
 
 
 @contextlib.contextmanager
-def patched_eager_attention(adapter: Any, wrapper: AttentionWrapper) -> Iterator[None]:
+def patched_eager_attention(adapter: HeadAdapter, wrapper: AttentionWrapper) -> Iterator[None]:
     """Inside the block every attention layer runs eager attention through
     ``wrapper(original, module, query, key, value, attention_mask, *args, **kwargs)``, which returns
     ``(attn_output, attn_weights)`` as the original does (``module`` tells the layers apart)."""
@@ -69,7 +72,7 @@ def patched_eager_attention(adapter: Any, wrapper: AttentionWrapper) -> Iterator
 
         return patched
 
-    with adapter._eager():
+    with adapter.eager_attention():
         try:
             for k, m in mods.items():
                 m.eager_attention_forward = make(saved[k])
@@ -85,7 +88,7 @@ def _expand_kv(value: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def attattr_scores(
-    adapter: Any,
+    adapter: HeadAdapter,
     model: torch.nn.Module,
     tokenizer: Any,
     examples: Sequence[Any],
@@ -107,7 +110,7 @@ def attattr_scores(
     collate = ClassificationCollator(tokenizer, max_length)
     device = next(model.parameters()).device
     n_layers = adapter.num_layers
-    modules = [adapter._attn_module(li) for li in range(n_layers)]
+    modules = [adapter.attention_module(li) for li in range(n_layers)]
     totals = [torch.zeros(n, dtype=torch.float64) for n in adapter.head_counts()]
     alphas = torch.arange(steps, dtype=torch.float32, device=device) / steps  # 0, 1/m, ..., (m-1)/m
     was_training = model.training

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from headbudget.pruning.clustering import Clustering, cluster_sweep, embed_heads, find_knee
+
+if TYPE_CHECKING:
+    from headbudget.models.surgery import HeadAdapter
 
 __all__ = ["ALLOCATIONS", "CAHPSelection", "LM_DEFAULTS", "REPRESENTATIVES", "allocate_by_importance",
            "ensure_one_per_layer", "kept_by_layer", "representatives", "select_heads"]
@@ -274,7 +277,7 @@ def _model_inputs(batch: Mapping[str, Any], device: Any) -> dict[str, Any]:
 
 
 def model_signatures(
-    adapter: Any,
+    adapter: HeadAdapter,
     batches: Sequence[Mapping[str, Any]],
     n_classes: int | None,
     grid: int = 32,
@@ -294,7 +297,7 @@ def model_signatures(
 
 
 def cahp_select(
-    adapter: Any,
+    adapter: HeadAdapter,
     signature_batches: Sequence[Mapping[str, Any]],
     salience_batches: Sequence[Mapping[str, Any]],
     *,

@@ -53,13 +53,16 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from headbudget.pruning.importance import Batch, LossFn, batch_to_device, default_loss, select_top, unflatten
 from headbudget.train.loop import LogRecord, TrainLoop
+
+if TYPE_CHECKING:
+    from headbudget.models.surgery import HeadAdapter
 
 __all__ = [
     "DSP_COOLDOWN",
@@ -184,14 +187,14 @@ def _xavier_logits(counts: Sequence[int], method: str, generator: torch.Generato
     return torch.cat(parts)
 
 
-def _confidence_patch(adapter: Any, confidence: torch.Tensor, offsets: list[int]) -> Any:
+def _confidence_patch(adapter: HeadAdapter, confidence: torch.Tensor, offsets: list[int]) -> Any:
     """A factory of contexts that add each head's mean (over batch and queries) max pre-softmax attention score to
     ``confidence`` (PASS's reopen probabilities); ``None`` when the family has no eager attention."""
     from headbudget.pruning.attattr import patched_eager_attention, supports_attention_patch
 
     if not supports_attention_patch(adapter):
         return None
-    layer_of = {id(adapter._attn_module(li)): li for li in range(adapter.num_layers)}
+    layer_of = {id(adapter.attention_module(li)): li for li in range(adapter.num_layers)}
 
     def wrapper(orig: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
@@ -211,7 +214,7 @@ def _confidence_patch(adapter: Any, confidence: torch.Tensor, offsets: list[int]
 
 def train_gates(
     method: str,
-    adapter: Any,
+    adapter: HeadAdapter,
     model: torch.nn.Module,
     batches: Sequence[Batch],
     n_keep: int,
@@ -358,7 +361,7 @@ class _PassState:
     reopened: int = 0
 
     @classmethod
-    def start(cls, adapter: Any, counts: list[int], n_keep: int, total_steps: int, s: GateSettings) -> _PassState:
+    def start(cls, adapter: HeadAdapter, counts: list[int], n_keep: int, total_steps: int, s: GateSettings) -> _PassState:
         n_total = sum(counts)
         target_sparsity = 1.0 - n_keep / n_total
         confidence = torch.zeros(n_total, dtype=torch.float64)
@@ -382,7 +385,7 @@ class _GateStep:
     backward: the task loss, plus PASS's sparsity penalty; the task loss; the step's log record)."""
 
     method: str
-    adapter: Any
+    adapter: HeadAdapter
     model: torch.nn.Module
     logits: torch.nn.Parameter
     counts: list[int]

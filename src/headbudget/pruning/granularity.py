@@ -31,28 +31,21 @@ selection.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from headbudget.models.surgery import HeadAdapter
 
 GRANULARITIES = ("head", "group", "balanced")
 
 __all__ = ["GRANULARITIES", "apply_granularity", "kv_groups_of", "layer_layouts"]
 
 
-def kv_groups_of(adapter: Any) -> list[list[int]]:
-    """Per layer, the key/value head of every current query head (its group id).
-
-    headbudget models: ``attn.kv_index``; Hugging Face Llama-style models: the adapter's original kv
-    heads; families without grouped key/value heads: every query head is its own group."""
-    if hasattr(adapter, "query_to_kv"):  # LlamaAdapter
-        kv = adapter.query_to_kv()
-        return [list(kv[li]) for li in range(adapter.num_layers)]
-    layers = []
-    for li, n in enumerate(adapter.head_counts()):
-        index = getattr(adapter._attn_module(li), "kv_index", None)
-        layers.append(list(index) if index is not None else list(range(n)))
-    return layers
+def kv_groups_of(adapter: HeadAdapter) -> list[list[int]]:
+    """Per layer, the key/value group of every current query head (:meth:`HeadAdapter.kv_group`)."""
+    return [adapter.kv_group(li) for li in range(adapter.num_layers)]
 
 
 def layer_layouts(granularity: str, scores: np.ndarray, groups: Sequence[int]) -> dict[int, tuple[float, list[int]]]:

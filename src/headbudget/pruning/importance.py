@@ -28,10 +28,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from headbudget.models.surgery import HeadAdapter
 
 __all__ = [
     "ImportanceContext",
@@ -92,7 +95,7 @@ def batch_to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
 
 
 def gate_gradients(
-    adapter: Any,
+    adapter: HeadAdapter,
     model: torch.nn.Module,
     batches: Iterable[Batch],
     loss_fn: LossFn = default_loss,
@@ -192,7 +195,7 @@ def _losses_split(model: torch.nn.Module, batches: Iterable[Batch]) -> bool:
         model.train(was_training)
 
 
-def _example_fisher(adapter: Any, model: torch.nn.Module, batches: Iterable[Batch], *,
+def _example_fisher(adapter: HeadAdapter, model: torch.nn.Module, batches: Iterable[Batch], *,
                     gate_values: Sequence[torch.Tensor | Sequence[float]] | None, max_batches: int | None,
                     progress: bool, desc: str) -> list[np.ndarray]:
     """``gate_gradients(..., reduce="example_square")`` with one backward pass per batch: every example gets
@@ -241,7 +244,7 @@ def _examples(batch: Batch) -> list[dict[str, Any]]:
 
 
 def salience(
-    adapter: Any,
+    adapter: HeadAdapter,
     model: torch.nn.Module,
     batches: Sequence[Batch],
     loss_fn: LossFn = default_loss,
@@ -263,7 +266,7 @@ def salience(
 class ImportanceContext:
     """What an importance may use: the adapter (and its model), batches, the loss, a seed."""
 
-    adapter: Any
+    adapter: HeadAdapter
     model: torch.nn.Module
     batches: Sequence[Batch]
     loss_fn: LossFn = default_loss
@@ -302,56 +305,9 @@ def fisher_importance(ctx: ImportanceContext) -> list[np.ndarray]:
     )
 
 
-def _rows_sq(weight: torch.Tensor, n: int, dim: int, offset: int = 0) -> torch.Tensor:
-    """Squared L2 norm of ``n`` consecutive ``dim``-row blocks of a ``[out, in]`` weight from ``offset``."""
-    w = weight.detach().float()[offset : offset + n * dim]
-    return (w.reshape(n, dim, -1) ** 2).sum((1, 2))
-
-
-def head_weight_norms(adapter: Any) -> list[np.ndarray]:
-    """Per layer, every head's weight L2 norm: its query, key and value rows plus its columns of the
-    output projection (for grouped-query attention the key/value rows of the head's KV group)."""
-    if hasattr(adapter, "head_weight_norms"):
-        return [np.asarray(s, dtype=np.float64) for s in adapter.head_weight_norms()]
-    family = adapter.family
-    counts = adapter.head_counts()
-    out = []
-    for layer, n in enumerate(counts):
-        d = int(adapter._out_head_dim(layer))
-        o = adapter._out_proj(layer).weight.detach().float()
-        if family == "gpt2":  # Conv1D weights are [in, out]
-            attn = adapter._attn_module(layer)
-            split = int(attn.split_size)
-            w = attn.c_attn.weight.detach().float().T  # [3 * split, in]
-            sq = sum(_rows_sq(w, n, d, k * split) for k in range(3)) + _rows_sq(o, n, d)
-        else:
-            n_kv = adapter.kv_head_counts()[layer]
-            if family == "bert":
-                sa = adapter._attn_module(layer)
-                q, k, v = sa.query.weight, sa.key.weight, sa.value.weight
-            elif family in ("llama", "headbudget"):
-                attn = adapter._attn_module(layer)
-                if family == "headbudget":
-                    p = attn.projections()
-                    q, k, v = p["q"][0], p["k"][0], p["v"][0]
-                else:
-                    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
-            else:
-                raise ValueError(f"magnitude importance: unsupported adapter family {family!r}")
-            qd = q.shape[0] // n
-            kd, vd = k.shape[0] // n_kv, v.shape[0] // n_kv
-            # The kv head each query head reads (unequal groups after pruning a grouped-query model).
-            kv_index = getattr(adapter._attn_module(layer), "kv_index", None) if family == "headbudget" else None
-            group = torch.tensor(kv_index if kv_index is not None else [h // (n // n_kv) for h in range(n)])
-            sq = (_rows_sq(q, n, qd) + _rows_sq(k, n_kv, kd)[group] + _rows_sq(v, n_kv, vd)[group]
-                  + _rows_sq(o.T.contiguous(), n, d))
-        out.append(torch.sqrt(sq).double().numpy())
-    return out
-
-
 def magnitude_importance(ctx: ImportanceContext) -> list[np.ndarray]:
     """L2 norm of each head's weights: its q/k/v projection rows and o projection columns."""
-    return head_weight_norms(ctx.adapter)
+    return [np.asarray(n, dtype=np.float64) for n in ctx.adapter.head_weight_norms()]
 
 
 def random_importance(ctx: ImportanceContext) -> list[np.ndarray]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -57,6 +57,9 @@ from headbudget.pruning.importance import (
     random_importance,
     select_top,
 )
+
+if TYPE_CHECKING:
+    from headbudget.models.surgery import HeadAdapter
 
 __all__ = [
     "MethodRun",
@@ -85,7 +88,7 @@ class MethodRun:
 
     job: Any                       # the PruneJob
     workload: Any                  # its loaded Workload (model, tokenizer, data, evaluation)
-    adapter: Any                   # the model's head adapter (gates, attention maps, head removal)
+    adapter: HeadAdapter                   # the model's head adapter (gates, attention maps, head removal)
     model: torch.nn.Module
     target: int | None             # heads to keep; None only for a finds_count method without a forced count
     out: Path                      # the run's output folder (plots go there)

@@ -27,7 +27,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headbudget.io import atomic_write_text
 from headbudget.pruning import report as rpt
@@ -44,6 +44,9 @@ from headbudget.pruning.workloads import (
     load_workload,
     model_adapter,
 )
+
+if TYPE_CHECKING:
+    from headbudget.models.surgery import HeadAdapter
 
 
 def check_job(job: PruneJob) -> None:
@@ -254,7 +257,7 @@ def _with_granularity(run: MethodRun, kept: list[int], details: dict[str, Any]) 
                              kv_groups_of(run.adapter), run.target or len(kept), layer_floor=floor)
 
 
-def _remove_heads(adapter: Any, kept: list[int], kept_layers: dict[int, list[int]], seconds: dict[str, float]) -> None:
+def _remove_heads(adapter: HeadAdapter, kept: list[int], kept_layers: dict[int, list[int]], seconds: dict[str, float]) -> None:
     """Remove every head not in ``kept`` from the model and check what is left."""
     from headbudget.pruning.importance import prune_spec
 

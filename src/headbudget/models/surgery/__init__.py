@@ -38,7 +38,7 @@ raises instead.  The layout depends only on the set of kept heads, so it is repr
     ([2, 4], [0, 2])
 """
 
-from headbudget.models.surgery.base import KEPT_HEADS_FILE, HeadAdapter
+from headbudget.models.surgery.base import KEPT_HEADS_FILE, AdapterBase
 from headbudget.models.surgery.checkpoint import load_pruned, save_pruned
 from headbudget.models.surgery.families import (
     BertAdapter,
@@ -47,8 +47,10 @@ from headbudget.models.surgery.families import (
     LlamaAdapter,
     get_adapter,
 )
+from headbudget.models.surgery.interface import HeadAdapter
 
 __all__ = [
+    "AdapterBase",
     "BertAdapter",
     "GPT2Adapter",
     "HeadAdapter",

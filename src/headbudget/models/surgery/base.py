@@ -1,5 +1,6 @@
-"""The adapter interface: gating, head bookkeeping, removal (one family per subclass in
-:mod:`headbudget.models.surgery.families`)."""
+"""What every adapter shares: gating, head bookkeeping, weight norms, removal (one family per subclass in
+:mod:`headbudget.models.surgery.families`); the interface the rest of the package sees is
+:class:`headbudget.models.surgery.interface.HeadAdapter`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -43,14 +45,20 @@ def _head_rows(heads: Sequence[int], dim: int, device: torch.device, offset: int
     return torch.tensor(idx, dtype=torch.long, device=device)
 
 
-class HeadAdapter:
+def _rows_sq(weight: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """Squared L2 norm of ``n`` consecutive ``dim``-row blocks of a ``[out, in]`` weight."""
+    w = weight.detach().float()[: n * dim]
+    return (w.reshape(n, dim, -1) ** 2).sum((1, 2))
+
+
+class AdapterBase:
     """Common machinery; subclasses describe one model family.
 
-    ``layers`` is the model's stack of blocks.  Subclasses implement ``_attn_module(li)`` (the
-    module whose forward returns ``(output, attention_probs)``), ``_out_proj(li)`` (the module whose
-    input is the concatenated head outputs), ``_out_head_dim(li)`` (per-head width of that input),
-    ``head_counts``, ``kv_head_counts`` when key/value heads are grouped, and ``_remove(li, keep)``
-    (physical removal keeping current head indices ``keep``).
+    ``layers`` is the model's stack of blocks.  Subclasses implement ``attention_module(li)`` (the
+    module whose forward returns ``(output, attention_probs)``), ``out_proj(li)`` (the module whose
+    input is the concatenated head outputs), ``out_head_dim(li)`` (per-head width of that input),
+    ``qkv_weights(li)``, ``head_counts``, ``kv_head_counts`` when key/value heads are grouped, and
+    ``_remove(li, keep)`` (physical removal keeping current head indices ``keep``).
     """
 
     family: str = ""
@@ -94,13 +102,44 @@ class HeadAdapter:
         """JSON-able ``{layer: [original kept heads]}`` (``json.dumps`` writes the keys as strings)."""
         return self.original_heads()
 
+    # ----------------------------------------------------------------- weights
+    def out_proj(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def out_head_dim(self, layer: int) -> int:
+        raise NotImplementedError
+
+    def qkv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def out_proj_weight(self, layer: int) -> torch.Tensor:
+        return self.out_proj(layer).weight
+
+    def _stored_kv(self, layer: int) -> list[int]:
+        """The stored key/value head every current query head reads (headbudget keeps unequal groups)."""
+        n, n_kv = self.head_counts()[layer], self.kv_head_counts()[layer]
+        kv_index = getattr(self.attention_module(layer), "kv_index", None)
+        return list(kv_index) if kv_index is not None else [h // (n // n_kv) for h in range(n)]
+
+    def kv_group(self, layer: int) -> list[int]:
+        """The key/value group of every current query head: heads of one group free their key/value head
+        only together.  Without grouped key/value heads every query head is its own group."""
+        return self._stored_kv(layer)
+
+    def head_weight_norms(self) -> list[np.ndarray]:
+        """Per layer, every head's weight L2 norm: its query, key and value rows (for grouped-query attention
+        the key/value rows of the head's group) plus its columns of the output projection."""
+        out = []
+        for layer, (n, n_kv) in enumerate(zip(self.head_counts(), self.kv_head_counts())):
+            q, k, v = self.qkv_weights(layer)
+            group = torch.tensor(self._stored_kv(layer), dtype=torch.long)
+            o = self.out_proj_weight(layer).detach().float().T.contiguous()
+            sq = (_rows_sq(q, n, q.shape[0] // n) + _rows_sq(k, n_kv, k.shape[0] // n_kv)[group]
+                  + _rows_sq(v, n_kv, v.shape[0] // n_kv)[group] + _rows_sq(o, n, self.out_head_dim(layer)))
+            out.append(torch.sqrt(sq).double().numpy())
+        return out
+
     # ----------------------------------------------------------------- gating
-    def _out_proj(self, layer: int) -> nn.Module:
-        raise NotImplementedError
-
-    def _out_head_dim(self, layer: int) -> int:
-        raise NotImplementedError
-
     def _param_ref(self) -> torch.Tensor:
         return next(self.model.parameters())
 
@@ -119,7 +158,7 @@ class HeadAdapter:
                 raise ValueError(f"layer {li}: gate shape {tuple(g.shape)} does not match {counts[li]} heads")
         handles = []
         for li, g in enumerate(gates):
-            dim = self._out_head_dim(li)
+            dim = self.out_head_dim(li)
 
             def pre_hook(module: nn.Module, args: tuple, _g: torch.Tensor = g, _d: int = dim) -> tuple:
                 x = args[0]
@@ -130,7 +169,7 @@ class HeadAdapter:
                 gx = x.view(*x.shape[:-1], h, _d) * _g.to(dtype=x.dtype, device=x.device).view(*lead, h, 1)
                 return (gx.reshape(x.shape), *args[1:])
 
-            handles.append(self._out_proj(li).register_forward_pre_hook(pre_hook))
+            handles.append(self.out_proj(li).register_forward_pre_hook(pre_hook))
         try:
             yield gates
         finally:
@@ -172,14 +211,14 @@ class HeadAdapter:
             yield g
 
     # ----------------------------------------------------------------- attention probabilities
-    def _attn_module(self, layer: int) -> nn.Module:
+    def attention_module(self, layer: int) -> nn.Module:
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def _eager(self) -> Iterator[None]:
+    def eager_attention(self) -> Iterator[None]:
         configs: dict[int, Any] = {}
         for li in range(self.num_layers):
-            cfg = getattr(self._attn_module(li), "config", None)
+            cfg = getattr(self.attention_module(li), "config", None)
             if cfg is not None:
                 configs[id(cfg)] = cfg
         saved = {k: c._attn_implementation_internal for k, c in configs.items()}
@@ -205,11 +244,11 @@ class HeadAdapter:
             def hook(module: nn.Module, args: tuple, output: Any, _l: int = li) -> None:
                 captured[_l] = output[1]
 
-            handles.append(self._attn_module(li).register_forward_hook(hook))
+            handles.append(self.attention_module(li).register_forward_hook(hook))
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._eager():
+            with self.eager_attention():
                 self.model(**inputs)
         finally:
             for handle in handles:

@@ -1,4 +1,4 @@
-"""One :class:`~headbudget.models.surgery.base.HeadAdapter` per model family, and
+"""One :class:`~headbudget.models.surgery.base.AdapterBase` subclass per model family, and
 :func:`get_adapter`, which picks it."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from headbudget.models.surgery.base import (
-    HeadAdapter,
+    AdapterBase,
     _head_rows,
     _slice_linear_in,
     _slice_linear_out,
 )
+from headbudget.models.surgery.interface import HeadAdapter
 
 
 # ===================================================================== BERT family
@@ -46,7 +47,7 @@ class NoHeadSelfAttention(nn.Module):
         return hidden_states.new_zeros(*shape, 0), probs
 
 
-class BertAdapter(HeadAdapter):
+class BertAdapter(AdapterBase):
     """BERT/RoBERTa/MiniLM encoders: ``layer[i].attention.self`` + ``attention.output.dense``.
 
     A layer may lose all its heads (:class:`NoHeadSelfAttention` then stands in for its self-attention)."""
@@ -54,22 +55,26 @@ class BertAdapter(HeadAdapter):
     family = "bert"
     empty_layers = True
 
-    def _attn_module(self, li: int) -> nn.Module:
+    def attention_module(self, li: int) -> nn.Module:
         return self.layers[li].attention.self
 
     def head_counts(self) -> list[int]:
-        return [int(self._attn_module(li).num_attention_heads) for li in range(self.num_layers)]
+        return [int(self.attention_module(li).num_attention_heads) for li in range(self.num_layers)]
 
-    def _out_proj(self, li: int) -> nn.Module:
+    def out_proj(self, li: int) -> nn.Module:
         return self.layers[li].attention.output.dense
 
-    def _out_head_dim(self, li: int) -> int:
-        return int(self._attn_module(li).attention_head_size)
+    def out_head_dim(self, li: int) -> int:
+        return int(self.attention_module(li).attention_head_size)
+
+    def qkv_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sa = self.attention_module(li)
+        return sa.query.weight, sa.key.weight, sa.value.weight
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
-        sa = self._attn_module(li)
+        sa = self.attention_module(li)
         d = int(sa.attention_head_size)
-        out_proj = self._out_proj(li)
+        out_proj = self.out_proj(li)
         rows = _head_rows(keep, d, out_proj.weight.device)
         _slice_linear_in(out_proj, rows)
         if not keep:  # zero-size q/k/v cannot be reshaped into heads: the whole self-attention goes
@@ -82,25 +87,32 @@ class BertAdapter(HeadAdapter):
 
 
 # ===================================================================== GPT-2
-class GPT2Adapter(HeadAdapter):
+class GPT2Adapter(AdapterBase):
     """GPT-2: fused ``c_attn`` Conv1D (weight ``[in, 3E]``: q | k | v) and ``c_proj`` (weight ``[E, out]``)."""
 
     family = "gpt2"
 
-    def _attn_module(self, li: int) -> nn.Module:
+    def attention_module(self, li: int) -> nn.Module:
         return self.layers[li].attn
 
     def head_counts(self) -> list[int]:
-        return [int(self._attn_module(li).num_heads) for li in range(self.num_layers)]
+        return [int(self.attention_module(li).num_heads) for li in range(self.num_layers)]
 
-    def _out_proj(self, li: int) -> nn.Module:
-        return self._attn_module(li).c_proj
+    def out_proj(self, li: int) -> nn.Module:
+        return self.attention_module(li).c_proj
 
-    def _out_head_dim(self, li: int) -> int:
-        return int(self._attn_module(li).head_dim)
+    def out_head_dim(self, li: int) -> int:
+        return int(self.attention_module(li).head_dim)
+
+    def qkv_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = self.attention_module(li).c_attn.weight.T  # Conv1D weights are [in, out]
+        return tuple(w.split(w.shape[0] // 3))  # type: ignore[return-value]
+
+    def out_proj_weight(self, li: int) -> torch.Tensor:
+        return self.out_proj(li).weight.T
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
-        attn = self._attn_module(li)
+        attn = self.attention_module(li)
         d = int(attn.head_dim)
         split = int(attn.split_size)
         dev = attn.c_attn.weight.device
@@ -118,7 +130,7 @@ class GPT2Adapter(HeadAdapter):
 
 
 # ===================================================================== Llama / Mistral (GQA)
-class LlamaAdapter(HeadAdapter):
+class LlamaAdapter(AdapterBase):
     """Llama/Mistral/Qwen-style decoders: ``layers[i].self_attn.{q,k,v,o}_proj`` with GQA.
 
     See the module docstring for partial KV groups (kept and duplicated to a uniform group size,
@@ -127,18 +139,18 @@ class LlamaAdapter(HeadAdapter):
 
     family = "llama"
 
-    def _attn_module(self, li: int) -> nn.Module:
+    def attention_module(self, li: int) -> nn.Module:
         return self.layers[li].self_attn
 
     def head_counts(self) -> list[int]:
         return [
-            self._attn_module(li).q_proj.out_features // int(self._attn_module(li).head_dim)
+            self.attention_module(li).q_proj.out_features // int(self.attention_module(li).head_dim)
             for li in range(self.num_layers)
         ]
 
     def kv_head_counts(self) -> list[int]:
         return [
-            self._attn_module(li).k_proj.out_features // int(self._attn_module(li).head_dim)
+            self.attention_module(li).k_proj.out_features // int(self.attention_module(li).head_dim)
             for li in range(self.num_layers)
         ]
 
@@ -156,11 +168,18 @@ class LlamaAdapter(HeadAdapter):
         """Original KV head used by every current query head, per layer."""
         return {li: list(v) for li, v in self._state()["kv"].items()}
 
-    def _out_proj(self, li: int) -> nn.Module:
-        return self._attn_module(li).o_proj
+    def kv_group(self, layer: int) -> list[int]:
+        return self.query_to_kv()[layer]  # by original KV head: a pruned layer may store a head twice
 
-    def _out_head_dim(self, li: int) -> int:
-        return int(self._attn_module(li).head_dim)
+    def out_proj(self, li: int) -> nn.Module:
+        return self.attention_module(li).o_proj
+
+    def out_head_dim(self, li: int) -> int:
+        return int(self.attention_module(li).head_dim)
+
+    def qkv_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = self.attention_module(li)
+        return attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
 
     def _check_removal(self, li: int, keep: list[int], partial_groups: str = "keep", **opts: Any) -> None:
         if partial_groups not in ("keep", "refuse"):
@@ -177,7 +196,7 @@ class LlamaAdapter(HeadAdapter):
                     )
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
-        attn = self._attn_module(li)
+        attn = self.attention_module(li)
         d = int(attn.head_dim)
         state = self._state()
         kv_orig = state["kv"][li]
@@ -216,7 +235,7 @@ class LlamaAdapter(HeadAdapter):
 
 
 # ===================================================================== headbudget
-class HeadBudgetAdapter(HeadAdapter):
+class HeadBudgetAdapter(AdapterBase):
     """headbudget's own :class:`HeadBudgetForCausalLM`; removal delegates to ``model.prune_heads``."""
 
     family = "headbudget"
@@ -224,20 +243,24 @@ class HeadBudgetAdapter(HeadAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model, model.transformer.h)
 
-    def _attn_module(self, li: int) -> nn.Module:
+    def attention_module(self, li: int) -> nn.Module:
         return self.layers[li].attn
 
     def head_counts(self) -> list[int]:
-        return [int(self._attn_module(li).n_heads) for li in range(self.num_layers)]
+        return [int(self.attention_module(li).n_heads) for li in range(self.num_layers)]
 
     def kv_head_counts(self) -> list[int]:
-        return [int(self._attn_module(li).n_kv_heads) for li in range(self.num_layers)]
+        return [int(self.attention_module(li).n_kv_heads) for li in range(self.num_layers)]
 
-    def _out_proj(self, li: int) -> nn.Module:
-        return self._attn_module(li).o_proj
+    def out_proj(self, li: int) -> nn.Module:
+        return self.attention_module(li).o_proj
 
-    def _out_head_dim(self, li: int) -> int:
-        return int(self._attn_module(li).v_head_dim)
+    def out_head_dim(self, li: int) -> int:
+        return int(self.attention_module(li).v_head_dim)
+
+    def qkv_weights(self, li: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.attention_module(li).projections()
+        return p["q"][0], p["k"][0], p["v"][0]
 
     @torch.no_grad()
     def attention_probs(self, **inputs: Any) -> list[torch.Tensor]:
@@ -251,7 +274,7 @@ class HeadBudgetAdapter(HeadAdapter):
 
     def _check_removal(self, li: int, keep: list[int], **opts: Any) -> None:
         n = self.head_counts()[li]
-        self._attn_module(li).plan_pruning([h for h in range(n) if h not in keep])  # raises before any change
+        self.attention_module(li).plan_pruning([h for h in range(n) if h not in keep])  # raises before any change
 
     def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
         n = self.head_counts()[li]
