@@ -1,0 +1,1 @@
+"""headbudget's built-in task files (lm-eval YAML) and the prompts they name."""
