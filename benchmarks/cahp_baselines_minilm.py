@@ -324,13 +324,13 @@ def _record(cell: Cell, res: Mapping[str, Any], settings: Mapping[str, Any], wal
 
 def _with_precision(loaded: Any, precision: str) -> None:
     """Make the workload's recovery fine-tune run at ``precision`` (the library's own call otherwise)."""
+    import dataclasses
+
     from headbudget.pruning.finetune import finetune
 
     def run(model: Any, job: Any) -> tuple[dict[str, float], Any]:
-        hist = finetune(model, loaded.tokenizer, {"train": loaded.train, **loaded.evals}, epochs=job.finetune_epochs,
-                        lr=job.lr, warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay,
-                        batch_size=job.batch_size, seed=job.seed, max_length=job.max_length, progress=job.progress,
-                        precision=precision)
+        recipe = dataclasses.replace(job.finetune_recipe(), precision=precision)
+        hist = finetune(model, loaded.tokenizer, {"train": loaded.train, **loaded.evals}, recipe)
         return dict(hist["final"]), hist["epochs"]
 
     loaded.finetune = run
@@ -406,14 +406,15 @@ def _save(state: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
 
 def _dense_finetune(args: argparse.Namespace, out: Path, state: dict[str, Any]) -> Path:
     from headbudget.pruning.finetune import run_finetune
+    from headbudget.pruning.job import FinetuneJob
 
     ft_dir = out / "finetuned"
     if not (ft_dir / "config.json").exists():
         t = time.perf_counter()
-        run_finetune(args.model, "sst5", args.data_dir, ft_dir, epochs=args.epochs, lr=args.lr,
-                     batch_size=args.batch_size, seed=args.seeds[0], max_length=args.max_length,
-                     train_limit=args.limit_train, eval_limit=args.limit_eval, device=args.device,
-                     progress=args.progress)
+        run_finetune(FinetuneJob(str(args.model), "sst5", str(args.data_dir), str(ft_dir), epochs=args.epochs,
+                                 lr=args.lr, batch_size=args.batch_size, seed=args.seeds[0],
+                                 max_length=args.max_length, limit_train=args.limit_train,
+                                 limit_eval=args.limit_eval, device=args.device, progress=args.progress))
         state.setdefault("seconds", {})["dense_finetune"] = time.perf_counter() - t
     return ft_dir
 

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.finetune import run_finetune
-    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.job import FinetuneJob, PruneJob
     from headbudget.pruning.report import write_json
 
     out = Path(args.out)
@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds.update(json.loads(timing.read_text()))
     if not (ft_dir / "config.json").exists():
         t = time.perf_counter()
-        run_finetune(args.model, "sst5", args.data_dir, ft_dir, epochs=args.epochs, lr=args.lr,
-                     batch_size=args.batch_size, seed=args.seed, max_length=args.max_length,
-                     train_limit=args.limit_train, eval_limit=args.limit_eval)
+        run_finetune(FinetuneJob(str(args.model), "sst5", str(args.data_dir), str(ft_dir), epochs=args.epochs,
+                                 lr=args.lr, batch_size=args.batch_size, seed=args.seed, max_length=args.max_length,
+                                 limit_train=args.limit_train, limit_eval=args.limit_eval))
         seconds["dense_finetune"] = time.perf_counter() - t
         write_json(timing, seconds)
     job = PruneJob(model=str(ft_dir), task="sst5", data_dir=args.data_dir, out=str(out / "compare"),

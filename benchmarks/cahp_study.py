@@ -514,15 +514,16 @@ def _device_kind(device: str | None) -> str:
 def dense_finetune(args: argparse.Namespace, out: Path) -> str:
     """Fine-tune the dense model once into ``OUT/finetuned`` (under ``OUT/dense.lock``); its weights' sha256."""
     from headbudget.pruning.finetune import run_finetune
+    from headbudget.pruning.job import FinetuneJob
 
     ft = out / "finetuned"
     with file_lock(out / "dense.lock"):
         if not (ft / "config.json").exists():
             t = time.perf_counter()
-            run_finetune(args.model, "sst5", args.data_dir, ft, epochs=args.epochs, lr=args.lr,
-                         batch_size=args.batch_size, seed=DENSE_SEED, max_length=args.max_length,
-                         train_limit=args.limit_train, eval_limit=args.limit_eval, device=args.device,
-                         progress=args.progress)
+            run_finetune(FinetuneJob(str(args.model), "sst5", str(args.data_dir), str(ft), epochs=args.epochs,
+                                     lr=args.lr, batch_size=args.batch_size, seed=DENSE_SEED,
+                                     max_length=args.max_length, limit_train=args.limit_train,
+                                     limit_eval=args.limit_eval, device=args.device, progress=args.progress))
             (out / "dense_seconds.json").write_text(json.dumps({"dense_finetune": time.perf_counter() - t}))
     h = hashlib.sha256()
     for p in sorted(ft.glob("*.safetensors")):

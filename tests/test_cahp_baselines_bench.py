@@ -13,6 +13,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 
 from headbudget.data.classification import Example
 from headbudget.pruning.finetune import finetune
+from headbudget.pruning.job import FinetuneRecipe
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
 
@@ -32,16 +33,16 @@ def test_finetune_bf16_autocasts_training_forward_only() -> None:
     model.bert.encoder.layer[0].attention.self.query.register_forward_hook(
         lambda m, i, o: seen.append((model.training, o.dtype)))
     data = {"train": _toy(8), "dev": _toy(4)}
-    hist = finetune(model, tok, data, epochs=1, batch_size=4, progress=False, precision="bf16")
+    hist = finetune(model, tok, data, FinetuneRecipe(epochs=1, batch_size=4, progress=False, precision="bf16"))
     assert hist["config"]["precision"] == "bf16"
     assert {d for training, d in seen if training} == {torch.bfloat16}     # the training forwards
     assert {d for training, d in seen if not training} == {torch.float32}  # the evaluation stays fp32
     assert model.classifier.weight.dtype == torch.float32                  # fp32 weights
     seen.clear()
-    finetune(model, tok, data, epochs=1, batch_size=4, progress=False)
+    finetune(model, tok, data, FinetuneRecipe(epochs=1, batch_size=4, progress=False))
     assert {d for _, d in seen} == {torch.float32}                         # default: fp32 throughout
     with pytest.raises(ValueError, match="precision must be fp32, bf16 or auto, got .fp16."):
-        finetune(model, tok, data, epochs=1, progress=False, precision="fp16")
+        finetune(model, tok, data, FinetuneRecipe(epochs=1, progress=False, precision="fp16"))
 
 
 # --------------------------------------------------------------------------- the benchmark's pure parts

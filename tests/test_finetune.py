@@ -22,6 +22,7 @@ from headbudget.pruning.finetune import (
     run_finetune,
     save_classifier,
 )
+from headbudget.pruning.job import FinetuneJob, FinetuneRecipe
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cls"
 
@@ -144,7 +145,7 @@ def test_finetune_learns_and_is_reproducible(tokenizer) -> None:
     for _ in range(2):
         model = _tiny_classifier()
         state = torch.random.get_rng_state()
-        hist = finetune(model, tokenizer, data, epochs=4, lr=1e-2, batch_size=2, seed=5, progress=False)
+        hist = finetune(model, tokenizer, data, FinetuneRecipe(epochs=4, lr=1e-2, batch_size=2, seed=5, progress=False))
         assert torch.equal(torch.random.get_rng_state(), state)  # seeded without touching the global RNG
         runs.append((hist, model))
     hist = runs[0][0]
@@ -154,12 +155,11 @@ def test_finetune_learns_and_is_reproducible(tokenizer) -> None:
     assert [r["train_loss"] for r in hist["epochs"]] == [r["train_loss"] for r in runs[1][0]["epochs"]]
     assert torch.equal(runs[0][1].classifier.weight, runs[1][1].classifier.weight)
     assert not runs[0][1].training
-    capped = finetune(
-        _tiny_classifier(), tokenizer, data, epochs=4, batch_size=4, max_steps=5, progress=False
-    )
+    capped = finetune(_tiny_classifier(), tokenizer, data,
+                      FinetuneRecipe(epochs=4, batch_size=4, max_steps=5, progress=False))
     assert capped["steps"] == 5 and len(capped["epochs"]) == 2
     with pytest.raises(ValueError, match="eval split\\(s\\) test not loaded"):
-        finetune(_tiny_classifier(), tokenizer, data, eval_splits=["test"], progress=False)
+        finetune(_tiny_classifier(), tokenizer, data, FinetuneRecipe(progress=False), eval_splits=["test"])
 
 
 class _NanModel(nn.Module):
@@ -180,7 +180,7 @@ def test_finetune_stops_on_a_nan_loss_naming_its_first_step(tokenizer) -> None:
     model = _NanModel()
     # the loss is read at log steps (every 10) and at the end of the epoch, not after every step
     with pytest.raises(FloatingPointError, match=r"non-finite training loss \(nan\) at step 2 "):
-        finetune(model, tokenizer, {"train": _toy(8), "dev": _toy(2)}, epochs=2, batch_size=2, progress=False)
+        finetune(model, tokenizer, {"train": _toy(8), "dev": _toy(2)}, FinetuneRecipe(epochs=2, batch_size=2, progress=False))
     assert model.calls == 4  # the first epoch's 4 steps ran; it stopped before evaluating or a second epoch
 
 
@@ -195,17 +195,15 @@ def test_pruned_classifier_saves_loads_and_finetunes(tokenizer, tmp_path: Path) 
     assert get_adapter(loaded).original_heads() == {0: [1, 3], 1: [0, 1, 2]}
     with torch.no_grad():
         assert (loaded(**batch).logits - want).abs().max().item() <= 1e-6
-    hist = finetune(
-        loaded, tokenizer, {"train": _toy(8), "dev": _toy(4)}, epochs=1, batch_size=4, progress=False
-    )
+    hist = finetune(loaded, tokenizer, {"train": _toy(8), "dev": _toy(4)},
+                    FinetuneRecipe(epochs=1, batch_size=4, progress=False))
     assert hist["steps"] == 2 and get_adapter(loaded).head_counts() == [2, 3]
 
 
 def test_run_finetune_end_to_end(encoder_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "ft"
-    summary = run_finetune(
-        encoder_dir, "sst5", FIX / "sst5", out, epochs=2, lr=1e-3, batch_size=4, seed=0, progress=False
-    )
+    summary = run_finetune(FinetuneJob(str(encoder_dir), "sst5", str(FIX / "sst5"), str(out), epochs=2, lr=1e-3,
+                                       batch_size=4, seed=0, progress=False))
     saved = json.loads((out / "finetune.json").read_text())
     assert saved["task"] == "sst5" and saved["splits"] == {"train": 6, "dev": 2, "test": 3}
     assert len(saved["epochs"]) == 2 and set(saved["initial"]) == {"dev", "test"}

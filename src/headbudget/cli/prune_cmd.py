@@ -102,12 +102,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     resolve_device(job.device)  # the flags first, then the folders
     with claim_output_dir(job.out, command="headbudget finetune", overwrite=args.overwrite,
                           inputs={"MODEL": job.model, "--data-dir": job.data_dir}) as out:
-        summary = run_finetune(
-            job.model, job.task, job.data_dir, str(out), epochs=job.epochs, lr=job.lr,
-            warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay, batch_size=job.batch_size,
-            seed=job.seed, max_length=job.max_length, train_limit=job.limit_train, eval_limit=job.limit_eval,
-            max_steps=job.max_steps, device=job.device, progress=job.progress,
-        )
+        summary = run_finetune(dataclasses.replace(job, out=str(out)))
     accs = ", ".join(f"{s} {a:.4f}" for s, a in summary.get("final", {}).items())
     print(f"fine-tuned {job.model} on {job.task}: {accs}; saved to {job.out}")
     return 0

