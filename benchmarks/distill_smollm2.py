@@ -165,14 +165,14 @@ def prune(method: str, ratio: float, texts: dict[str, Path], args: argparse.Name
 
 
 def compress(keep: float, texts: dict[str, Path], args: argparse.Namespace, work: Path) -> Path:
+    from headbudget.compression.job import CompressJob
     from headbudget.compression.pipeline import run_compress
 
     out = work / f"svd-{keep:g}"
     if not (out / "model" / "config.json").exists():
         t0 = time.perf_counter()
-        run_compress(args.model, "svd", keep, "uniform", str(out), data=str(texts["calib"]),
-                     context=args.context, max_windows=2, progress=False, threads=args.threads,
-                     device=args.device)
+        run_compress(CompressJob(args.model, str(out), keep_ratio=keep, data=str(texts["calib"]), context=args.context,
+                                 max_windows=2, progress=False, device=args.device), threads=args.threads)
         log(f"SVD-compressed keep {keep:g} in {time.perf_counter() - t0:.0f}s -> {out / 'model'}")
     return out / "model"
 

@@ -398,10 +398,12 @@ class Frontier:
         elif kind == "prune":
             rec.update(self._prune(d, plan, settings, texts["calib"]))
         else:  # svd: low rank shrinks each cached key and value; kept only where the cache is within budget
+            from headbudget.compression.job import CompressJob
             from headbudget.compression.pipeline import run_compress
 
-            run_compress(str(self.dense_dir()), "svd", plan["keep"], "uniform", str(d), data=str(texts["calib"]),
-                         context=self.args.context, max_windows=1, progress=False, threads=self.args.threads)
+            run_compress(CompressJob(str(self.dense_dir()), str(d), keep_ratio=plan["keep"], data=str(texts["calib"]),
+                                     context=self.args.context, max_windows=1, progress=False),
+                         threads=self.args.threads)
         rec.update(model=str(d / "model"), **self.describe(d / "model"))
         dense_bytes = self.store.load("dense")["stages"]["build"]["kv_bytes_per_token"]
         rec["kv_fraction_measured"] = rec["kv_bytes_per_token"] / dense_bytes

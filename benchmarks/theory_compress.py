@@ -67,6 +67,7 @@ def main() -> None:
     if not (model_dir / "config.json").is_file():
         model_dir = train_model(run, args.steps or MODELS[args.model][0], args.model)
 
+    from headbudget.compression.job import CompressJob
     from headbudget.compression.pipeline import format_report, run_compress
     from headbudget.data.prepare import split_documents
     from headbudget.io import atomic_write_text
@@ -78,9 +79,9 @@ def main() -> None:
     t = time.perf_counter()
     context = 256 if args.model == "cpu-small" else 128
     out = OUT / f"compress_{args.method}_{args.model}"
-    report = run_compress(str(model_dir), args.method, 0.5, "later_layers_first", str(out), data=str(val_file),
-                          sweep=sweep, context=context, stride=context // 2, max_windows=args.max_windows,
-                          threads=1)
+    report = run_compress(CompressJob(str(model_dir), str(out), method=args.method, keep_ratio=0.5,
+                                      allocation="later_layers_first", data=str(val_file), sweep=tuple(sweep),
+                                      context=context, stride=context // 2, max_windows=args.max_windows), threads=1)
     print(format_report(report))
     print(f"sweep took {time.perf_counter() - t:.0f} s")
 

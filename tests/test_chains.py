@@ -78,7 +78,7 @@ def test_decoder_chain(family, tmp_path, capsys):
                  "--n-seqs", "2"]) == 0
 
     compressed = tmp_path / "compressed"
-    assert main(["compress", str(pruned / "model"), "--method", "svd", "--keep", "0.5", "--data", str(TEXT),
+    assert main(["compress", str(pruned / "model"), "--method", "svd", "--keep-ratio", "0.5", "--data", str(TEXT),
                  "--context", "32", "--max-windows", "2", "--out", str(compressed), "--no-progress"]) == 0
     comp = load_model(compressed / "model")
     assert comp.head_counts == model.head_counts

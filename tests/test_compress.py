@@ -156,7 +156,7 @@ def test_allocations_same_total():
         assert len(set(got["uniform"])) == 1
     kv = allocate([12] * 12, 0.5, "later_layers_first", candidates=[divisors(12)] * 12)
     assert sum(kv) == 72 and all(12 % k == 0 for k in kv)
-    with pytest.raises(CompressionError, match="--keep must be in"):
+    with pytest.raises(CompressionError, match="--keep-ratio must be in"):
         allocate(full, 0, "uniform")
 
 
@@ -229,7 +229,7 @@ def test_compress_cli(tmp_path, capsys):
     data.write_text("Shall I compare thee to a summer's day?\n" * 12)
     out = tmp_path / "out"
     rc = main([
-        "compress", str(tmp_path / "model"), "--method", "svd", "--keep", "0.5", "--allocation",
+        "compress", str(tmp_path / "model"), "--method", "svd", "--keep-ratio", "0.5", "--allocation",
         "later_layers_first", "--data", str(data), "--out", str(out), "--sweep", "0.5,1.0", "--context", "64",
         "--max-windows", "3", "--threads", "1", "--no-progress",
     ])
@@ -257,10 +257,10 @@ def test_compress_cli(tmp_path, capsys):
     assert report["flops_per_token_after"] < report["flops_per_token_before"]
     assert "perplexity" in capsys.readouterr().out
     # user errors: exit 2 with a one-line message
-    assert main(["compress", str(tmp_path / "model"), "--keep", "1.5", "--out", str(out)]) == 2
+    assert main(["compress", str(tmp_path / "model"), "--keep-ratio", "1.5", "--out", str(out)]) == 2
     assert main(["compress", str(tmp_path / "nope"), "--out", str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
-    assert "--keep must be in (0, 1]" in err and "nope: no such model file or folder" in err
+    assert "--keep-ratio must be in (0, 1]" in err and "nope: no such model file or folder" in err
     assert not (tmp_path / "out2").exists()  # the refused command left no folder behind
 
 
@@ -275,7 +275,7 @@ def test_compress_cli_on_hf_gpt2_directory(tmp_path):
     hf.save_pretrained(tmp_path / "gpt2")
     groups = tmp_path / "groups.json"
     groups.write_text(json.dumps({"0": [[0, 2], [1, 3]]}))  # layer 1: allocated (keep 0.5 -> 2 kv heads)
-    rc = main(["compress", str(tmp_path / "gpt2"), "--method", "group", "--keep", "0.5", "--groups", str(groups),
+    rc = main(["compress", str(tmp_path / "gpt2"), "--method", "group", "--keep-ratio", "0.5", "--groups", str(groups),
                "--out", str(tmp_path / "out"), "--threads", "1", "--no-progress"])
     assert rc == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -293,10 +293,11 @@ def test_compress_cli_on_hf_gpt2_directory(tmp_path):
 def test_run_compress_sweep_without_text_is_refused_before_anything_is_written(tmp_path):
     """A sweep plots perplexity: without text it is a one-line error, and no compressed model is left behind
     (the check used to come after OUT/model was written)."""
+    from headbudget.compression.job import CompressJob
     from headbudget.compression.pipeline import run_compress
 
     _model().save_pretrained(tmp_path / "model")
     with pytest.raises(ValueError, match=r"^a sweep needs text data \(it plots perplexity\)$"):
-        run_compress(str(tmp_path / "model"), "svd", 0.5, "uniform", str(tmp_path / "out"), sweep=[0.5],
-                     progress=False, threads=1)
+        run_compress(CompressJob(str(tmp_path / "model"), str(tmp_path / "out"), sweep=(0.5,), progress=False),
+                     threads=1)
     assert not (tmp_path / "out").exists()

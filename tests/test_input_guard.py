@@ -63,7 +63,7 @@ COMMANDS = {
                               "--method", "random", "--finetune-epochs", "0", "--out", "{OUT}", "--overwrite"]),
     "finetune": ("model", ["finetune", "{IN}", "--task", "sst5", "--data-dir", "{T}", "--out", "{OUT}",
                            "--overwrite"]),
-    "compress": ("model", ["compress", "{IN}", "--keep", "0.5", "--out", "{OUT}", "--overwrite"]),
+    "compress": ("model", ["compress", "{IN}", "--keep-ratio", "0.5", "--out", "{OUT}", "--overwrite"]),
     "compress merge-kv --calib-data": ("text", ["compress", "{M}", "--method", "merge-kv", "--kv-heads", "1",
                                                 "--calib-data", "{IN}", "--out", "{OUT}", "--overwrite"]),
     "attention": ("model", ["attention", "{IN}", "--data", "{T}", "--out", "{OUT}", "--overwrite"]),

@@ -302,7 +302,7 @@ def test_prune_and_compress_write_the_requested_dtype(tmp_path):
     assert main(["prune", str(run), "--task", "lm", "--data", str(TEXT), "--out", str(tmp_path / "p"),
                  "--keep", "6", "--dtype", "bfloat16", *COMMON]) == 0
     assert {p.dtype for p in load_model(tmp_path / "p" / "model").parameters()} == {torch.bfloat16}
-    assert main(["compress", str(run / "model"), "--tokenizer", str(run / "tokenizer"), "--keep", "0.5",
+    assert main(["compress", str(run / "model"), "--tokenizer", str(run / "tokenizer"), "--keep-ratio", "0.5",
                  "--data", str(TEXT), "--context", "32", "--max-windows", "20", "--out", str(tmp_path / "c"),
                  "--dtype", "bfloat16", "--no-progress"]) == 0
     assert {p.dtype for p in load_model(tmp_path / "c" / "model").parameters()} == {torch.bfloat16}

@@ -1,13 +1,14 @@
 """``headbudget compress``: low-rank (SVD) or K/V-grouping compression of a trained model.
 
-    headbudget compress runs/cpu-small/model --method svd --keep 0.5 --allocation later_layers_first \\
+    headbudget compress runs/cpu-small/model --method svd --keep-ratio 0.5 --allocation later_layers_first \\
         --data ../shared/data/text/tinyshakespeare.txt --out runs/cpu-small-svd50 --sweep 0.25,0.5,0.75
-    headbudget compress gpt2-dir --method group --keep 0.5 --groups groups.json --out runs/gpt2-gqa
+    headbudget compress gpt2-dir --method group --keep-ratio 0.5 --groups groups.json --out runs/gpt2-gqa
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     resolve_dtype(job.dtype)
     resolve_device(job.device)
-    _fraction(job.keep, "--keep")
+    _fraction(job.keep_ratio, "--keep-ratio")
     sweep = list(job.sweep) or None
     for k in sweep or ():
         _fraction(k, "--sweep")
@@ -118,12 +119,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--groups only applies to --method group")
     with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite,
                           inputs=_inputs(job, args)) as out:
-        report = run_compress(
-            job.model, job.method, job.keep, job.allocation, str(out), data=job.data,
-            tokenizer=job.tokenizer, sweep=sweep, groups=groups, context=job.context, stride=job.stride,
-            max_windows=job.max_windows, max_tokens=job.max_tokens, strength=job.strength,
-            progress=job.progress, threads=args.threads, dtype=job.dtype, device=job.device,
-        )
+        report = run_compress(dataclasses.replace(job, out=str(out)), groups=groups, threads=args.threads)
     print(format_report(report))
     print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}"
           + (f", {Path(job.out) / 'sweep.png'}" if sweep else ""))

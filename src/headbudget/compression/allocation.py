@@ -51,7 +51,7 @@ def allocate(
     cost of one unit in layer i (default 1, e.g. heads x 2 x d_model for a rank unit).
     """
     if not 0 < keep <= 1:
-        raise CompressionError(f"--keep must be in (0, 1], got {keep}")
+        raise CompressionError(f"--keep-ratio must be in (0, 1], got {keep}")
     n = len(full)
     w = [1.0] * n if weights is None else [float(x) for x in weights]
     cands = [sorted(set(int(c) for c in cs)) for cs in candidates] if candidates is not None else \

@@ -2,7 +2,7 @@
 (:func:`headbudget.typed_config.option`); the command's flags, ``--config`` and ``--print_config`` are generated
 from them (:mod:`headbudget.cli.dataclass_flags`).  Importing this module needs no torch.
 
-    >>> job = CompressJob("runs/cpu-small/model", "runs/svd50", keep=0.5, sweep=(0.25, 0.5))
+    >>> job = CompressJob("runs/cpu-small/model", "runs/svd50", keep_ratio=0.5, sweep=(0.25, 0.5))
     >>> job.method, job.allocation, job.context
     ('svd', 'uniform', 256)
 """
@@ -24,7 +24,7 @@ ALLOCATION_NAMES = ("uniform", "later_layers_first", "earlier_layers_first")
 
 @dataclass
 class CompressJob:
-    """Everything ``headbudget compress`` needs; ``run_compress(job.model, job.method, ...)`` runs it."""
+    """Everything ``headbudget compress`` needs; ``run_compress(job)`` runs it."""
 
     model: str = option(help="model or run folder, or GGUF file, of any decoder headbudget converts (GPT-2, "
                              "Llama, ...)", metavar="MODEL")
@@ -33,7 +33,8 @@ class CompressJob:
                          help="svd: per-head rank reduction of W_Q W_K^T and W_V W_O; group: share K/V within "
                               "head groups; merge-kv: merge key/value heads into fewer, every query head kept "
                               "(--kv-heads or --kv-budget)")
-    keep: float = option(0.5, help="kept fraction of the attention rank budget (svd) or of the K/V heads (group)")
+    keep_ratio: float = option(0.5, help="kept fraction of the attention rank budget (svd) or of the K/V heads "
+                                        "(group)")
     allocation: str = option("uniform", choices=ALLOCATION_NAMES, help="how the kept budget is spread over layers")
     strength: float = option(0.5, help="slope of the non-uniform allocations: keep factors from (1+s) to (1-s) x "
                                        "mean")

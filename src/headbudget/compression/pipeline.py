@@ -3,7 +3,7 @@
     >>> from headbudget.compression.pipeline import compress_model
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
-    >>> small, info = compress_model(m, "svd", keep=0.5, allocation="later_layers_first")
+    >>> small, info = compress_model(m, "svd", keep_ratio=0.5, allocation="later_layers_first")
     >>> info["qk_ranks"], info["kept_fraction"]
     ([24, 19, 13, 8], 0.5)
 
@@ -27,6 +27,7 @@ from torch import nn
 
 from headbudget.compression.allocation import ALLOCATIONS, allocate, divisors
 from headbudget.compression.grouping import adjacent_groups, check_groups, group_heads
+from headbudget.compression.job import CompressJob
 from headbudget.compression.svd import CompressionError, rotary_reason, svd_compress
 from headbudget.io import atomic_write_dir, atomic_write_json
 
@@ -68,7 +69,7 @@ def _require_headbudget(model: nn.Module) -> None:
 def compress_model(
     model: nn.Module,
     method: str,
-    keep: float = 0.5,
+    keep_ratio: float = 0.5,
     allocation: str = "uniform",
     *,
     groups: Sequence[Sequence[Sequence[int]] | None] | dict[int, Sequence[Sequence[int]]] | None = None,
@@ -78,8 +79,8 @@ def compress_model(
     """A compressed deep copy of ``model`` and a description of what was kept.
 
     ``svd``: per-layer ranks (same for q/k and v/o) allocated so that ``sum_l n_heads_l * rank_l`` is
-    ``keep`` of ``sum_l n_heads_l * head_dim_l``.  ``group``: per-layer kv-head counts (divisors of the
-    head count) with ``keep`` of the heads' K/V kept, adjacent heads grouped; an explicit ``groups``
+    ``keep_ratio`` of ``sum_l n_heads_l * head_dim_l``.  ``group``: per-layer kv-head counts (divisors of the
+    head count) with ``keep_ratio`` of the heads' K/V kept, adjacent heads grouped; an explicit ``groups``
     (one list of head groups per layer, None = allocate that layer; or a dict {layer: groups}) overrides the
     allocation in those layers (the kept fraction is then reported, not enforced), e.g. CAHP's
     clusters via :func:`headbudget.compression.grouping.groups_from_labels`.
@@ -90,14 +91,14 @@ def compress_model(
     if allocation not in ALLOCATIONS:
         raise CompressionError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
     if method == "merge-kv":
-        raise CompressionError("merge-kv takes key/value head counts, not --keep: use "
+        raise CompressionError("merge-kv takes key/value head counts, not --keep-ratio: use "
                                "headbudget.compression.merge_kv.merge_kv_model (or merge_kv_pipeline.run_merge_kv)")
     blocks = model.transformer.h
     heads = [b.attn.n_heads for b in blocks]
-    info: dict[str, Any] = {"method": method, "keep": keep, "allocation": allocation, "strength": strength}
+    info: dict[str, Any] = {"method": method, "keep": keep_ratio, "allocation": allocation, "strength": strength}
     if method == "svd":
         full = [b.attn.v_head_dim for b in blocks]
-        ranks = allocate(full, keep, allocation, weights=heads, strength=strength)
+        ranks = allocate(full, keep_ratio, allocation, weights=heads, strength=strength)
         # Rotary or grouped-query layers have no fixed per-head query/key form: reduce only values/outputs.
         value_only = rotary_reason(model) is not None or any(b.attn.n_kv_heads != b.attn.n_heads for b in blocks)
         qk_ranks = [b.attn.qk_head_dim for b in blocks] if value_only else ranks
@@ -125,7 +126,7 @@ def compress_model(
     for i, g in enumerate(explicit):
         if g is not None:
             check_groups(g, heads[i], i)
-    n_kv = allocate(heads, keep, allocation, candidates=[divisors(h) for h in heads], strength=strength)
+    n_kv = allocate(heads, keep_ratio, allocation, candidates=[divisors(h) for h in heads], strength=strength)
     layer_groups = [g if g is not None else adjacent_groups(h, k) for g, h, k in zip(explicit, heads, n_kv)]
     out = copy.deepcopy(model)
     res = group_heads(out, layer_groups)
@@ -202,63 +203,42 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
-def run_compress(
-    model_path: str,
-    method: str,
-    keep: float,
-    allocation: str,
-    out: str,
-    *,
-    data: str | None = None,
-    tokenizer: str | None = None,
-    sweep: Sequence[float] | None = None,
-    groups: Sequence[Sequence[Sequence[int]] | None] | None = None,
-    context: int = 256,
-    stride: int | None = None,
-    max_windows: int | None = None,
-    max_tokens: int | None = None,
-    strength: float = 0.5,
-    progress: bool = True,
-    threads: int | None = None,
-    dtype: str | torch.dtype | None = None,
-    device: str | None = None,
-) -> dict[str, Any]:
-    """Load ``model_path``, compress, evaluate and write ``out/model/``, ``out/report.json`` (and the sweep).
+def run_compress(job: CompressJob, *, groups: Sequence[Sequence[Sequence[int]] | None] | None = None,
+                 threads: int | None = None) -> dict[str, Any]:
+    """Load ``job.model``, compress, evaluate and write ``job.out/model/``, ``job.out/report.json`` (and the sweep).
 
-    ``threads`` sets torch's intra-op threads for the duration (restored afterwards; None: the idle cores, as
-    :func:`headbudget.threads.torch_threads`); 1 is much faster for
-    small models on a busy CPU.  The compression itself is computed in float32 on the CPU; ``dtype``
-    (auto/None: float32) is the float type perplexity is measured in and the compressed model is saved
-    in, ``device`` (default: cuda when available) where perplexity is measured."""
+    ``groups`` are explicit head groups for ``group`` (read from ``job.groups`` by the command).  ``threads`` sets
+    torch's intra-op threads for the duration (restored afterwards; None: the idle cores, as
+    :func:`headbudget.threads.torch_threads`); 1 is much faster for small models on a busy CPU.  The compression
+    itself is computed in float32 on the CPU; ``job.dtype`` (auto: float32) is the float type perplexity is
+    measured in and the compressed model is saved in, ``job.device`` (default: cuda when available) where
+    perplexity is measured.
+
+        >>> run_compress(CompressJob("runs/prism/model", "runs/svd50", keep_ratio=0.5, data="wikitext2"))
+    """
     from headbudget.devices import resolve_device, resolve_dtype
     from headbudget.threads import torch_threads
 
-    torch_dtype = resolve_dtype(dtype) or torch.float32
-    dev = resolve_device(device)
+    dtype = resolve_dtype(job.dtype) or torch.float32
+    device = resolve_device(job.device)
     with torch_threads(threads):
-        return _run_compress(model_path, method, keep, allocation, out, data=data, tokenizer=tokenizer,
-                             sweep=sweep, groups=groups, context=context, stride=stride,
-                             max_windows=max_windows, max_tokens=max_tokens, strength=strength,
-                             progress=progress, dtype=torch_dtype, device=dev)
+        return _run_compress(job, groups, dtype, device)
 
 
-def _run_compress(model_path: str, method: str, keep: float, allocation: str, out: str, *, data: str | None,
-                  tokenizer: str | None, sweep: Sequence[float] | None,
-                  groups: Sequence[Sequence[Sequence[int]] | None] | None, context: int, stride: int | None,
-                  max_windows: int | None, max_tokens: int | None, strength: float, progress: bool,
-                  dtype: torch.dtype = torch.float32, device: torch.device | None = None
-                  ) -> dict[str, Any]:
+def _run_compress(job: CompressJob, groups: Sequence[Sequence[Sequence[int]] | None] | None, dtype: torch.dtype,
+                  device: torch.device) -> dict[str, Any]:
     from headbudget.loading import resolve_model
 
-    if sweep and not data:  # refused before anything is written
+    sweep, context, progress = list(job.sweep), job.context, job.progress
+    if sweep and not job.data:  # refused before anything is written
         raise ValueError("a sweep needs text data (it plots perplexity)")
-    src = resolve_model(model_path)
-    model, tok = _load_model_and_tokenizer(model_path, tokenizer, need_tokenizer=bool(data or tokenizer))
-    out_dir = Path(out)
-    ids = _token_ids(tok, data, max_tokens) if data else None
-    stride = stride or max(1, context // 2)
+    src = resolve_model(job.model)
+    model, tok = _load_model_and_tokenizer(job.model, job.tokenizer, need_tokenizer=bool(job.data or job.tokenizer))
+    out_dir = Path(job.out)
+    ids = _token_ids(tok, job.data, job.max_tokens) if job.data else None
+    stride = job.stride or max(1, context // 2)
     if ids is not None and progress:  # say up front how much scoring is ahead (a sweep repeats it)
-        _announce_scoring(len(ids), model.config.n_positions, context, stride, max_windows,
+        _announce_scoring(len(ids), model.config.n_positions, context, stride, job.max_windows,
                           2 + (len(sweep) * len(ALLOCATIONS) if sweep else 0))
 
     def ppl(m: nn.Module) -> dict[str, Any] | None:
@@ -266,16 +246,16 @@ def _run_compress(model_path: str, method: str, keep: float, allocation: str, ou
             return None
         if dtype != torch.float32 or (device is not None and device.type != "cpu"):
             m = copy.deepcopy(m).to(device=device, dtype=dtype)  # the float32 CPU original is compressed on
-        return evaluate_perplexity(m, ids, context, stride, max_windows, progress)
+        return evaluate_perplexity(m, ids, context, stride, job.max_windows, progress)
 
     before = ppl(model)
-    compressed, info = compress_model(model, method, keep, allocation, groups=groups, strength=strength,
-                                      progress=progress)
-    report = _compress_report(str(model_path), _source_family(src), data, model, compressed, info, before,
+    compressed, info = compress_model(model, job.method, job.keep_ratio, job.allocation, groups=groups,
+                                      strength=job.strength, progress=progress)
+    report = _compress_report(str(job.model), _source_family(src), job.data, model, compressed, info, before,
                               ppl(compressed))
     save_model_atomic(compressed.to(dtype), out_dir / "model", tok)
     if sweep:
-        report["sweep"] = _sweep(model, method, sweep, groups, strength, ppl, before, progress)
+        report["sweep"] = _sweep(model, job.method, sweep, groups, job.strength, ppl, before, progress)
         atomic_write_json(out_dir / "sweep.json", report["sweep"])
         plot_sweep(report["sweep"], out_dir / "sweep.png")
     atomic_write_json(out_dir / "report.json", report)
