@@ -25,6 +25,7 @@ Goals on the GPU: prism / uniform tokens/s >= 0.98 and MFU >= 45%.  Prints a tab
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import sys
@@ -41,7 +42,7 @@ from headbudget.threads import configure_threads
 from headbudget.train import Trainer, build_model
 from headbudget.train.compare import run_compare
 from headbudget.train.config import RunConfig, apply_overrides, load_config, resolve_config_path
-from headbudget.train.loop import param_groups
+from headbudget.train.loop import TrainLoop, param_groups
 from headbudget.train.memory import PeakMemory
 from headbudget.train.trainer import build_schedule
 
@@ -96,16 +97,15 @@ def throughput(cfg: RunConfig, schedule: str, args: argparse.Namespace, device: 
         fwd = torch.compile(model) if args.compile else model
         use_bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
         x = torch.randint(0, vocab, (bs, ctx + 1), device=device)
-        inp, tgt = x[:, :-1], x[:, 1:]
+        # the training loop's own step (TrainLoop), on one batch over and over
+        loop = TrainLoop(model, opt, lambda b: Trainer.compute_loss(fwd, b[:, :-1], b[:, 1:]),
+                         autocast=torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16))
+        batches = itertools.repeat(x)
 
         def step() -> float:
             _sync(device)
             t0 = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                loss = Trainer.compute_loss(fwd, inp, tgt)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loop.step(batches, 0, need_norm=False)
             _sync(device)
             return time.perf_counter() - t0
 

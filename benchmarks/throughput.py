@@ -90,12 +90,18 @@ def build(kind: str, preset: str, device: str) -> torch.nn.Module:
 
 
 def step_fn(model, batch, opt, device, dtype):
+    """One optimizer step of the training loop (TrainLoop.step) on ``batch``, its loss read and checked."""
+    import itertools
+
+    from headbudget.train.loop import TrainLoop
+
+    loop = TrainLoop(model, opt, lambda b: model(b, labels=b).loss,
+                     autocast=torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32))
+    batches = itertools.repeat(batch)
+
     def step():
-        with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loop.step(batches, 0, need_norm=False)
+        loop.check()  # reads the loss, as the device sync below would wait for it anyway
         if device == "cuda":
             torch.cuda.synchronize()
     return step

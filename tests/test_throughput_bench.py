@@ -49,3 +49,20 @@ def test_a_tiny_loop_run_times_wall_and_cpu_seconds(tp, adamw):
         assert res["median_step_s"] > 0 and res["median_cpu_step_s"] > 0
     assert set(out["ratios"]) == {"prism/uniform", "uniform/prism", "uniform/prism paired", "uniform/prism cpu",
                                   "uniform/prism cpu paired"}
+
+
+def test_a_timed_step_is_one_adamw_step_of_the_training_loop(tp):
+    """step_fn's step (TrainLoop.step) moves the weights exactly as forward, backward and AdamW by hand."""
+    import copy
+
+    torch.manual_seed(0)
+    model = tp.build("uniform", "cpu-tiny", "cpu")
+    twin, before = copy.deepcopy(model), copy.deepcopy(model)
+    batch = torch.randint(0, model.config.vocab_size, (2, 16))
+    opt, opt_twin = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin))
+    tp.step_fn(model, batch, opt, "cpu", torch.float32)()
+    twin(batch, labels=batch).loss.backward()
+    opt_twin.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert not torch.equal(next(model.parameters()), next(before.parameters()))  # it did step
