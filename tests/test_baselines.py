@@ -1,5 +1,6 @@
 """The published baselines (pipelined / joint DSP, PASS, AttAttr) and the proximity-bias numbers, on tiny
-random BERTs and the fixture SST-5 files."""
+random BERTs and the fixture SST-5 files; gate training runs on the one training loop (TrainLoop) and gives
+the reference results bit for bit."""
 
 from __future__ import annotations
 
@@ -423,3 +424,60 @@ def test_gate_training_depends_on_its_seed_alone_not_on_the_callers_random_state
         assert torch.equal(torch.get_rng_state(), state)
         results.append(res.logits)
     np.testing.assert_array_equal(results[0], results[1])
+
+
+# --------------------------------------------------------------------------- gate training on the one loop
+#: Reference results of train_gates on the tiny BERT of _train_gates (kept heads, heads PASS reopened, final gate
+#: logits; 20 steps with PASS reopening), computed by a gate-training loop written without TrainLoop: gate training
+#: on TrainLoop must give them bit for bit
+_REFERENCE_GATES = {
+    ("pass-frozen", True): ([0, 1, 6, 10, 11], 5, [4.9387526512146, 4.938931941986084, 2.26098895072937, 0.7539010643959045,
+                                            2.549811363220215, 2.1413540840148926, 4.93870735168457,
+                                            -0.8531513214111328, 1.6700572967529297, 1.6442286968231201,
+                                            4.264365196228027, 4.264598846435547]),
+    ("joint-dsp-finetuned", False): ([1, 2, 6, 7, 9], None, [-1.963037989096056, 1.1726358628779683, 2.207736550940807,
+                                                   -1.0696549889708502, -1.0635291077462852, -0.9199879961804793,
+                                                   1.1370334255837407, 2.1640592786040407, -0.5871153784841945,
+                                                   2.337302589111245, 1.0336867476636153, -2.3297264565108575]),
+}
+
+
+def _train_gates(method: str, toy_loss: bool):
+    from headbudget.models.surgery import get_adapter
+    from headbudget.pruning.gated import GateSettings, train_gates
+
+    model = _tiny_bert(eager=True, seed=2)
+    return train_gates(method, get_adapter(model), model, _batches(n=10, seed=4), 5,
+                       GateSettings(cooldown=5, seed=7, epochs=2, weight_lr=1e-2), progress=False,
+                       **({"loss_fn": _head_loss(1, [2])} if toy_loss else {}))
+
+
+def test_gate_training_runs_on_the_one_train_loop(monkeypatch):
+    from headbudget.train.loop import TrainLoop
+
+    runs = []
+    original = TrainLoop.run
+
+    def counting(self, *args, **kwargs):
+        runs.append(kwargs.get("steps"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainLoop, "run", counting)
+    res = _train_gates("pipelined-dsp", toy_loss=False)
+    assert runs == [20] and res.steps == 20 and len(res.history) == 20
+
+
+@pytest.mark.parametrize(("method", "toy_loss"), list(_REFERENCE_GATES))
+def test_gate_training_gives_the_reference_gates(method, toy_loss, monkeypatch):
+    import contextlib
+
+    import headbudget.pruning.gated as gated
+
+    # the reference loop draws dropout from the caller's generator, gate training seeds it (seeded_dropout, see
+    # test_gate_training_depends_on_its_seed_alone_not_on_the_callers_random_state): with that seeding off,
+    # gate training gives the reference numbers bit for bit
+    monkeypatch.setattr(gated, "seeded_dropout", lambda seed, device: contextlib.nullcontext())
+    kept, reopened, logits = _REFERENCE_GATES[(method, toy_loss)]
+    res = _train_gates(method, toy_loss)
+    assert res.kept == kept and res.info.get("reopened") == reopened
+    np.testing.assert_allclose(res.logits, logits, rtol=1e-5, atol=1e-6)

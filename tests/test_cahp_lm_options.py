@@ -1,5 +1,6 @@
 """CAHP selection options for label-free (task lm) pruning: Fisher representatives, importance allocation
-over clusters, their label-free defaults, and the CLI flags that set them (issue 10, section 3)."""
+over clusters (hand-computed on balanced examples: equal shares, ties to the lowest label, the cluster count),
+their label-free defaults, and the CLI flags that set them."""
 
 from __future__ import annotations
 
@@ -191,3 +192,78 @@ def test_importance_allocation_on_the_knee_path_clusters_into_n_clusters():
     assert len(np.unique(sel.labels)) == 2 and sel.labels.tolist() == two.labels.tolist()
     want, _ = ensure_one_per_layer(allocate_by_importance(two.labels, fisher, len(sel.kept)), heads, fisher)
     assert sel.kept == want
+
+
+# ---------------------------------------------------------------------------- allocation, balanced
+def test_balanced_clusters_share_the_count_equally_and_ties_go_to_the_lowest_label():
+    labels = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    imp = [3.0, 2.0, 1.0] * 4  # every cluster holds a quarter of the importance
+    # keep 8: shares 8 x 1/4 = 2 each -> the two most important heads of every cluster
+    assert allocate_by_importance(labels, imp, 8) == [0, 1, 3, 4, 6, 7, 9, 10]
+    # keep 6: shares 1.5 each; after one slot each, the two slots left go to the tied clusters 0 and 1
+    assert allocate_by_importance(labels, imp, 6) == [0, 1, 3, 4, 6, 9]
+    # keep 7 in 3 clusters of 4: shares 7/3 -> slots 1,1,1 then clusters 0, 1, 2, then 0 again: 3, 2, 2
+    assert allocate_by_importance([0] * 4 + [1] * 4 + [2] * 4, [4.0, 3.0, 2.0, 1.0] * 3, 7) == \
+        [0, 1, 2, 4, 5, 8, 9]
+    # every slot handed out, each cluster within its size
+    assert allocate_by_importance(labels, imp, 12) == list(range(12))
+    assert allocate_by_importance(labels, imp, 4) == [0, 3, 6, 9]
+
+
+def test_equal_importance_not_equal_size_shares_by_importance():
+    # cluster 0 has 2 heads, cluster 1 has 4, each half the importance: keep 4 -> 2 and 2, not 1 and 3
+    labels = [0, 0, 1, 1, 1, 1]
+    imp = [2.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    assert allocate_by_importance(labels, imp, 4) == [0, 1, 2, 3]
+    # a lone head holding half the importance fills its cluster; the slot it cannot take passes on
+    assert allocate_by_importance([0, 1, 1, 1], [3.0, 1.0, 1.0, 1.0], 4) == [0, 1, 2, 3]
+    # with no importance at all the shares follow the sizes: 4 x 2/6 -> 1 (+ rounding), 4 x 4/6 -> 3
+    assert allocate_by_importance(labels, [0.0] * 6, 4) == [0, 2, 3, 4]
+
+
+def _balanced_distances(groups: list[int], spread: float = 0.01) -> np.ndarray:
+    """A label-free (JS-divergence-like) distance matrix: heads of one group near 0, others 1 apart."""
+    g = np.asarray(groups)
+    rng = np.random.default_rng(0)
+    d = np.where(g[:, None] == g[None, :], spread, 1.0) + rng.uniform(0, spread, (len(g), len(g)))
+    d = (d + d.T) / 2
+    np.fill_diagonal(d, 0.0)
+    return d
+
+
+def _balanced_heads():
+    """12 heads in 3 layers of 4; group g = heads (0, g), (1, g), (2, g): every group spans every layer.
+    Importance per group sums to 6 (balanced); even groups rank layer 0 first, odd ones layer 2."""
+    heads = [(i // 4, i % 4) for i in range(12)]
+    groups = [h for _, h in heads]
+    imp = np.array([{0: 3.0, 1: 2.0, 2: 1.0}[lay] if h % 2 == 0 else {0: 1.0, 1: 2.0, 2: 3.0}[lay]
+                    for lay, h in heads])
+    return heads, groups, imp
+
+
+@pytest.mark.parametrize("n_clusters", [4, None], ids=["n_clusters=4", "default-n_clusters"])
+def test_label_free_importance_allocation_on_a_balanced_example(n_clusters):
+    heads, groups, imp = _balanced_heads()
+    sel = select_heads(None, heads, np.zeros(12), distances=_balanced_distances(groups), keep=8, seed=0,
+                       perplexity=3, scores=imp, allocation="importance", n_clusters=n_clusters)
+    # the cluster count: n_clusters, capped by keep (8) and n - 1 (11); the default (30) -> 8
+    assert sel.knee_k == (4 if n_clusters else 8) and len(np.unique(sel.labels)) == sel.knee_k
+    assert sel.knee_source == "keep" and len(sel.kept) == 8 and sel.rescued == []
+    if n_clusters == 4:
+        # the clustering found the 4 groups, and each gets 8 x 6/24 = 2 slots: its two best heads
+        assert all(len({sel.labels[i] for i in range(12) if groups[i] == g}) == 1 for g in range(4))
+        assert sel.kept == [0, 2, 4, 5, 6, 7, 9, 11]
+
+
+def test_label_free_importance_allocation_balanced_with_an_odd_count():
+    heads, groups, imp = _balanced_heads()
+    sel = select_heads(None, heads, np.zeros(12), distances=_balanced_distances(groups), keep=6, seed=0,
+                       perplexity=3, scores=imp, allocation="importance", n_clusters=4)
+    assert sel.knee_k == 4 and len(sel.kept) == 6
+    label_of = {g: int(sel.labels[groups.index(g)]) for g in range(4)}
+    # shares 1.5 each: one slot per group, the two extra ones to the groups with the two lowest labels
+    extra = sorted(range(4), key=label_of.__getitem__)[:2]
+    per_group = {g: sum(1 for i in sel.kept if groups[i] == g) for g in range(4)}
+    assert per_group == {g: 2 if g in extra else 1 for g in range(4)}
+    best_first = {g: sorted((i for i in range(12) if groups[i] == g), key=lambda i: (-imp[i], i)) for g in range(4)}
+    assert sel.kept == sorted(i for g in range(4) for i in best_first[g][:per_group[g]])

@@ -1,5 +1,7 @@
-"""Typed configs as the single source of flags (issue 21): prune / prune-compare flags generated from PruneJob's
-fields, ``--config`` / ``--set`` / ``--print_config`` from the same declarations, unknown keys refused in one line."""
+"""Typed configs as the single source of flags: prune / prune-compare flags generated from PruneJob's fields,
+``--config`` / ``--set`` / ``--print_config`` from the same declarations, unknown keys refused in one line; train,
+compare and prepare take their config as CONFIG or ``--config FILE`` (one, not both), and experiment's ``--out`` /
+``--no-progress`` are config fields."""
 
 from __future__ import annotations
 
@@ -130,7 +132,7 @@ def test_compress_flags_are_compress_job_fields(tmp_path, capsys):
     first = _print_config(["compress", "m", "--out", "o", "--sweep", "0.25,0.5", "--method", "group",
                            "--no-progress", "--print_config"], capsys)
     d = yaml.safe_load(first)
-    assert (d["sweep"], d["method"], d["progress"], d["keep"]) == ([0.25, 0.5], "group", False, 0.5)
+    assert (d["sweep"], d["method"], d["progress"], d["keep_ratio"]) == ([0.25, 0.5], "group", False, 0.5)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(first)
     assert _print_config(["compress", "--config", str(cfg), "--print_config"], capsys) == first
@@ -359,3 +361,59 @@ def test_task_lm_defaults_to_no_recovery_fine_tuning_in_the_library_and_the_cli(
     for extra, epochs in (([], 0), (["--finetune-epochs", "2"], 2), (["--task", "sst5", "--data-dir", "d"], 3)):
         d = yaml.safe_load(_print_config(["prune", "--config", str(cfg), *extra, "--print_config"], capsys))
         assert d["finetune_epochs"] == epochs, extra
+
+
+# ------------------------------------------------------------------ CONFIG or --config FILE
+def _printed(argv: list[str], capsys) -> dict:
+    capsys.readouterr()
+    assert main(argv) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "prepare"])
+def test_config_as_flag_is_the_config_as_positional(command, tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("name: viaflag\nseed: 7\ndata:\n  source: synthetic:5000\ntrain:\n  lr: 0.0005\n")
+    positional = _printed([command, str(cfg), "--print_config"], capsys)
+    flag = _printed([command, "--config", str(cfg), "--print_config"], capsys)
+    assert flag == positional
+    assert (flag["name"], flag["seed"], flag["data"]["source"], flag["train"]["lr"]) == ("viaflag", 7,
+                                                                                        "synthetic:5000", 0.0005)
+    bundled = _printed([command, "--config", "cpu-small", "--print_config"], capsys)
+    assert bundled == _printed([command, "cpu-small", "--print_config"], capsys)
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "prepare"])
+def test_config_given_both_ways_is_one_line_error(command, tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("name: a\n")
+    capsys.readouterr()
+    assert main([command, str(cfg), "--config", str(cfg), "--print_config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give CONFIG or --config FILE, not both" in err
+    assert err.startswith(f"headbudget {command}: error: ")
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_commands_that_need_a_config_refuse_to_run_without_one(command, capsys):
+    capsys.readouterr()
+    assert main([command, "--print_config"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"headbudget {command}: error: missing the config: give CONFIG or --config FILE (a YAML file or " \
+                  "a bundled name: quickstart, cpu-small, gpt2-124m, ...)\n"
+
+
+def test_prepare_needs_no_config(capsys):
+    assert _printed(["prepare", "--print_config"], capsys)["data"]["source"] == "synthetic:1000000"
+
+
+# ------------------------------------------------------------------ experiment --out / --no-progress as fields
+@pytest.mark.parametrize("name", ["saturation", "ngram"])
+def test_experiment_out_and_no_progress_round_trip_through_print_config(name, tmp_path, capsys):
+    d = _printed(["experiment", name, "--out", str(tmp_path / "o"), "--no-progress", "--print_config"], capsys)
+    assert (d["out"], d["progress"]) == (str(tmp_path / "o"), False)
+    f = tmp_path / "cfg.yaml"
+    f.write_text(yaml.safe_dump(d))
+    assert _printed(["experiment", name, "--config", str(f), "--print_config"], capsys) == d
+    defaults = _printed(["experiment", name, "--print_config"], capsys)
+    assert (defaults["out"], defaults["progress"]) == (f"results/{name}", True)

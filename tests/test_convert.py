@@ -1,4 +1,5 @@
-"""Converters GPT-2/Llama/Mistral/Qwen2 <-> headbudget: identical logits, both ways, with GQA and padding."""
+"""Converters GPT-2/Llama/Mistral/Qwen2 <-> headbudget: identical logits, both ways, with GQA and padding; a
+non-default norm epsilon survives conversion both ways."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers import (
 )
 
 from headbudget.models import ConversionError, HeadBudgetForCausalLM, to_headbudget, to_hf
+from test_model import _llama  # tests/ is on sys.path under pytest
 
 LLAMA_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
@@ -232,3 +234,37 @@ def test_hidden_act_is_honoured_and_a_wrong_one_is_refused_in_one_line(tmp_path)
         HeadBudgetConfig.from_preset("cpu-tiny", mlp="gated_silu", hidden_act="gelu")
     with pytest.raises(ConversionError, match="activation_function='relu' is not supported"):
         to_headbudget(make("gpt2", activation_function="relu"))
+
+
+# ---------------------------------------------------------------------------- norm epsilon both ways
+def test_non_default_rms_norm_eps_survives_conversion_both_ways():
+    hf = _llama(rms_norm_eps=0.1)  # large, so the value visibly changes every norm's output
+    hb = to_headbudget(hf)
+    assert hb.config.layer_norm_epsilon == 0.1
+    norms = [mod for mod in hb.modules() if type(mod).__name__ == "HeadBudgetRMSNorm"]
+    assert len(norms) == 2 * 2 + 1 and {n.eps for n in norms} == {0.1}
+    ids = torch.randint(0, 101, (2, 12))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (hb(ids).logits - ref).abs().max() <= 1e-5
+        back = to_hf(hb)
+        assert back.config.rms_norm_eps == 0.1
+        assert (back(ids).logits - ref).abs().max() <= 1e-5
+        # the value matters here: the same weights with the default epsilon give other logits
+        hf.config.rms_norm_eps = 1e-6
+        assert (to_headbudget(hf)(ids).logits - ref).abs().max() > 1e-2
+
+
+def test_non_default_layer_norm_epsilon_survives_gpt2_conversion_both_ways():
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=101, n_positions=32,
+                                    layer_norm_epsilon=0.1)).eval()
+    hb = to_headbudget(hf)
+    assert hb.config.layer_norm_epsilon == 0.1
+    assert {mod.eps for mod in hb.modules() if isinstance(mod, torch.nn.LayerNorm)} == {0.1}
+    back = to_hf(hb)
+    assert back.config.layer_norm_epsilon == 0.1
+    ids = torch.randint(0, 101, (2, 12))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (hb(ids).logits - ref).abs().max() <= 1e-5
+        assert (back(ids).logits - ref).abs().max() <= 1e-5

@@ -1,6 +1,8 @@
-"""benchmarks/decode.py refuses, before any timing, a run whose live KV caches cannot fit in memory."""
+"""benchmarks/decode.py refuses, before any timing, a run whose live KV caches cannot fit in memory, and scores
+heads through the pruning-method registry."""
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +30,8 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line(decode):
     decode.check_memory({"dense": model}, args, available=2 * need)  # fits: no error
     with pytest.raises(SystemExit, match=r"decode.py: the KV caches of 1 models at context 512 and batch 8 need"):
         decode.check_memory({"dense": model}, args, available=need)
+
+
+def test_decode_benchmark_scores_through_the_registry():
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py").read_text()
+    assert "IMPORTANCES" not in text and "score_heads(args.importance, ctx)" in text

@@ -1,4 +1,5 @@
-"""Synthetic experiments at tiny sizes: results structure, real measured values, CLI outputs."""
+"""Synthetic experiments at tiny sizes: results structure, real measured values, CLI outputs, and the ``out`` /
+``progress`` a config file gives."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import pytest
 import torch
 
+from headbudget.cli.main import main
 from headbudget.experiments.ngram import NgramConfig, OneLayerAttention, _batch, run_ngram
 from headbudget.experiments.saturation import SaturationConfig, SingleHead, _saturation_dim, run_saturation
 
@@ -67,8 +69,6 @@ def test_ngram_tiny_learns_single_offset():
 
 
 def test_experiment_cli_tiny(tmp_path, capsys):
-    from headbudget.cli.main import main
-
     rc = main(["experiment", "saturation", "--seq-lens", "8", "--dims", "1,4", "--d-model", "8",
                "--teacher-dim", "4", "--steps", "3", "--lrs", "0.1", "--tokens-per-step", "64",
                "--out", str(tmp_path / "sat"), "--no-progress"])
@@ -90,3 +90,19 @@ def test_experiment_cli_tiny(tmp_path, capsys):
     assert main(["experiment", "saturation", "--dims", "0,2", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "--heads value 3 does not divide --budget 8" in err and "--dims: expected positive" in err
+
+
+# ------------------------------------------------------------------ out / progress from a config file
+_NGRAM_TINY = ["--budget", "8", "--heads", "1,2", "--offsets", "1", "--vocab", "4", "--seq-len", "8", "--d-model", "8",
+               "--steps", "2", "--batch", "4", "--eval-batch", "8", "--seeds", "0"]
+
+
+def test_experiment_runs_into_the_out_of_its_config_file(tmp_path, capsys):
+    f = tmp_path / "cfg.yaml"
+    f.write_text(f"out: {tmp_path / 'from_file'}\nprogress: false\n")
+    capsys.readouterr()
+    assert main(["experiment", "ngram", *_NGRAM_TINY, "--config", str(f), "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads((tmp_path / "from_file" / "ngram.json").read_text())
+    assert "out" not in result["config"] and "progress" not in result["config"]  # where it reports: not a result
+    assert "ngram:" not in captured.err  # progress: false in the file silenced the bar

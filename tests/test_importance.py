@@ -1,10 +1,14 @@
-"""Importance plug-ins on tiny random models: magnitude by hand, gate gradients vs autograd, salience."""
+"""Importance plug-ins on tiny random models: magnitude by hand (also on a plain transformers ``LlamaForCausalLM``
+through two pruning rounds), gate gradients vs autograd, salience."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def _bert():
@@ -169,3 +173,80 @@ def test_fisher_goes_example_by_example_when_the_loss_does_not_split():
     want = gate_gradients(ad, model, batches, lambda m, b: default_loss(m, b), reduce="example_square", progress=False)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     assert _losses_split(_bert(), _batches(1))
+
+
+# ---------------------------------------------------------------------------- a plain LlamaForCausalLM
+def _plain_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=8, num_key_value_heads=4, head_dim=4,
+                                         vocab_size=61, max_position_embeddings=32)).eval()
+    with torch.no_grad():  # heads of clearly different sizes: query head h of every layer x (h + 1)
+        for layer in model.model.layers:
+            q = layer.self_attn.q_proj.weight.view(8, 4, 32)
+            q.mul_(torch.arange(1.0, 9.0).view(8, 1, 1))
+    return model
+
+
+def _hand_magnitude(model) -> list[np.ndarray]:
+    """Per head: sqrt(|q rows|^2 + |k rows|^2 + |v rows|^2 of its key/value head + |o columns|^2)."""
+    out = []
+    for layer in model.model.layers:
+        a = layer.self_attn
+        d = int(a.head_dim)
+        n, n_kv = a.q_proj.out_features // d, a.k_proj.out_features // d
+        scores = []
+        for h in range(n):
+            kv = h // (n // n_kv)
+            sq = sum(float((w.detach()[r * d:(r + 1) * d] ** 2).sum()) for w, r in
+                     ((a.q_proj.weight, h), (a.k_proj.weight, kv), (a.v_proj.weight, kv)))
+            sq += float((a.o_proj.weight.detach()[:, h * d:(h + 1) * d] ** 2).sum())
+            scores.append(np.sqrt(sq))
+        out.append(np.array(scores))
+    return out
+
+
+def test_magnitude_importance_and_two_pruning_rounds_on_a_plain_llama():
+    from headbudget.models.surgery import get_adapter
+    from headbudget.pruning.importance import ImportanceContext, flatten, prune_spec
+    from headbudget.pruning.methods import select_by_method
+
+    model = _plain_llama()
+    dense = copy.deepcopy(model)
+    adapter = get_adapter(model)
+    assert adapter.family == "llama" and adapter.head_counts() == [8, 8] and adapter.kv_head_counts() == [4, 4]
+    ctx = ImportanceContext(adapter, model, batches=[], progress=False)
+    kept, scores = select_by_method("magnitude", ctx, 12)
+    original = _hand_magnitude(model)
+    np.testing.assert_allclose(scores, flatten(original), rtol=1e-6)
+    # the scaled query rows make the last heads of each layer the largest: keep heads 2..7 of both
+    assert kept == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]
+
+    # round 1 on the transformers model itself: heads 0, 1 (all of KV group 0) and half of group 1
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    adapter.prune_heads({0: [0, 1, 2], 1: [0, 1]})
+    assert adapter.head_counts() == [5, 6] and adapter.kv_head_counts() == [5, 3]
+    assert adapter.original_heads() == {0: [3, 4, 5, 6, 7], 1: [2, 3, 4, 5, 6, 7]}
+    # magnitude on the pruned model: the survivors keep exactly their scores (their rows did not change)
+    after = select_by_method("magnitude", ImportanceContext(adapter, model, [], progress=False), 6)
+    np.testing.assert_allclose(after[1], flatten(_hand_magnitude(model)), rtol=1e-6)
+    np.testing.assert_allclose(after[1], np.concatenate([original[0][3:], original[1][2:]]), rtol=1e-6)
+
+    # round 2 on the already pruned model, by current indices: keep the best 6 by magnitude
+    spec = prune_spec(after[0], adapter.head_counts())
+    assert after[0] == [2, 3, 4, 8, 9, 10] and spec == {0: [0, 1], 1: [0, 1, 2]}
+    adapter.prune_heads(spec)
+    assert adapter.head_counts() == [3, 3] and adapter.kv_head_counts() == [3, 3]  # groups of 1 and 2: duplicated
+    assert adapter.original_heads() == {0: [5, 6, 7], 1: [5, 6, 7]}
+    with torch.no_grad():
+        pruned = model(ids).logits
+        gated_adapter = get_adapter(dense)
+        gate = {li: torch.tensor([1.0 if h in keep else 0.0 for h in range(8)])
+                for li, keep in adapter.original_heads().items()}
+        with gated_adapter.set_gate_values(gate):
+            gated = dense(ids).logits
+        assert (gated - dense(ids).logits).abs().max() > 1e-3  # the removed heads mattered
+    assert (pruned - gated).abs().max() <= 1e-5
+    model.set_attn_implementation("eager")  # repeats key/value heads by num_key_value_groups itself
+    with torch.no_grad():
+        assert (model(ids).logits - gated).abs().max() <= 1e-5

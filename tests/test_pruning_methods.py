@@ -1,6 +1,7 @@
 """The pruning-method registry (:mod:`headbudget.pruning.methods`): a scorer a user registers is a method of
 ``run_prune`` / ``run_prune_compare`` / the CLI, keeps exactly the heads its scores say, and unknown names are a
-one-line error listing the registered ones."""
+one-line error listing the registered ones.  The registry is the one table of importances: ``importance_table``
+is a live, read-only view of it, and ``score_heads`` / ``select_by_method`` read it."""
 
 from __future__ import annotations
 
@@ -202,3 +203,37 @@ def test_an_installed_package_adds_an_importance_the_cli_can_use(tiny, tmp_path,
         "module 'hb_demo_plugin' has no attribute 'gone'"]
     assert methods.available_importances()[: len(BUILTINS)] == BUILTINS
     assert "fixed-plugin" in methods.available_importances() and "broken" not in methods.available_importances()
+
+
+# ---------------------------------------------------------------------------- the registry is the one table
+def test_the_importance_table_is_a_live_read_only_view_of_the_registry():
+    from headbudget.pruning import importance
+
+    @methods.register_importance("test-scorer")
+    def scorer(ctx):
+        return [np.arange(n, dtype=float) for n in ctx.head_counts]
+
+    try:
+        table = methods.importance_table()
+        assert not hasattr(importance, "IMPORTANCES")  # no module-level table: the registry is the only one
+        assert table["test-scorer"] is scorer  # registered after import: the registry is the table
+        assert set(table) == set(methods.importance_table()) >= {"michel", "fisher", "magnitude", "random"}
+        assert "cahp" not in table  # a selector without per-head scores
+        with pytest.raises(TypeError):
+            table["other"] = scorer  # read-only
+    finally:
+        methods.unregister("test-scorer")
+    assert "test-scorer" not in table
+
+
+def test_select_by_method_and_score_heads_read_the_registry():
+    ctx = type("Ctx", (), {"head_counts": [3, 2]})()
+    methods.register_importance("last-head-first", lambda c: [np.arange(n, dtype=float) for n in c.head_counts])
+    try:
+        assert [list(s) for s in methods.score_heads("last-head-first", ctx)] == [[0, 1, 2], [0, 1]]
+        kept, flat = methods.select_by_method("last-head-first", ctx, 3)
+        assert kept == [1, 2, 4] and list(flat) == [0, 1, 2, 0, 1]
+    finally:
+        methods.unregister("last-head-first")
+    with pytest.raises(ValueError, match="unknown importance 'cahp'; choose from michel, fisher, magnitude, random"):
+        methods.score_heads("cahp", ctx)

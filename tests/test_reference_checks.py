@@ -13,7 +13,6 @@ from headbudget.budget import fit_integer_total
 from headbudget.compression.svd import svd_compress
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM, to_headbudget
 from headbudget.models.surgery import get_adapter
-
 from headbudget.schedules import HeadSchedule, LayerSpec
 
 
