@@ -144,15 +144,6 @@ def layer_factors(attn: nn.Module, layer: int = 0, qk: bool = True) -> dict[str,
     return {"qk": qk_f, "vo": vo}
 
 
-def singular_values(model: nn.Module) -> list[dict[str, list[list[float]]]]:
-    """Per layer, per head singular values of the QK and VO forms (for plots and rank choices)."""
-    out = []
-    for i, block in enumerate(model.transformer.h):
-        f = layer_factors(block.attn, i)
-        out.append({key: [hf.sigma.tolist() for hf in f[key]] for key in ("qk", "vo")})
-    return out
-
-
 @torch.no_grad()
 def compress_layer(attn: nn.Module, qk_rank: int, v_rank: int, layer: int = 0,
                    factors: dict[str, list[HeadFactors]] | None = None) -> dict[str, Any]:

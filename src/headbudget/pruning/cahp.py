@@ -265,11 +265,6 @@ def _choose_k(by_k: Mapping[int, Clustering], mss: list[tuple[int, float]], head
     return int(round(knee)), "mss", curve
 
 
-def as_layer_dict(kept: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
-    """JSON form ``{"<layer>": [heads]}``."""
-    return {str(layer): sorted(int(h) for h in hs) for layer, hs in sorted(kept.items())}
-
-
 # --------------------------------------------------------------------------- on a model
 def _model_inputs(batch: Mapping[str, Any], device: Any) -> dict[str, Any]:
     """The batch minus labels, on ``device`` (attention maps need no loss)."""

@@ -394,11 +394,3 @@ def prune_spec(kept: Iterable[int], head_counts: Sequence[int]) -> dict[int, lis
         if i not in keep:
             out.setdefault(layer, []).append(h)
     return out
-
-
-def kept_mapping(kept: Iterable[int], head_counts: Sequence[int]) -> Mapping[int, list[int]]:
-    heads = head_list(head_counts)
-    out: dict[int, list[int]] = {layer: [] for layer in range(len(head_counts))}
-    for i in sorted(kept):
-        out[heads[i][0]].append(heads[i][1])
-    return out
