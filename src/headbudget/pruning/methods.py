@@ -7,15 +7,13 @@ Like Torch-Pruning's ``Importance``, a method is a plug-in registered under a na
   the importance batches (``ctx.batches``), the loss (``ctx.loss_fn``) and ``ctx.seed``.  The pipeline keeps
   the ``keep`` best heads (:func:`headbudget.pruning.importance.select_top`: each layer's best head first,
   then the best of the rest) and writes the scores to ``details.json``;
-* a **selector** -- ``fn(run: MethodRun) -> Selection``: it chooses the kept heads itself (iterative,
-  trained or clustering methods).  ``finds_count=True`` when it can also choose how many (``run.target``
+* a **selector** -- ``fn(run: MethodRun) -> Selection``: it chooses the kept heads itself (trained or
+  clustering methods; an iterative importance registers ``keep_heads`` instead).  ``finds_count=True`` when it can also choose how many (``run.target``
   is then ``None`` unless the job forces a count; without it a method needs ``keep`` / ``keep_ratio``).
 
-Every built-in method registers here: ``cahp``, ``michel``, ``fisher``, ``magnitude``, ``random``,
-``pipelined-dsp``, ``joint-dsp``, ``joint-dsp-finetuned``, ``pass``, ``pass-frozen``, ``attattr``.  Every method
-but ``cahp`` (``keeps_layer_floor``: its paper keeps a head per layer) follows the job's ``layer_floor``.  A new one is usable by
-:func:`headbudget.pruning.pipeline.run_prune`, :func:`headbudget.pruning.compare.run_prune_compare` and the CLI
-as soon as it is registered:
+Every built-in method registers here (cahp, michel, fisher, magnitude, random, pipelined-dsp, joint-dsp[-finetuned],
+pass[-frozen], attattr); all but ``cahp`` (``keeps_layer_floor``) follow the job's ``layer_floor``.  A new one is
+usable by ``run_prune``, ``run_prune_compare`` and the CLI as soon as it is registered:
 
     >>> import numpy as np
     >>> from headbudget.pruning.methods import available_importances, register_importance, unregister
@@ -126,13 +124,14 @@ class Selection:
 
 
 Selector = Callable[[MethodRun], Selection]
+KeepHeads = Callable[[ImportanceContext, int, bool], list[int]]
 
 
 @dataclass(frozen=True)
 class PruningMethod:
     """One registered method: an ``importance`` or a ``selector`` (at least one).  A selector may also carry the
-    importance it is built from (``michel``: the scores of its first round), so every method with one score per
-    head can give it (:func:`score_heads`); ``select`` runs the selector when there is one.
+    importance it is built from (:func:`score_heads` gives it); ``select`` runs the selector when there is one, else
+    ``keep_heads`` (an importance that picks its heads itself, as ``michel``'s rounds do), else the top scores.
 
     ``job_fields``: :class:`~headbudget.pruning.job.PruneJob` fields only this method reads (a resumed
     comparison reruns it when they change); ``check(job)``: raises a one-line ``ValueError`` for a job
@@ -142,6 +141,7 @@ class PruningMethod:
     name: str
     importance: Importance | None = None
     selector: Selector | None = None
+    keep_heads: KeepHeads | None = None
     finds_count: bool = False
     job_fields: tuple[str, ...] = ()
     check: Callable[[Any], None] | None = None
@@ -151,15 +151,17 @@ class PruningMethod:
         floor = self.keeps_layer_floor or layer_floor_of(run.job)
         if self.selector is not None:
             sel = self.selector(run)
-            sel.kept = _checked_kept(self.name, sel.kept, run.head_counts, floor)
-            return sel
-        assert self.importance is not None and run.target is not None
-        counts = run.head_counts
-        scores = [np.asarray(s, dtype=np.float64).reshape(-1) for s in self.importance(run.importance_context())]
-        if [len(s) for s in scores] != counts:
-            raise ValueError(f"importance {self.name!r} returned {[len(s) for s in scores]} scores per layer; "
-                             f"the model has {counts} heads per layer")
-        return Selection(kept=select_top(scores, run.target, layer_floor=floor), details={"scores": flatten(scores)})
+        elif self.keep_heads is not None:
+            sel = Selection(kept=self.keep_heads(run.importance_context(), run.target, floor))
+        else:
+            counts = run.head_counts
+            scores = [np.asarray(s, dtype=np.float64).reshape(-1) for s in self.importance(run.importance_context())]
+            if [len(s) for s in scores] != counts:
+                raise ValueError(f"importance {self.name!r} returned {[len(s) for s in scores]} scores per layer; "
+                                 f"the model has {counts} heads per layer")
+            sel = Selection(kept=select_top(scores, run.target, layer_floor=floor), details={"scores": flatten(scores)})
+        sel.kept = _checked_kept(self.name, sel.kept, run.head_counts, floor)
+        return sel
 
 
 def layer_floor_of(job: Any) -> bool:
@@ -201,10 +203,12 @@ def _instance(fn: Any) -> Any:
 
 
 def register_importance(name: str, fn: Importance | None = None, *, replace: bool = False,
-                        job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None) -> Any:
+                        job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None,
+                        keep_heads: KeepHeads | None = None) -> Any:
     """Register ``fn(ctx) -> [scores of layer 0, scores of layer 1, ...]`` as method ``name``; as a
     decorator without ``fn``.  ``fn`` may also be a class whose instances are such callables (one
-    instance is made).  Returns ``fn``.
+    instance is made).  ``keep_heads(ctx, n_keep, layer_floor)``: the method picks its heads itself from the
+    context (iterative pruning) rather than keeping the ``n_keep`` best scores.  Returns ``fn``.
 
         register_importance("taylor", lambda ctx: [np.abs(g) for g in gate_gradients(ctx.adapter, ctx.model,
                                                                                       ctx.batches)])
@@ -212,7 +216,8 @@ def register_importance(name: str, fn: Importance | None = None, *, replace: boo
     def add(f: Any) -> Any:
         if not callable(f):
             raise TypeError(f"register_importance({name!r}): {f!r} is not callable")
-        _register(PruningMethod(name, importance=_instance(f), job_fields=tuple(job_fields), check=check), replace)
+        _register(PruningMethod(name, importance=_instance(f), keep_heads=keep_heads, job_fields=tuple(job_fields),
+                                check=check), replace)
         return f
 
     return add if fn is None else add(fn)
@@ -313,8 +318,8 @@ class _ImportanceView(Mapping[str, Importance]):
 
 
 def importance_table() -> Mapping[str, Importance]:
-    """``{name: importance}`` of every registered method with one score per head (the importances, and ``michel``
-    whose selector iterates its importance): a read-only, live view of the registry."""
+    """``{name: importance}`` of every registered method with one score per head: a read-only, live view of the
+    registry."""
     return _ImportanceView()
 
 
@@ -329,11 +334,12 @@ def score_heads(name: str, ctx: ImportanceContext) -> list[np.ndarray]:
 
 def select_by_method(method: str, ctx: ImportanceContext, n_keep: int,
                      layer_floor: bool = True) -> tuple[list[int], np.ndarray | None]:
-    """Kept flat indices (and the flat scores, when the method has one final score) of a scoring method:
-    ``michel`` iterates (no final score); any other registered importance keeps its ``n_keep`` best heads
-    (``layer_floor=False``: globally, a layer may keep none)."""
-    if method == "michel":
-        return michel_iterative(ctx, n_keep, layer_floor=layer_floor), None
+    """Kept flat indices (and the flat scores, when the method has one final score) of a scoring method: one that
+    picks its heads itself (``keep_heads``, e.g. ``michel``) has no final score; any other keeps its ``n_keep``
+    best heads (``layer_floor=False``: globally, a layer may keep none)."""
+    registered = _REGISTRY.get(method)
+    if registered is not None and registered.keep_heads is not None:
+        return registered.keep_heads(ctx, n_keep, layer_floor), None
     scores = score_heads(method, ctx)
     return select_top(scores, n_keep, layer_floor=layer_floor), flatten(scores)
 
@@ -389,12 +395,6 @@ def _cahp(run: MethodRun) -> Selection:
     plots = [str(rpt.plot_mss(sel.mss, sel.knee_k, run.out / "mss.png", f"MSS ({job.mss}), {k_text}")),
              str(rpt.plot_embedding(sel.embedding, sel.labels, heads, sel.kept, run.out / "embedding.png"))]
     return Selection(kept=sel.kept, details=details, seconds=secs, knee_k=sel.knee_k, mss=sel.mss, plots=plots)
-
-
-def _michel(run: MethodRun) -> Selection:
-    """Michel et al.'s iterative pruning (importance recomputed after every 10 % removed)."""
-    assert run.target is not None
-    return Selection(kept=michel_iterative(run.importance_context(), run.target, layer_floor=layer_floor_of(run.job)))
 
 
 #: the gate-training methods their authors run from the pre-trained model, jointly, for ``joint_epochs``
@@ -480,7 +480,7 @@ def _classification_only(job: Any) -> None:
 def _register_builtins() -> None:
     # the order of METHODS before the registry: the CLI's choices and error messages list them so
     register_selector("cahp", _cahp, finds_count=True, check=_floor_kept, keeps_layer_floor=True)
-    register_selector("michel", _michel, importance=michel_importance)
+    register_importance("michel", michel_importance, keep_heads=michel_iterative)
     for name, fn in (("fisher", fisher_importance), ("magnitude", magnitude_importance),
                      ("random", random_importance)):
         register_importance(name, fn)
