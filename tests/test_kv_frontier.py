@@ -194,8 +194,11 @@ def test_goal_checks_per_text_on_hand_made_records(kvf):
     assert g1["a"] == {"status": "met", "merge_gap": pytest.approx(0.2), "group_gap": pytest.approx(0.5)}
     assert g1["b"]["status"] == "not met" and g1["b"]["merge_gap"] == pytest.approx(1.0)
     g2 = g["best_after_recovery_within_1.15x_dense"]
-    assert g2["a"] == {"status": "met", "best": "merge-kv-sensitivity-kv50", "ratio_to_dense": pytest.approx(1.1)}
-    assert g2["b"] == {"status": "met", "best": "group-fisher-kv50", "ratio_to_dense": pytest.approx(1.1)}
+    pending = ["merge-kv-uniform-kv50"]  # built, not distilled: named, so a reader knows the ranking may move
+    assert g2["a"] == {"status": "met", "best": "merge-kv-sensitivity-kv50", "ratio_to_dense": pytest.approx(1.1),
+                       "not distilled yet": pending}
+    assert g2["b"] == {"status": "met", "best": "group-fisher-kv50", "ratio_to_dense": pytest.approx(1.1),
+                       "not distilled yet": pending}
     # each winner must decode >= 1.3x: merge 1.4x, group 1.2x
     assert g["decode_2048_b8_at_least_1.3x"] == {"status": "not met", "speedup": {
         "merge-kv-sensitivity-kv50": 1.4, "group-fisher-kv50": 1.2}}
@@ -219,6 +222,8 @@ def test_goal_checks_per_text_on_hand_made_records(kvf):
     worse = _records()
     worse["cells"]["group-fisher-kv50"]["stages"]["rescore"]["ppl"]["a"] = 30.0
     worse["cells"]["merge-kv-sensitivity-kv50"]["stages"]["rescore"]["ppl"]["a"] = 11.6  # 1.16 x dense
+    assert kvf.goal_checks(worse)["best_after_recovery_within_1.15x_dense"]["a"]["status"] == "not met so far"
+    worse["cells"]["merge-kv-uniform-kv50"]["stages"]["rescore"] = {"ppl": {"a": 12.0, "b": 30.0}}  # all distilled
     assert kvf.goal_checks(worse)["best_after_recovery_within_1.15x_dense"]["a"]["status"] == "not met"
     report = kvf.markdown(_records())
     assert "| merge-kv-sensitivity-kv50 | 44 | 22,528 | 1 | 13.00 (11.00) | 40.00 (24.00) | 1.40 |" in report
