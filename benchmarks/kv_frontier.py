@@ -389,11 +389,13 @@ class Frontier:
         texts = self.texts()
         rec: dict[str, Any] = {"plan": plan}
         if kind == "merge":
+            from headbudget.compression.job import CompressJob
             from headbudget.compression.merge_kv_pipeline import run_merge_kv
 
-            rep = run_merge_kv(str(self.dense_dir()), str(d), kv_budget=plan["kv_budget"],
-                               calib_data=str(texts["calib"]), calib_tokens=self.args.calib_tokens,
-                               context=self.args.context, progress=False, threads=self.args.threads, **settings)
+            job = CompressJob(str(self.dense_dir()), str(d), method="merge-kv", kv_budget=plan["kv_budget"],
+                              calib_data=str(texts["calib"]), calib_tokens=self.args.calib_tokens,
+                              context=self.args.context, progress=False, **settings)
+            rep = run_merge_kv(job, threads=self.args.threads)
             rec["n_kv_heads"] = rep["n_kv_heads"]
         elif kind == "prune":
             rec.update(self._prune(d, plan, settings, texts["calib"]))

@@ -145,12 +145,7 @@ def _run_merge_kv(job: CompressJob, args: argparse.Namespace) -> int:
         raise ValueError(f"--context must be >= 2, got {job.context}")
     with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite,
                           inputs=_inputs(job, args)) as out:
-        report = run_merge_kv(
-            job.model, str(out), kv_heads=job.kv_heads, kv_budget=job.kv_budget, merge_rule=job.merge_rule,
-            kv_allocation=job.kv_allocation, data=job.data, calib_data=job.calib_data, calib_tokens=job.calib_tokens,
-            sensitivity_tokens=job.sensitivity_tokens, tokenizer=job.tokenizer, context=job.context,
-            stride=job.stride, max_windows=job.max_windows, max_tokens=job.max_tokens, progress=job.progress,
-            threads=args.threads, dtype=job.dtype, device=job.device)
+        report = run_merge_kv(dataclasses.replace(job, out=str(out)), threads=args.threads)
     print(format_merge_report(report))
     print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}")
     return 0

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headbudget.compression.job import CompressJob
 from headbudget.compression.merge_kv import (
     KV_ALLOCATIONS,
     MERGE_RULES,
@@ -60,46 +61,26 @@ def plan_counts(model: nn.Module, kv_heads: int | None, kv_budget: float | None,
     return allocate_kv(allowed, kv_units(model), kv_budget, sensitivity if kv_allocation == "sensitivity" else None)
 
 
-def run_merge_kv(
-    model_path: str,
-    out: str,
-    *,
-    kv_heads: int | None = None,
-    kv_budget: float | None = None,
-    merge_rule: str = "fitted",
-    kv_allocation: str = "sensitivity",
-    data: str | None = None,
-    calib_data: str | None = None,
-    calib_tokens: int = 4096,
-    sensitivity_tokens: int = 1024,
-    tokenizer: str | None = None,
-    context: int = 256,
-    stride: int | None = None,
-    max_windows: int | None = None,
-    max_tokens: int | None = None,
-    progress: bool = True,
-    threads: int | None = None,
-    dtype: str | torch.dtype | None = None,
-    device: str | None = None,
-) -> dict[str, Any]:
-    """Merge ``model_path``'s key/value heads and write ``out/model/`` and ``out/report.json``; returns the
-    report.  Fitting and merging run in float64/float32 on the CPU; ``dtype``/``device`` are what perplexity
-    is measured in and (``dtype``) the model is saved in, as for the other compress methods."""
+def run_merge_kv(job: CompressJob, threads: int | None = None) -> dict[str, Any]:
+    """``compress --method merge-kv``: merge ``job.model``'s key/value heads (``job.kv_heads`` per layer, or
+    ``job.kv_budget`` of the cache bytes) and write ``job.out/model/`` and ``job.out/report.json``; returns the
+    report.  Fitting and merging run in float64/float32 on the CPU; ``job.dtype``/``job.device`` are what
+    perplexity is measured in and (``dtype``) the model is saved in, as for the other compress methods.
+
+        >>> run_merge_kv(CompressJob("smollm2.gguf", "runs/kv50", method="merge-kv", kv_budget=0.5, data="t.txt"))
+    """
     from headbudget.devices import resolve_device, resolve_dtype
     from headbudget.threads import torch_threads
 
-    if merge_rule not in MERGE_RULES:
-        raise CompressionError(f"unknown --merge-rule {merge_rule!r}; choose from {', '.join(MERGE_RULES)}")
-    torch_dtype = resolve_dtype(dtype) or torch.float32
-    dev = resolve_device(device)
+    if job.merge_rule not in MERGE_RULES:
+        raise CompressionError(f"unknown --merge-rule {job.merge_rule!r}; choose from {', '.join(MERGE_RULES)}")
+    dtype = resolve_dtype(job.dtype) or torch.float32
+    device = resolve_device(job.device)
     with torch_threads(threads):
-        return _run(model_path, out, kv_heads, kv_budget, merge_rule, kv_allocation, data, calib_data,
-                    calib_tokens, sensitivity_tokens, tokenizer, context, stride, max_windows, max_tokens,
-                    progress, torch_dtype, dev)
+        return _run(job, dtype, device)
 
 
-def _run(model_path, out, kv_heads, kv_budget, merge_rule, kv_allocation, data, calib_data, calib_tokens,
-         sensitivity_tokens, tokenizer, context, stride, max_windows, max_tokens, progress, dtype, device):
+def _run(job: CompressJob, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     from headbudget.compression.pipeline import (
         _load_model_and_tokenizer,
         _source_family,
@@ -109,62 +90,64 @@ def _run(model_path, out, kv_heads, kv_budget, merge_rule, kv_allocation, data, 
     )
     from headbudget.loading import resolve_model
 
-    if not (data or calib_data):
-        if merge_rule == "fitted":
+    if not (job.data or job.calib_data):
+        if job.merge_rule == "fitted":
             raise CompressionError("--merge-rule fitted needs calibration text: --data or --calib-data")
-        if kv_budget is not None and kv_allocation == "sensitivity":
+        if job.kv_budget is not None and job.kv_allocation == "sensitivity":
             raise CompressionError("--kv-allocation sensitivity needs calibration text: --data or --calib-data "
                                    "(or --kv-allocation uniform)")
-    src = resolve_model(model_path)
-    model, tok = _load_model_and_tokenizer(model_path, tokenizer, need_tokenizer=bool(data or calib_data or tokenizer))
-    if kv_heads is not None:  # a count the layers cannot take is refused before any calibration
-        plan_counts(model, kv_heads, kv_budget, kv_allocation, None)
-    ctx = min(context, model.config.n_positions)
-    ids = _token_ids(tok, data, None) if data else None
-    if calib_data:
-        calib = _token_ids(tok, calib_data, None)[:calib_tokens]
+    src = resolve_model(job.model)
+    model, tok = _load_model_and_tokenizer(job.model, job.tokenizer,
+                                           need_tokenizer=bool(job.data or job.calib_data or job.tokenizer))
+    if job.kv_heads is not None:  # a count the layers cannot take is refused before any calibration
+        plan_counts(model, job.kv_heads, job.kv_budget, job.kv_allocation, None)
+    ctx = min(job.context, model.config.n_positions)
+    ids = _token_ids(tok, job.data, None) if job.data else None
+    if job.calib_data:
+        calib = _token_ids(tok, job.calib_data, None)[:job.calib_tokens]
     elif ids is not None:
-        calib, ids = ids[:calib_tokens], ids[calib_tokens:]
+        calib, ids = ids[:job.calib_tokens], ids[job.calib_tokens:]
         if len(ids) < 2:
-            raise CompressionError(f"--data has no tokens left for perplexity after the first {calib_tokens} "
+            raise CompressionError(f"--data has no tokens left for perplexity after the first {job.calib_tokens} "
                                    "calibration tokens (lower --calib-tokens or give --calib-data)")
     else:
         calib = None
-    if ids is not None and max_tokens:
-        ids = ids[:max_tokens]
+    if ids is not None and job.max_tokens:
+        ids = ids[:job.max_tokens]
     windows = _windows(calib, ctx) if calib is not None else None
-    grams = collect_grams(model, windows) if merge_rule == "fitted" else None
+    grams = collect_grams(model, windows) if job.merge_rule == "fitted" else None
     sensitivity = None
-    if kv_budget is not None and kv_allocation == "sensitivity":
-        sens_windows = _windows(calib[:sensitivity_tokens], ctx)
-        sensitivity = layer_sensitivity(model, merge_rule, grams, sens_windows, progress=progress)
-    counts = plan_counts(model, kv_heads, kv_budget, kv_allocation, sensitivity)
+    if job.kv_budget is not None and job.kv_allocation == "sensitivity":
+        sens_windows = _windows(calib[:job.sensitivity_tokens], ctx)
+        sensitivity = layer_sensitivity(model, job.merge_rule, grams, sens_windows, progress=job.progress)
+    counts = plan_counts(model, job.kv_heads, job.kv_budget, job.kv_allocation, sensitivity)
     merged = copy.deepcopy(model)
-    info = merge_kv_model(merged, counts, merge_rule, grams)
+    info = merge_kv_model(merged, counts, job.merge_rule, grams)
 
     def ppl(m: nn.Module) -> dict[str, Any] | None:
         if ids is None:
             return None
         if dtype != torch.float32 or (device is not None and device.type != "cpu"):
             m = copy.deepcopy(m).to(device=device, dtype=dtype)
-        return evaluate_perplexity(m, ids, ctx, stride or max(1, ctx // 2), max_windows, progress)
+        return evaluate_perplexity(m, ids, ctx, job.stride or max(1, ctx // 2), job.max_windows, job.progress)
 
     before, after = ppl(model), ppl(merged)
-    saved, fmt = _save(merged.to(dtype), Path(out) / "model", tok)
+    saved, fmt = _save(merged.to(dtype), Path(job.out) / "model", tok)
     report = {
-        "model": str(model_path), "model_kind": _source_family(src), "method": "merge-kv",
-        "merge_rule": merge_rule, "kv_heads": kv_heads, "kv_budget": kv_budget,
-        "kv_allocation": kv_allocation if kv_budget is not None else None,
+        "model": str(job.model), "model_kind": _source_family(src), "method": "merge-kv",
+        "merge_rule": job.merge_rule, "kv_heads": job.kv_heads, "kv_budget": job.kv_budget,
+        "kv_allocation": job.kv_allocation if job.kv_budget is not None else None,
         "n_heads": [b.attn.n_heads for b in model.transformer.h], **info, **_sizes(model, merged, saved, dtype),
         "layer_sensitivity": None if sensitivity is None else [{str(k): v for k, v in s.items()} for s in sensitivity],
-        "calibration_tokens": 0 if calib is None else int(calib.numel()), "calibration_data": calib_data or data,
+        "calibration_tokens": 0 if calib is None else int(calib.numel()),
+        "calibration_data": job.calib_data or job.data,
         "layers_before": layer_table(model), "layers_after": layer_table(merged),
-        "perplexity_before": before, "perplexity_after": after, "data": data,
+        "perplexity_before": before, "perplexity_after": after, "data": job.data,
         "output_format": fmt, "schedule_after": merged.config.schedule,
     }
     from headbudget.io import atomic_write_json
 
-    atomic_write_json(Path(out) / "report.json", report)
+    atomic_write_json(Path(job.out) / "report.json", report)
     return report
 
 
