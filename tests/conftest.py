@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,3 +52,36 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _token(part: object) -> str:
+    """A regex for ``part`` as a whole token: '4' does not match inside '14', '4.5' or '-4', 'layer 1' not in
+    'layer 10', '--keep' not in '--keep-ratio', a path not as the start of a longer path."""
+    text = str(part)
+    pattern = re.escape(text)
+    if re.match(r"\w", text):
+        pattern = r"(?<![\w-])(?<!\d\.)" + pattern
+    if re.search(r"\w$", text):
+        pattern += r"(?![\w/-]|\.\d)" if "/" in text else r"(?![\w-]|\.\d)"
+    return pattern
+
+
+def names(*parts: object) -> str:
+    """A ``pytest.raises(..., match=names(...))`` pattern: the message names every one of ``parts`` (paths, numbers,
+    flags, field names...) as whole tokens, in any order. Error tests check the kind of error and the values its
+    message must carry, not the wording of the sentence around them."""
+    return r"\A" + "".join(rf"(?=[\s\S]*{_token(p)})" for p in parts)
+
+
+def assert_names(text: str, *parts: object) -> None:
+    """Assert ``text`` (a message, an error line) names every one of ``parts`` as whole tokens; see ``names``."""
+    missing = [p for p in parts if not re.search(_token(p), text)]
+    assert not missing, f"{missing} not named in {text!r}"
+
+
+def error_line(err: str, command: str) -> str:
+    """The one line a failed CLI command writes to stderr (``headbudget COMMAND: error: ...``, nothing else), so that a
+    test can check the values it names with ``assert_names``."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"headbudget {command}: error: "), err
+    return lines[0]

@@ -17,6 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from conftest import names
 from headbudget import schedule_spec, schedules
 from headbudget.accounting import config_cost, count_parameters, flops_per_token
 from headbudget.budget import (
@@ -78,9 +79,9 @@ def test_front_loaded_heads_non_increasing():
 def test_custom_layers_and_profile():
     s = budgeted_schedule("cpu-tiny", None, "custom", layers="4x32/4x32/2x32/2x16")
     assert s.heads == (4, 4, 2, 2) and s.head_dims == (32, 32, 32, 16) and s.budget == 352
-    with pytest.raises(BudgetError, match="3 entries but the model has 4"):
+    with pytest.raises(BudgetError, match=names("3", "4")):
         budgeted_schedule("cpu-tiny", None, "custom", layers="4x32/4x32/2x32")
-    with pytest.raises(BudgetError, match="not the requested 0.5"):
+    with pytest.raises(BudgetError, match=names("0.5")):
         budgeted_schedule("cpu-tiny", 0.5, "custom", layers="4x32/4x32/4x32/4x32")
     p = budgeted_schedule("cpu-small", 0.5, "custom", profile="1/1/1/0.5/0.5/0.5")
     assert p.budget == 768
@@ -92,11 +93,11 @@ def test_custom_layers_and_profile():
 def test_errors_are_specific():
     with pytest.raises(BudgetError, match=r"in \(0, 1\]"):
         budgeted_schedule("cpu-small", 1.5, "uniform_shrink")
-    with pytest.raises(BudgetError, match="cannot reach 0.050"):
+    with pytest.raises(BudgetError, match=names("0.050")):
         budgeted_schedule("cpu-small", 0.05, "uniform_shrink")
-    with pytest.raises(BudgetError, match="unknown budget strategy 'nope'"):
+    with pytest.raises(BudgetError, match=names("'nope'")):
         budgeted_schedule("cpu-small", 0.5, "nope")
-    with pytest.raises(BudgetError, match="does not take option"):
+    with pytest.raises(BudgetError, match=names("uniform_shrink", "decay")):
         budgeted_schedule("cpu-small", 0.5, "uniform_shrink", decay="linear")
     with pytest.raises(BudgetError, match="keep_layers=5"):
         budgeted_schedule("cpu-small", 0.3, "late_dim_decay", keep_layers=5)
@@ -118,7 +119,7 @@ def test_spec_parsing_and_registration():
     assert s == budgeted_schedule("cpu-small", 0.75, "late_dim_decay")
     assert schedule_spec.schedule_from_spec("custom:4x32/4x32/2x32/2x32", "cpu-tiny").heads == (4, 4, 2, 2)
     assert schedule_spec.schedule_from_spec("prism", "cpu-small") == schedules.prism(6, 256, 256, 64)
-    with pytest.raises(BudgetError, match="unknown budget strategy 'spiral' in 'spiral:0.5'"):
+    with pytest.raises(BudgetError, match=names("'spiral'", "'spiral:0.5'")):
         schedule_spec.schedule_from_spec("spiral:0.5", "cpu-small")
     # the strategies are kinds from the start (no import of headbudget.budget needed to register them)
     for kind in ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom"):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import headbudget.cli.experiment_cmd as experiment_cmd
+from conftest import assert_names, error_line, names
 from headbudget.cli.main import main
 
 
@@ -73,18 +74,17 @@ def test_os_errors_are_one_line(capsys, monkeypatch, exc, line):
             _one_line(capsys, monkeypatch, exc)
         return
     rc, err = _one_line(capsys, monkeypatch, exc)
-    assert (rc, err) == (2, f"headbudget experiment: error: {line}\n")
+    assert rc == 2
+    assert_names(error_line(err, "experiment"), *line.split(": "))  # the path and the system's reason
 
 
 def test_refused_pickles_and_bad_safetensors_are_one_line(capsys, monkeypatch, tmp_path):
     rc, err = _one_line(capsys, monkeypatch, _refused_pickle())
-    assert rc == 2 and err.count("\n") == 1
-    assert err.startswith("headbudget experiment: error: refusing to unpickle a file that holds more than tensors: "
-                          "Unsupported global: GLOBAL ")
-    assert err.endswith("GLOBAL print was not an allowed global by default.\n")  # the payload's callable
+    assert rc == 2
+    assert_names(error_line(err, "experiment"), "GLOBAL print")  # the payload's callable
     rc, err = _one_line(capsys, monkeypatch, _safetensors_error(tmp_path))
-    assert rc == 2 and err.count("\n") == 1
-    assert err.startswith("headbudget experiment: error: unreadable safetensors file: Error while deserializing")
+    assert rc == 2
+    assert_names(error_line(err, "experiment"), "safetensors", "Error while deserializing")
 
 
 def test_a_safetensors_write_error_is_not_called_unreadable(capsys, monkeypatch):
@@ -92,8 +92,10 @@ def test_a_safetensors_write_error_is_not_called_unreadable(capsys, monkeypatch)
 
     rc, err = _one_line(capsys, monkeypatch, SafetensorError(
         "Error while serializing: I/O error: No space left on device (os error 28)"))
-    assert (rc, err) == (2, "headbudget experiment: error: cannot write a safetensors file: Error while "
-                            "serializing: I/O error: No space left on device (os error 28)\n")
+    assert rc == 2
+    line = error_line(err, "experiment")
+    assert_names(line, "safetensors", "Error while serializing: I/O error: No space left on device (os error 28)")
+    assert "unreadable" not in line
 
 
 def test_an_unexpected_error_keeps_its_traceback(capsys, monkeypatch):
@@ -123,10 +125,8 @@ def test_weights_that_do_not_fit_their_config_name_the_file_and_tensor(tmp_path)
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsMismatchError) as info:
         load_model(d)
-    assert str(info.value) == (
-        f"{d / 'model.safetensors'}: tensor model.layers.0.self_attn.k_proj.weight has shape [16, 32], but "
-        f"{d / 'config.json'} describes a model whose model.layers.0.self_attn.k_proj.weight is [8, 32]; "
-        "the config does not belong to these weights")
+    assert_names(str(info.value), d / "model.safetensors", "model.layers.0.self_attn.k_proj.weight", "[16, 32]",
+                 d / "config.json", "[8, 32]")
 
 
 def test_train_init_on_a_truncated_model_is_one_line(tmp_path, capsys):
@@ -140,8 +140,8 @@ def test_train_init_on_a_truncated_model_is_one_line(tmp_path, capsys):
                "--set", "train.context=16", "--set", "train.batch_size=2", "--set", "train.progress=false"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err == (f"headbudget train: error: {weights}: not a readable safetensors file (Error while deserializing "
-                   "header: incomplete metadata, file not fully covered)\n")
+    assert_names(error_line(err, "train"), weights, "safetensors",
+                 "Error while deserializing header: incomplete metadata, file not fully covered")
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.tmp"))
 
 
@@ -154,8 +154,7 @@ def test_resume_from_a_checkpoint_of_another_shape_names_the_tensor(tmp_path):
     before = big.weight.detach().clone()
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, big, torch.optim.AdamW(big.parameters()))
-    assert str(info.value) == (f"{path}: tensor model.weight is [2, 3] in the checkpoint but [2, 4] in the model: "
-                               "the checkpoint was written by a model of another shape")
+    assert_names(str(info.value), path, "model.weight", "[2, 3]", "[2, 4]")
     assert torch.equal(big.weight, before)
 
 
@@ -171,9 +170,10 @@ def test_a_set_typo_is_refused_before_torch_is_imported():
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.stdout.strip() == "[2, 2, 2, 2] False"
-    assert res.stderr.splitlines() == [f"headbudget {c}: error: --set 'train.stpes=3': unknown key 'train.stpes' "
-                                       "(did you mean 'train.steps'?)"
-                                       for c in ("train", "compare", "quickstart", "prepare")]
+    lines = res.stderr.splitlines()
+    assert len(lines) == 4
+    for c, line in zip(("train", "compare", "quickstart", "prepare"), lines):
+        assert_names(error_line(line, c), "--set", "'train.stpes=3'", "'train.stpes'", "'train.steps'")
 
 
 def test_non_utf8_files_name_the_file_and_byte_offset(tmp_path, capsys):
@@ -184,18 +184,18 @@ def test_non_utf8_files_name_the_file_and_byte_offset(tmp_path, capsys):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_bytes(b"name: x\n# caf\xe9\n")
     assert main(["train", str(cfg)]) == 2
-    assert capsys.readouterr().err == f"headbudget train: error: {cfg}: not UTF-8 text (byte 0xe9 at offset 13, line 2)\n"
+    assert_names(error_line(capsys.readouterr().err, "train"), cfg, "UTF-8", "0xe9", "offset 13", "line 2")
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"hello\n\nworld \xff\xfe\n")
-    with pytest.raises(ValueError, match=rf"^{text}: not UTF-8 text \(byte 0xff at offset 13, line 3\)$"):
+    with pytest.raises(ValueError, match=names(text, "UTF-8", "0xff", "offset 13", "line 3")):
         read_source(str(text))
-    with pytest.raises(ValueError, match=rf"^{text}: not UTF-8 text \(byte 0xff at offset 13, line 3\)$"):
+    with pytest.raises(ValueError, match=names(text, "UTF-8", "0xff", "offset 13", "line 3")):
         read_text(str(text))
     rows = tmp_path / "rows.jsonl"
     rows.write_bytes(b'{"text": "a"}\n{"text": "\x81"}\n')
-    with pytest.raises(ValueError, match=rf"^{rows}: not UTF-8 text \(byte 0x81 at offset 24, line 2\)$"):
+    with pytest.raises(ValueError, match=names(rows, "UTF-8", "0x81", "offset 24", "line 2")):
         list(iter_jsonl(rows))
-    with pytest.raises(ValueError, match=rf"^{rows}: not UTF-8 text \(byte 0x81 at offset 24, line 2\)$"):
+    with pytest.raises(ValueError, match=names(rows, "UTF-8", "0x81", "offset 24", "line 2")):
         read_source(f"jsonl:{rows}:text")
 
 
@@ -207,9 +207,8 @@ def test_malformed_include_path_yaml_names_the_file_and_the_yaml_error(tmp_path,
     (tasks / "bad.yaml").write_text("task: hb_bad\ndataset_path: json\n  output_type: [multiple_choice\n")
     rc = main(["eval", str(tmp_path / "no-model"), "--tasks", "hb_bad", "--include-path", str(tasks), "--quiet"])
     assert rc == 2
-    assert capsys.readouterr().err == (
-        f"headbudget eval: error: {tasks / 'bad.yaml'}:3:14: invalid YAML (mapping values are not allowed here); "
-        "lm-eval skips such a file, so task 'hb_bad' is not defined\n")
+    assert_names(error_line(capsys.readouterr().err, "eval"), f"{tasks / 'bad.yaml'}:3:14", "YAML",
+                 "mapping values are not allowed here", "'hb_bad'")
 
 
 def test_eval_and_perplexity_json_in_a_read_only_folder_fail_before_any_work(tmp_path, capsys, monkeypatch):
@@ -229,11 +228,10 @@ def test_eval_and_perplexity_json_in_a_read_only_folder_fail_before_any_work(tmp
     text.write_text("hello world\n")
     missing = str(tmp_path / "no-model")  # loading it would be a different error: the check comes first
     assert main(["perplexity", missing, "--data", str(text), "--json", str(ro / "p.json")]) == 2
-    assert capsys.readouterr().err == (f"headbudget perplexity: error: --json {ro / 'p.json'}: cannot write in "
-                                       f"{ro} (Permission denied)\n")
+    assert_names(error_line(capsys.readouterr().err, "perplexity"), f"--json {ro / 'p.json'}", ro,
+                 "Permission denied")
     assert main(["eval", missing, "--tasks", "piqa", "--json", str(ro / "e.json")]) == 2
-    assert capsys.readouterr().err == (f"headbudget eval: error: --json {ro / 'e.json'}: cannot write in "
-                                       f"{ro} (Permission denied)\n")
+    assert_names(error_line(capsys.readouterr().err, "eval"), f"--json {ro / 'e.json'}", ro, "Permission denied")
     assert os.listdir(ro) == []
 
 
@@ -242,9 +240,8 @@ def test_attention_out_is_held_by_the_guard(tmp_path, capsys):
     out.mkdir()
     (out / "distance_prism.png").write_bytes(b"png")
     assert main(["attention", str(tmp_path / "m"), "--data", "x.txt", "--out", str(out)]) == 2
-    assert capsys.readouterr().err == (f"headbudget attention: error: --out {out} already holds another run's "
-                                       "results (distance_prism.png): add --overwrite to replace them, or "
-                                       "choose another --out\n")
+    assert_names(error_line(capsys.readouterr().err, "attention"), f"--out {out}", "distance_prism.png",
+                 "--overwrite")
 
 
 class _System:
@@ -269,6 +266,5 @@ def test_a_model_whose_bin_weights_hide_code_is_one_line_naming_the_folder(tmp_p
     torch.save(state, d / "pytorch_model.bin")
     with pytest.raises(ValueError) as info:
         load_model(d)
-    assert str(info.value) == (f"{d}: refusing to load its weights, a pickle holding more than tensors (Trying to "
-                               "load unsupported GLOBAL posix.system whose module posix is blocked.)")
+    assert_names(str(info.value), d, "pickle", "posix.system")
     assert not (tmp_path / "pwned").exists()

@@ -14,6 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from conftest import assert_names, names
 from headbudget.models import ConversionError, HeadBudgetForCausalLM, to_headbudget, to_hf
 from test_model import _llama  # tests/ is on sys.path under pytest
 
@@ -113,7 +114,7 @@ def test_unsupported_family_is_named():
 
     bert = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                       intermediate_size=64, vocab_size=50))
-    with pytest.raises(ConversionError, match="model_type 'bert' cannot be converted"):
+    with pytest.raises(ConversionError, match=names("model_type", "'bert'")):
         to_headbudget(bert)
 
 
@@ -174,25 +175,29 @@ def test_conversion_shares_the_inputs_tensors_instead_of_copying_them():
 
 
 # ----------------------------------------------------------------------------- options refused at conversion
-@pytest.mark.parametrize("over, message", [
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the supported ones, listed when refusing another
+
+
+@pytest.mark.parametrize("over, parts", [
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-     "llama partial_rotary_factor=0.5 is not supported (rotary over the whole head only)"),
+     ["llama", "partial_rotary_factor=0.5"]),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
-     "llama rope_type='dynamic' is not supported (supported: default, linear, llama3, yarn)"),
+     ["llama", "rope_type='dynamic'", *ROPE_TYPES]),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0,
                           "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                           "original_max_position_embeddings": 16}},
-     "llama rope_type='longrope' is not supported (supported: default, linear, llama3, yarn)"),
+     ["llama", "rope_type='longrope'", *ROPE_TYPES]),
 ])
-def test_rope_options_that_cannot_work_are_refused_at_conversion_in_one_line(over, message):
+def test_rope_options_that_cannot_work_are_refused_at_conversion_in_one_line(over, parts):
     hf = make("llama", **over)
     with pytest.raises(ConversionError) as err:
         to_headbudget(hf)
-    assert str(err.value) == message
+    assert "\n" not in str(err.value)
+    assert_names(str(err.value), *parts)
 
 
 def test_gpt2_cross_attention_is_refused_at_conversion():
-    with pytest.raises(ConversionError, match=r"^GPT-2 add_cross_attention=True is not supported"):
+    with pytest.raises(ConversionError, match=names("GPT-2", "add_cross_attention=True")):
         to_headbudget(make("gpt2", add_cross_attention=True))
 
 
@@ -209,8 +214,7 @@ def test_headbudget_config_with_dynamic_rope_is_refused_at_load_not_at_forward(t
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(ValueError) as err:
         load_model(tmp_path / "m")
-    assert str(err.value) == (f"{tmp_path / 'm'}: cannot load a causal language model (rope_type='dynamic' is not "
-                              "supported (supported: default, linear, llama3, yarn))")
+    assert_names(str(err.value), tmp_path / "m", "rope_type='dynamic'", *ROPE_TYPES)
 
 
 def test_hidden_act_is_honoured_and_a_wrong_one_is_refused_in_one_line(tmp_path):
@@ -228,11 +232,11 @@ def test_hidden_act_is_honoured_and_a_wrong_one_is_refused_in_one_line(tmp_path)
     assert reloaded.config.hidden_act == "gelu"
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, exact(ids).logits)
-    with pytest.raises(ValueError, match=r"hidden_act='relu' is not one of .*\(mlp='gelu'\)"):
+    with pytest.raises(ValueError, match=names("hidden_act='relu'", "mlp='gelu'")):
         HeadBudgetConfig.from_preset("cpu-tiny", hidden_act="relu")
-    with pytest.raises(ValueError, match=r"hidden_act='gelu' is not one of silu"):
+    with pytest.raises(ValueError, match=names("hidden_act='gelu'", "silu")):
         HeadBudgetConfig.from_preset("cpu-tiny", mlp="gated_silu", hidden_act="gelu")
-    with pytest.raises(ConversionError, match="activation_function='relu' is not supported"):
+    with pytest.raises(ConversionError, match=names("activation_function='relu'")):
         to_headbudget(make("gpt2", activation_function="relu"))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_names
 from headbudget.cli.main import main
 
 gguf = pytest.importorskip("gguf")
@@ -205,7 +206,7 @@ def test_unrecognised_pre_tokenizer_is_one_line(tmp_path, capsys):
     rc = main(["export", str(model_dir), "--format", "gguf", "--out", str(tmp_path / "m.gguf")])
     assert rc == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "pre-tokenizer is not one llama.cpp's converter recognises" in line and "--tokenizer-pre" in line
+    assert_names(line, "pre-tokenizer", "llama.cpp", "--tokenizer-pre")
     assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf.*"))
 
 
@@ -268,8 +269,7 @@ def test_prism_head_widths_are_refused_in_one_line(tmp_path, capsys):
     rc = main(["export", str(model_dir), "--out", str(tmp_path / "p.gguf"), "--tokenizer-pre", "gpt-2"])
     assert rc == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert line == ("headbudget export: error: gguf export: layer 1 has head_dim 64, layer 0 has 128: llama.cpp's "
-                    "deci architecture takes one head size (per-layer head widths are not supported)")
+    assert_names(line, "headbudget export: error:", "gguf", "layer 1", "head_dim 64", "layer 0", "128", "deci")
     assert not (tmp_path / "p.gguf").exists()
 
 
@@ -375,7 +375,7 @@ def test_out_in_a_read_only_folder_is_refused_before_the_model_loads(tmp_path, c
     for out in (ro / "m.gguf", ro / "sub" / "m.gguf"):
         assert main(["export", str(model_dir), "--out", str(out), "--tokenizer-pre", "gpt-2"]) == 2
         line = _one_error_line(capsys.readouterr().err)
-        assert line == f"headbudget export: error: --out {out}: cannot write in {ro} (Permission denied)"
+        assert_names(line, "headbudget export: error:", f"--out {out}", ro, "Permission denied")
     assert list(ro.iterdir()) == []
 
 

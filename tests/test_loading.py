@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_names, names
 from headbudget.loading import (
     ModelSource,
     load_model,
@@ -56,9 +57,9 @@ def test_tokenizer_precedence_explicit_root_legacy_run_folder(tmp_path):
     shutil.move(str(model_dir / "tokenizer"), str(tmp_path / "run" / "tokenizer"))
     assert _ids(load_tokenizer(model_dir=tmp_path / "run"), sample) == bpe.encode(sample)
     shutil.rmtree(tmp_path / "run" / "tokenizer")
-    with pytest.raises(ValueError, match=f"{model_dir}: no tokenizer found"):
+    with pytest.raises(ValueError, match=names(model_dir, "tokenizer")):
         load_tokenizer(model_dir=tmp_path / "run")
-    with pytest.raises(ValueError, match="a trained BPE must be the model's own"):
+    with pytest.raises(ValueError, match=names("'bpe:300'", "BPE")):
         load_tokenizer("bpe:300")
 
 
@@ -73,7 +74,7 @@ def test_run_folder_opens_its_model(tmp_path):
     x = torch.tensor([_ids(tok, "hello")])
     assert torch.equal(model(x).logits, direct(x).logits)
     assert type(model).__name__ == "HeadBudgetForCausalLM" and not model.training
-    with pytest.raises(FileNotFoundError, match="no such model file or folder"):
+    with pytest.raises(FileNotFoundError, match=names(tmp_path / "missing")):
         load_model(tmp_path / "missing")
 
 
@@ -88,10 +89,10 @@ def test_gguf_file_and_folder_open_with_the_embedded_tokenizer(tmp_path):
     assert type(hb).__name__ == "HeadBudgetForCausalLM"
     assert (hb(x).logits - ref(x).logits).abs().max() < 1e-4
     (tmp_path / "other.gguf").write_bytes((tmp_path / "tiny.gguf").read_bytes())
-    with pytest.raises(ValueError, match=r"holds 2 models \(other.gguf, tiny.gguf\); name one"):
+    with pytest.raises(ValueError, match=names(tmp_path, "2", "other.gguf", "tiny.gguf")):
         load_model(tmp_path)
     assert resolve_model(tmp_path, gguf_file="other.gguf").gguf_file == "other.gguf"
-    with pytest.raises(ValueError, match="GGUF file holds a language model, not a classifier"):
+    with pytest.raises(ValueError, match=names(tmp_path / "tiny.gguf", "GGUF", "classifier")):
         load_model(tmp_path / "tiny.gguf", "classifier", num_labels=2)
 
 
@@ -121,11 +122,11 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_classifier_and_causal_mismatches_are_named(tiny_dirs):
-    with pytest.raises(ValueError, match="GPT2LMHeadModel is a causal language model, not a classifier"):
+    with pytest.raises(ValueError, match=names(tiny_dirs["gpt2"], "GPT2LMHeadModel", "causal", "classifier")):
         load_model(tiny_dirs["gpt2"], "classifier", num_labels=5)
-    with pytest.raises(ValueError, match="BertForSequenceClassification is a sequence classifier, not a causal"):
+    with pytest.raises(ValueError, match=names(tiny_dirs["bert-cls"], "BertForSequenceClassification", "classifier", "causal")):
         load_model(tiny_dirs["bert-cls"])
-    with pytest.raises(ValueError, match="BertModel is an encoder, not a causal language model"):
+    with pytest.raises(ValueError, match=names(tiny_dirs["bert-enc"], "BertModel", "encoder", "causal")):
         load_model(tiny_dirs["bert-enc"], as_headbudget=True)
     with pytest.raises(ValueError, match="needs num_labels"):
         load_model(tiny_dirs["bert-cls"], "classifier")
@@ -136,13 +137,12 @@ def test_classifier_and_causal_mismatches_are_named(tiny_dirs):
     assert type(load_model(tiny_dirs["gpt2"], as_headbudget=True)).__name__ == "HeadBudgetForCausalLM"
 
 
-@pytest.mark.parametrize(("model", "task", "message"), [
-    ("gpt2", ["--task", "sst5", "--data-dir", str(CAHP / "sst5")],
-     "GPT2LMHeadModel is a causal language model, not a classifier"),
+@pytest.mark.parametrize(("model", "task", "parts"), [
+    ("gpt2", ["--task", "sst5", "--data-dir", str(CAHP / "sst5")], ["GPT2LMHeadModel", "causal", "classifier"]),
     ("bert-cls", ["--task", "lm", "--data", str(Path(__file__).parent / "fixtures" / "lm" / "tiny_corpus.txt")],
-     "BertForSequenceClassification is a sequence classifier, not a causal language model"),
+     ["BertForSequenceClassification", "classifier", "causal"]),
 ])
-def test_prune_refuses_the_wrong_kind_in_one_line(tiny_dirs, tmp_path, capsys, model, task, message):
+def test_prune_refuses_the_wrong_kind_in_one_line(tiny_dirs, tmp_path, capsys, model, task, parts):
     """No random classification head is bolted onto a decoder, and no classifier is scored as an LM."""
     from headbudget.cli.main import main
 
@@ -150,7 +150,8 @@ def test_prune_refuses_the_wrong_kind_in_one_line(tiny_dirs, tmp_path, capsys, m
     rc = main(["prune", str(tiny_dirs[model]), *task, "--keep", "4", "--out", str(out), "--no-progress"])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("headbudget prune: error:")]
-    assert rc == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert_names(lines[0], tiny_dirs[model], *parts)
     assert not out.exists()  # nothing half-written
 
 
@@ -182,8 +183,7 @@ def test_folder_with_a_gguf_and_a_safetensors_model_lists_both_and_refuses(tmp_p
     (tmp_path / "tiny.gguf").write_bytes(b"GGUF")  # never opened: resolving refuses first
     with pytest.raises(ValueError) as err:
         resolve_model(tmp_path)
-    assert str(err.value) == (f"{tmp_path}: holds 2 models (config.json, tiny.gguf); name one: a .gguf with "
-                              "gguf_file=NAME (--gguf-file NAME), a model folder by its own path (or its config.json)")
+    assert_names(str(err.value), tmp_path, "2", "config.json", "tiny.gguf", "gguf_file=NAME", "--gguf-file")
     assert resolve_model(tmp_path, gguf_file="tiny.gguf") == ModelSource(tmp_path, "tiny.gguf")
     assert resolve_model(tmp_path / "config.json") == ModelSource(tmp_path)
     # a config.json without weights next to one .gguf is that GGUF's description, not a second model
@@ -196,7 +196,7 @@ def test_folder_with_several_model_subfolders_lists_them_and_refuses(tmp_path):
     _tiny_gpt2(tmp_path / "b")
     (tmp_path / "b" / "1_Pooling").mkdir()  # a model's own subfolder, not another model
     (tmp_path / "b" / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 16}')
-    with pytest.raises(ValueError, match=r"holds 2 models \(b/, a/run1/\); name one"):
+    with pytest.raises(ValueError, match=names(tmp_path, "2", "b/", "a/run1/")):
         load_model(tmp_path)
     assert resolve_model(tmp_path / "b") == ModelSource(tmp_path / "b")
     shutil.rmtree(tmp_path / "a")

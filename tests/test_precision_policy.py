@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import names
 from headbudget import devices
 from headbudget.devices import use_bf16_autocast
 
@@ -25,7 +26,7 @@ def test_explicit_settings_are_honoured_and_emulated_bf16_warns(monkeypatch):
 
 
 def test_a_bad_precision_names_the_flag():
-    with pytest.raises(ValueError, match="train.precision must be auto, fp32 or bf16, got 'fp16'"):
+    with pytest.raises(ValueError, match=names("train.precision", "auto", "fp32", "bf16", "'fp16'")):
         use_bf16_autocast("fp16", CPU)
 
 
@@ -47,7 +48,7 @@ def test_the_environment_overrides_the_probe(monkeypatch):
     monkeypatch.setenv("HEADBUDGET_CPU_BF16", "1")
     assert devices.cpu_has_native_bf16() is True
     monkeypatch.setenv("HEADBUDGET_CPU_BF16", "yes")
-    with pytest.raises(ValueError, match="HEADBUDGET_CPU_BF16 must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match=names("HEADBUDGET_CPU_BF16", "0", "1", "'yes'")):
         devices.cpu_has_native_bf16()
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import assert_names, error_line, names
 from headbudget.cli.main import main
 from headbudget.io import atomic_write_dir, atomic_write_json, atomic_write_text, save_figure
 from headbudget.run_dir import LOCK_NAME, OutputDirError, claim_output_dir, previous_results
@@ -72,9 +73,8 @@ def test_a_finished_run_is_refused_then_overwritten_or_resumed(tmp_path, capsys,
     # 1. the same command again: refused in one line, nothing touched (this was a silent 2-step rerun)
     assert _train(run, cache, 2) == 2
     err = capsys.readouterr().err
-    assert err == (f"headbudget train: error: --out {run} already holds another run's results (checkpoints, "
-                   "config.yaml, metrics.jsonl, model, ...): add --resume to continue it, add --overwrite to "
-                   "replace them, or choose another --out\n")
+    assert_names(error_line(err, "train"), f"--out {run}", "checkpoints", "config.yaml", "metrics.jsonl", "model",
+                 "--resume", "--overwrite")
     assert _snapshot(run) == before and not (run / LOCK_NAME).exists()
 
     # 2. --resume continues it (here: two more steps from its step-3 checkpoint)
@@ -108,10 +108,9 @@ def test_every_folder_writing_command_refuses_a_folder_with_results(tmp_path, ca
     ]
     for argv in commands:
         assert main(argv) == 2, argv
-        err = capsys.readouterr().err
-        ways = "add --resume to continue it, " if argv[0] in ("prune-compare", "compare") else ""
-        assert err == (f"headbudget {argv[0]}: error: --out {out} already holds another run's results "
-                       f"(report.json): {ways}add --overwrite to replace them, or choose another --out\n"), argv
+        line = error_line(capsys.readouterr().err, argv[0])
+        assert_names(line, f"--out {out}", "report.json", "--overwrite")
+        assert ("--resume" in line) == (argv[0] in ("prune-compare", "compare")), argv  # only they can resume
     assert sorted(os.listdir(out)) == ["report.json"]
 
 
@@ -143,9 +142,8 @@ def test_one_writer_per_folder_and_a_dead_writers_lock_is_taken_over(tmp_path):
         with pytest.raises(OutputDirError) as info:
             with claim_output_dir(out):
                 pass
-        assert str(info.value) == (
-            f"--out {out} is being written by another headbudget process (pid {holder.pid} on "
-            f"{socket.gethostname()}, holder; lock {out / LOCK_NAME}): wait for it to end or choose another --out")
+        assert_names(str(info.value), f"--out {out}", f"pid {holder.pid}", socket.gethostname(), "holder",
+                     out / LOCK_NAME)
         holder.send_signal(signal.SIGKILL)  # dies without cleaning up: its lock file stays
         holder.wait(10)
         assert json.loads((out / LOCK_NAME).read_text())["pid"] == holder.pid
@@ -159,8 +157,7 @@ def test_one_writer_per_folder_and_a_dead_writers_lock_is_taken_over(tmp_path):
 
 def test_a_second_writer_in_the_same_process_is_refused_too(tmp_path):
     with claim_output_dir(tmp_path / "o", command="first"):
-        with pytest.raises(OutputDirError, match=r"is being written by another headbudget process \(pid "
-                                                 rf"{os.getpid()} on .*, first;"):
+        with pytest.raises(OutputDirError, match=names(tmp_path / "o", f"pid {os.getpid()}", "first")):
             with claim_output_dir(tmp_path / "o"):
                 pass
     assert not (tmp_path / "o").exists()  # created by the claim, left empty: removed
@@ -169,12 +166,12 @@ def test_a_second_writer_in_the_same_process_is_refused_too(tmp_path):
 def test_output_path_that_is_a_file_or_unwritable_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     f = tmp_path / "file"
     f.write_bytes(b"precious")
-    for out, what in ((f, f"--out {f} is a file, not a folder"),
-                      (f / "sub", f"--out {f / 'sub'}: {f} is a file, not a folder")):
+    for out, what in ((f, [f"--out {f}", "file", "folder"]),
+                      (f / "sub", [f"--out {f / 'sub'}", f, "file", "folder"])):  # f: the file in the way
         assert main(["train", "quickstart", "--out", str(out), *TINY]) == 2
-        assert capsys.readouterr().err == f"headbudget train: error: {what}\n"
+        assert_names(error_line(capsys.readouterr().err, "train"), *what)
         assert main(["compress", str(tmp_path / "m"), "--out", str(out)]) == 2
-        assert capsys.readouterr().err == f"headbudget compress: error: {what}\n"
+        assert_names(error_line(capsys.readouterr().err, "compress"), *what)
     assert f.read_bytes() == b"precious"
 
     # a read-only folder (we may be root, for whom chmod changes nothing: the refusal is simulated
@@ -191,8 +188,7 @@ def test_output_path_that_is_a_file_or_unwritable_is_one_line_before_any_work(tm
 
     monkeypatch.setattr(os, "open", read_only)
     assert main(["train", "quickstart", "--out", str(ro / "run"), *TINY]) == 2
-    assert capsys.readouterr().err == ("headbudget train: error: --out "
-                                       f"{ro / 'run'}: cannot write there (Permission denied)\n")
+    assert_names(error_line(capsys.readouterr().err, "train"), f"--out {ro / 'run'}", "Permission denied")
     assert sorted(os.listdir(ro)) == ["mine.txt"]
 
 
@@ -204,7 +200,7 @@ def test_disk_full_mid_run_is_one_line_and_leaves_no_temp_files(tmp_path, capsys
     assert _train(run, tmp_path / "cache", 2) == 2
     err = capsys.readouterr().err
     # named where the user will look for it, not by the temporary folder that is gone
-    assert err == f"headbudget train: error: {run / 'model' / 'model.safetensors'}: No space left on device\n"
+    assert_names(error_line(err, "train"), run / "model" / "model.safetensors", "No space left on device")
     assert _no_temp_left(run) == [] and not (run / "model").exists()
 
 
@@ -338,7 +334,7 @@ def test_compress_disk_full_is_one_line_and_leaves_no_temp_files(tmp_path, capsy
     out = tmp_path / "out"
     assert main(["compress", str(model_dir), "--keep", "0.5", "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # (after transformers' own "Loading weights" bar)
-    assert err == f"headbudget compress: error: {out / 'model' / 'model.safetensors'}: No space left on device"
+    assert_names(err, "headbudget compress: error:", out / "model" / "model.safetensors", "No space left on device")
     assert not out.exists() or _no_temp_left(out) == []
 
 
@@ -361,14 +357,14 @@ def test_a_really_full_disk_is_one_line_for_train_and_compress(tmp_path, full_di
     run = full_disk_dir / "run"
     assert _train(run, tmp_path / "cache", 2) == 2  # its first checkpoint does not fit
     err = capsys.readouterr().err
-    assert err == f"headbudget train: error: {run / 'checkpoints' / 'step_000001'}: No space left on device\n"
+    assert_names(error_line(err, "train"), run / "checkpoints" / "step_000001", "No space left on device")
     assert _no_temp_left(full_disk_dir) == []
     assert _train(tmp_path / "ok", tmp_path / "cache", 2) == 0  # a model to compress
     capsys.readouterr()
     out = full_disk_dir / "c"
     assert main(["compress", str(tmp_path / "ok"), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err == f"headbudget compress: error: {out / 'model'}: No space left on device"
+    assert_names(err, "headbudget compress: error:", out / "model", "No space left on device")
     assert _no_temp_left(full_disk_dir) == [] and not out.exists()
 
 
@@ -433,9 +429,8 @@ def test_without_flock_a_live_writers_lock_is_refused_and_a_dead_ones_taken_over
         with pytest.raises(OutputDirError) as info:
             with claim_output_dir(live):
                 pass
-        assert str(info.value) == (
-            f"--out {live} is being written by another headbudget process (pid {sleeper.pid} on "
-            f"{socket.gethostname()}, holder; lock {live / LOCK_NAME}): wait for it to end or choose another --out")
+        assert_names(str(info.value), f"--out {live}", f"pid {sleeper.pid}", socket.gethostname(), "holder",
+                     live / LOCK_NAME)
         assert json.loads((live / LOCK_NAME).read_text())["pid"] == sleeper.pid  # its lock left alone
     finally:
         sleeper.kill()
@@ -471,7 +466,7 @@ def test_overwrite_keeps_the_data_cache_byte_identical_and_it_alone_is_no_previo
 
     # now it holds results: refused without --overwrite, and --overwrite deletes them but not the cache
     assert previous_results(out, keep=("data-cache",)) == ["compare.md", "summary.json"]
-    with pytest.raises(OutputDirError, match=r"already holds another run's results \(compare\.md, summary\.json\)"):
+    with pytest.raises(OutputDirError, match=names(out, "compare.md", "summary.json")):
         with claim_output_dir(out, keep=("data-cache",)):
             pass
     with claim_output_dir(out, overwrite=True, keep=("data-cache",)) as claimed:
