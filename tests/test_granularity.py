@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from conftest import names
 from headbudget.accounting import config_cost, kv_cache_bytes_per_token
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
 from headbudget.models.surgery import get_adapter
@@ -201,7 +202,7 @@ def test_granularity_job_is_checked_and_fingerprinted():
     from headbudget.pruning.pipeline import _job_fingerprint, check_job
 
     job = PruneJob("m", "lm", None, "out", data=str(TEXT), method="magnitude", keep=4, granularity="groups")
-    with pytest.raises(ValueError, match="granularity must be head, group or balanced, got 'groups'"):
+    with pytest.raises(ValueError, match=names("granularity", "head, group, balanced", "'groups'")):
         check_job(job)
     assert "granularity" not in _job_fingerprint(replace(job, granularity="head"))  # older runs stay resumable
     assert _job_fingerprint(replace(job, granularity="group"))["granularity"] == "group"

@@ -35,7 +35,18 @@ import torch
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
 
-__all__ = ["attattr_scores", "patched_eager_attention", "supports_attention_patch"]
+__all__ = ["attattr_scores", "check_job", "patched_eager_attention", "supports_attention_patch"]
+
+
+def check_job(job: Any) -> None:
+    """A prune job attattr can run: a classification task and at least one example and one integration step."""
+    if job.task == "lm":
+        raise ValueError("method attattr attributes a class probability: it needs a classification task "
+                         "(sst5, mnli), not lm")
+    if job.attattr_examples < 1:
+        raise ValueError(f"attattr_examples must be >= 1, got {job.attattr_examples}")
+    if job.attattr_steps < 1:
+        raise ValueError(f"attattr_steps must be >= 1, got {job.attattr_steps}")
 
 AttentionWrapper = Callable[..., Any]
 

@@ -93,6 +93,17 @@ PASS_COEFF_INIT, PASS_WARMUP, PASS_CLIMB, PASS_REOPEN, PASS_CLIP = 1e-5, 0.1, 0.
 _TINY = torch.finfo(torch.double).tiny
 
 
+def check_job(job: Any) -> None:
+    """The gate-training settings of a prune job (``gate_lr``, ``gate_epochs``, ``gate_cooldown``): a one-line
+    ``ValueError`` naming the first bad one; registered as the check of every gate-training method."""
+    if job.gate_lr <= 0:
+        raise ValueError(f"gate_lr must be > 0, got {job.gate_lr}")
+    if job.gate_epochs < 1:
+        raise ValueError(f"gate_epochs must be >= 1, got {job.gate_epochs}")
+    if job.gate_cooldown is not None and job.gate_cooldown < 1:
+        raise ValueError(f"gate_cooldown must be >= 1 step, got {job.gate_cooldown}")
+
+
 @dataclass
 class GateSettings:
     """Gate-training settings (defaults: the published SST-5 ones; ``cooldown=None`` takes the variant's;

@@ -456,6 +456,7 @@ def _attattr(run: MethodRun) -> Selection:
 
 
 def _needs_pretrained(job: Any) -> None:
+    gated.check_job(job)
     if job.task != "lm" and job.pretrained is None:
         raise ValueError(f"method {job.method} trains from the pre-trained model, as its authors do: give it "
                          f"(pretrained / --pretrained MODEL), or use {job.method}"
@@ -471,12 +472,6 @@ def _floor_kept(job: Any) -> None:
                          "off (--no-layer-floor) is for the baselines")
 
 
-def _classification_only(job: Any) -> None:
-    if job.task == "lm":
-        raise ValueError("method attattr attributes a class probability: it needs a classification task "
-                         "(sst5, mnli), not lm")
-
-
 def _register_builtins() -> None:
     # the order of METHODS before the registry: the CLI's choices and error messages list them so
     register_selector("cahp", _cahp, finds_count=True, check=_floor_kept, keeps_layer_floor=True)
@@ -484,17 +479,18 @@ def _register_builtins() -> None:
     for name, fn in (("fisher", fisher_importance), ("magnitude", magnitude_importance),
                      ("random", random_importance)):
         register_importance(name, fn)
-    register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
+    register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
+                      check=gated.check_job)
     # the plain names are the authors' joint protocols; before they were, joint-dsp meant joint-dsp-finetuned and
     # pass meant pass-frozen (a run folder of the old meaning lacks pretrained / joint_epochs in its recorded
     # settings, so a resumed comparison reruns it)
     authors = ("gate_lr", "pretrained", "joint_epochs")
     register_selector("joint-dsp", _gated, job_fields=(*authors, "gate_cooldown"), check=_needs_pretrained)
-    register_selector("joint-dsp-finetuned", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"))
+    register_selector("joint-dsp-finetuned", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
+                      check=gated.check_job)
     register_selector("pass", _gated, job_fields=authors, check=_needs_pretrained)
-    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"))
-    register_selector("attattr", _attattr, job_fields=("attattr_examples", "attattr_steps"),
-                      check=_classification_only)
+    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"), check=gated.check_job)
+    register_selector("attattr", _attattr, job_fields=("attattr_examples", "attattr_steps"), check=attattr.check_job)
 
 
 _register_builtins()

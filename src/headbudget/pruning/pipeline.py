@@ -23,6 +23,7 @@ parameters and forward FLOPs per token before and after), ``OUT/details.json``, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -55,6 +56,10 @@ def check_job(job: PruneJob) -> None:
 
     resolve_dtype(job.dtype, flag="dtype")
     resolve_device(job.device, flag="device")
+    for f in dataclasses.fields(job):  # every setting with choices, as its flag declares them
+        choices, value = f.metadata.get("choices"), getattr(job, f.name)
+        if choices and value is not None and value not in choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}, got {value!r}")
     if job.task == "lm":
         if not job.data:
             raise ValueError("task lm needs a text file (data): calibration windows and held-out perplexity")
@@ -74,8 +79,6 @@ def check_job(job: PruneJob) -> None:
         raise ValueError("eval_data (held-out texts scored by perplexity) is for task lm")
     elif not job.data_dir:
         raise ValueError(f"task {job.task} needs its data folder (data_dir)")
-    if job.salience_order not in ("file", "shuffled"):
-        raise ValueError(f"salience_order must be 'file' or 'shuffled', got {job.salience_order!r}")
     method = get_importance(job.method)  # a one-line error naming the registered methods
     if job.keep is not None and job.keep_ratio is not None:
         raise ValueError("give a head count (keep) or a ratio (keep_ratio), not both")
@@ -90,22 +93,6 @@ def check_job(job: PruneJob) -> None:
         )
     if method.check is not None:
         method.check(job)
-    if job.gate_lr <= 0:
-        raise ValueError(f"gate_lr must be > 0, got {job.gate_lr}")
-    if job.gate_epochs < 1:
-        raise ValueError(f"gate_epochs must be >= 1, got {job.gate_epochs}")
-    if job.gate_cooldown is not None and job.gate_cooldown < 1:
-        raise ValueError(f"gate_cooldown must be >= 1 step, got {job.gate_cooldown}")
-    if job.attattr_examples < 1:
-        raise ValueError(f"attattr_examples must be >= 1, got {job.attattr_examples}")
-    if job.granularity not in ("head", "group", "balanced"):
-        raise ValueError(f"granularity must be head, group or balanced, got {job.granularity!r}")
-    if job.attattr_steps < 1:
-        raise ValueError(f"attattr_steps must be >= 1, got {job.attattr_steps}")
-    if job.curve not in ("mss", "accuracy"):
-        raise ValueError(f"curve must be 'mss' or 'accuracy', got {job.curve!r}")
-    if job.mss not in ("mean", "nearest"):
-        raise ValueError(f"mss must be 'mean' or 'nearest', got {job.mss!r}")
     if job.pool_size < 2:
         raise ValueError(f"pool_size must be >= 2, got {job.pool_size}")
     if job.finetune_epochs < 0:
