@@ -58,7 +58,7 @@ class AdapterBase:
     module whose forward returns ``(output, attention_probs)``), ``out_proj(li)`` (the module whose
     input is the concatenated head outputs), ``out_head_dim(li)`` (per-head width of that input),
     ``qkv_weights(li)``, ``head_counts``, ``kv_head_counts`` when key/value heads are grouped, and
-    ``_remove(li, keep)`` (physical removal keeping current head indices ``keep``).
+    ``_remove(li, kept)`` (physical removal keeping current head indices ``kept``).
     """
 
     family: str = ""
@@ -262,10 +262,10 @@ class AdapterBase:
         return [p for p in captured if p is not None]
 
     # ----------------------------------------------------------------- removal
-    def _remove(self, layer: int, keep: list[int], **opts: Any) -> None:
+    def _remove(self, layer: int, kept: list[int], **opts: Any) -> None:
         raise NotImplementedError
 
-    def _check_removal(self, layer: int, keep: list[int], **opts: Any) -> None:
+    def _check_removal(self, layer: int, kept: list[int], **opts: Any) -> None:
         """Hook for family-specific refusals (before anything is modified)."""
 
     def prune_heads(self, heads: Mapping[int | str, Sequence[int]], **opts: Any) -> None:
@@ -294,13 +294,13 @@ class AdapterBase:
                     f"layer {li}: cannot remove all {counts[li]} heads; every layer of a {self.family} model must "
                     "keep at least one head (only BERT-family encoders can lose a whole layer's attention)"
                 )
-            keep = [h for h in range(counts[li]) if h not in remove]
-            self._check_removal(li, keep, **opts)
-            plan[li] = keep
+            kept = [h for h in range(counts[li]) if h not in remove]
+            self._check_removal(li, kept, **opts)
+            plan[li] = kept
         state = self._state()
-        for li, keep in plan.items():
-            self._remove(li, keep, **opts)
-            state["kept"][li] = [state["kept"][li][h] for h in keep]
+        for li, kept in plan.items():
+            self._remove(li, kept, **opts)
+            state["kept"][li] = [state["kept"][li][h] for h in kept]
 
     def prune_to(self, kept: Mapping[int | str, Sequence[int]], **opts: Any) -> None:
         """Keep exactly the given *original* head indices per layer (layers not named are untouched)."""

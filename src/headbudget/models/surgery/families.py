@@ -71,19 +71,19 @@ class BertAdapter(AdapterBase):
         sa = self.attention_module(li)
         return sa.query.weight, sa.key.weight, sa.value.weight
 
-    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+    def _remove(self, li: int, kept: list[int], **opts: Any) -> None:
         sa = self.attention_module(li)
         d = int(sa.attention_head_size)
         out_proj = self.out_proj(li)
-        rows = _head_rows(keep, d, out_proj.weight.device)
+        rows = _head_rows(kept, d, out_proj.weight.device)
         _slice_linear_in(out_proj, rows)
-        if not keep:  # zero-size q/k/v cannot be reshaped into heads: the whole self-attention goes
+        if not kept:  # zero-size q/k/v cannot be reshaped into heads: the whole self-attention goes
             self.layers[li].attention.self = NoHeadSelfAttention(sa)
             return
         for lin in (sa.query, sa.key, sa.value):
             _slice_linear_out(lin, rows)
-        sa.num_attention_heads = len(keep)
-        sa.all_head_size = len(keep) * d
+        sa.num_attention_heads = len(kept)
+        sa.all_head_size = len(kept) * d
 
 
 # ===================================================================== GPT-2
@@ -111,22 +111,22 @@ class GPT2Adapter(AdapterBase):
     def out_proj_weight(self, li: int) -> torch.Tensor:
         return self.out_proj(li).weight.T
 
-    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+    def _remove(self, li: int, kept: list[int], **opts: Any) -> None:
         attn = self.attention_module(li)
         d = int(attn.head_dim)
         split = int(attn.split_size)
         dev = attn.c_attn.weight.device
-        cols = torch.cat([_head_rows(keep, d, dev, offset=k * split) for k in range(3)])
+        cols = torch.cat([_head_rows(kept, d, dev, offset=k * split) for k in range(3)])
         c_attn = attn.c_attn
         c_attn.weight = nn.Parameter(c_attn.weight.data.index_select(1, cols).clone())
         c_attn.bias = nn.Parameter(c_attn.bias.data.index_select(0, cols).clone())
         c_attn.nf = int(cols.numel())
-        rows = _head_rows(keep, d, dev)
+        rows = _head_rows(kept, d, dev)
         c_proj = attn.c_proj
         c_proj.weight = nn.Parameter(c_proj.weight.data.index_select(0, rows).clone())
         c_proj.nx = int(rows.numel())
-        attn.num_heads = len(keep)
-        attn.split_size = len(keep) * d
+        attn.num_heads = len(kept)
+        attn.split_size = len(kept) * d
 
 
 # ===================================================================== Llama / Mistral (GQA)
@@ -181,21 +181,21 @@ class LlamaAdapter(AdapterBase):
         attn = self.attention_module(li)
         return attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
 
-    def _check_removal(self, li: int, keep: list[int], partial_groups: str = "keep", **opts: Any) -> None:
+    def _check_removal(self, li: int, kept: list[int], partial_groups: str = "keep", **opts: Any) -> None:
         if partial_groups not in ("keep", "refuse"):
             raise ValueError(f"partial_groups must be 'keep' or 'refuse', got {partial_groups!r}")
         if partial_groups == "refuse":
             kv = self._state()["kv"][li]
-            kept_groups = {kv[h] for h in keep}
+            kept_groups = {kv[h] for h in kept}
             for g in kept_groups:
                 members = [h for h in range(len(kv)) if kv[h] == g]
-                if any(h not in keep for h in members):
+                if any(h not in kept for h in members):
                     raise ValueError(
                         f"layer {li}: removing part of KV group {g} (query heads {members}) is refused "
                         "(partial_groups='refuse'); remove all of its query heads or none"
                     )
 
-    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+    def _remove(self, li: int, kept: list[int], **opts: Any) -> None:
         attn = self.attention_module(li)
         d = int(attn.head_dim)
         state = self._state()
@@ -203,11 +203,11 @@ class LlamaAdapter(AdapterBase):
         groups_now = len(kv_orig) // self.kv_head_counts()[li]
         # physical KV index currently serving each query head
         phys_now = [h // groups_now for h in range(len(kv_orig))]
-        new_kv_orig = [kv_orig[h] for h in keep]
+        new_kv_orig = [kv_orig[h] for h in kept]
         # sizes of the remaining groups, in order (queries of one KV head are contiguous)
         sizes: list[tuple[int, int]] = []  # (original kv, count)
         first_query: dict[int, int] = {}
-        for pos, (h, g) in enumerate(zip(keep, new_kv_orig)):
+        for pos, (h, g) in enumerate(zip(kept, new_kv_orig)):
             if sizes and sizes[-1][0] == g:
                 sizes[-1] = (g, sizes[-1][1] + 1)
             else:
@@ -221,14 +221,14 @@ class LlamaAdapter(AdapterBase):
         for g, s in sizes:
             kv_phys_keep.extend([phys_now[first_query[g]]] * (s // new_group))
         dev = attn.q_proj.weight.device
-        q_rows = _head_rows(keep, d, dev)
+        q_rows = _head_rows(kept, d, dev)
         kv_rows = _head_rows(kv_phys_keep, d, dev)
         _slice_linear_out(attn.q_proj, q_rows)
         _slice_linear_out(attn.k_proj, kv_rows)
         _slice_linear_out(attn.v_proj, kv_rows)
         _slice_linear_in(attn.o_proj, q_rows)
         attn.num_key_value_groups = new_group
-        for name, value in (("num_heads", len(keep)), ("num_key_value_heads", len(kv_phys_keep))):
+        for name, value in (("num_heads", len(kept)), ("num_key_value_heads", len(kv_phys_keep))):
             if hasattr(attn, name):
                 setattr(attn, name, value)
         state["kv"][li] = new_kv_orig
@@ -272,13 +272,13 @@ class HeadBudgetAdapter(AdapterBase):
             self.model.train(was_training)
         return list(out.attentions)
 
-    def _check_removal(self, li: int, keep: list[int], **opts: Any) -> None:
+    def _check_removal(self, li: int, kept: list[int], **opts: Any) -> None:
         n = self.head_counts()[li]
-        self.attention_module(li).plan_pruning([h for h in range(n) if h not in keep])  # raises before any change
+        self.attention_module(li).plan_pruning([h for h in range(n) if h not in kept])  # raises before any change
 
-    def _remove(self, li: int, keep: list[int], **opts: Any) -> None:
+    def _remove(self, li: int, kept: list[int], **opts: Any) -> None:
         n = self.head_counts()[li]
-        self.model.prune_heads({li: [h for h in range(n) if h not in keep]})
+        self.model.prune_heads({li: [h for h in range(n) if h not in kept]})
 
 
 # ===================================================================== dispatch
