@@ -701,8 +701,9 @@ def markdown(data: dict[str, Any], llamacpp: dict[str, Any] | None = None) -> st
 
 
 def draw(data: dict[str, Any]) -> Any:
-    """Perplexity vs KV bytes/token, one panel per held-out text, one line per method and stage (solid: before
-    recovery, dashed: after distillation), dense as a star; returns the figure."""
+    """Perplexity vs KV bytes/token, one panel per held-out text, one line per method and stage (solid with dots:
+    before recovery; dashed with open squares: after distillation), dense as a star and 1.15x dense dotted;
+    returns the figure."""
     from headbudget.io import new_figure
 
     cells = data["cells"]
@@ -715,15 +716,18 @@ def draw(data: dict[str, Any]) -> Any:
     methods = [m for m in METHODS if m != "dense" and any(d.get("method") == m for d in cells.values())]
     for ax, t in zip(axes, texts):
         for i, m in enumerate(methods):
-            for stage, style, tag in (("score", "-", "before"), ("rescore", "--", "after")):
+            # before: small dots on a solid line; after distillation: large open squares on a dashed line
+            for stage, style, marker, ms, tag in (("score", "-", "o", 4, "before"), ("rescore", "--", "s", 8, "after")):
                 pts = sorted((d["stages"]["build"]["kv_bytes_per_token"], d["stages"][stage]["ppl"][t])
                              for d in cells.values() if d.get("method") == m and stage in d["stages"]
                              and t in d["stages"][stage]["ppl"])
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=4, color=f"C{i}",
-                            label=f"{m} ({tag})")
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, ms=ms, color=f"C{i}",
+                            mfc="none" if tag == "after" else f"C{i}", label=f"{m} ({tag})")
         if "score" in dense and "build" in dense:
-            ax.plot([dense["build"]["kv_bytes_per_token"]], [dense["score"]["ppl"][t]], "k*", ms=10, label="dense")
+            ref = dense["score"]["ppl"][t]
+            ax.plot([dense["build"]["kv_bytes_per_token"]], [ref], "k*", ms=10, label="dense")
+            ax.axhline(ref * 1.15, color="0.4", ls=":", lw=1, label="1.15 x dense (the goal)")
         ax.set_yscale("log")
         ax.set_xlabel("KV cache bytes per token (fp32, measured)")
         ax.set_title(f"{t} (perplexity, log scale)", fontsize=10)
@@ -731,7 +735,8 @@ def draw(data: dict[str, Any]) -> Any:
     if len(texts):
         axes[0].set_ylabel("perplexity")
         axes[0].legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M: shrinking the KV cache (solid: before recovery, dashed: after distillation)",
+    fig.suptitle("SmolLM2-135M: shrinking the KV cache (dots, solid: before recovery; open squares, dashed: after "
+                 "200k tokens of distillation)",
                  fontsize=10)
     return fig
 
