@@ -238,9 +238,11 @@ def test_plot_has_one_line_per_method_per_stage(kvf, tmp_path):
         labels = sorted(line.get_label() for line in ax.get_lines())
         assert labels == sorted(["merge-kv-uniform (before)", "merge-kv-sensitivity (before)",
                                  "merge-kv-sensitivity (after)", "group-fisher (before)", "group-fisher (after)",
-                                 "group-cahp (before)", "dense"])
-        styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
-        assert styles["group-fisher (before)"] == "-" and styles["group-fisher (after)"] == "--"
+                                 "group-cahp (before)", "dense", "1.15 x dense (the goal)"])
+        styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in ax.get_lines()}
+        assert styles["group-fisher (before)"] == ("-", "o") and styles["group-fisher (after)"] == ("--", "s")
+    goal = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}["1.15 x dense (the goal)"]
+    assert goal == [pytest.approx(11.5)] * 2  # dense perplexity 10 on text a
     xs = {line.get_label(): list(line.get_xdata()) for line in fig.axes[0].get_lines()}
     assert xs["merge-kv-sensitivity (before)"] == [44 * 512] and xs["dense"] == [90 * 512]
 
