@@ -40,7 +40,6 @@ from headbudget.pruning.methods import (
     method_job_fields,
 )
 from headbudget.pruning.workloads import (
-    LMWorkload,
     Workload,
     load_workload,
     model_adapter,
@@ -192,8 +191,7 @@ def run_prune(job: PruneJob, loaded: Workload | None = None,
     stages = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
     details["metric_name"] = loaded.metric_name
     details[loaded.metric_name] = stages
-    if isinstance(loaded, LMWorkload):
-        details["perplexity_runs"] = {k: v for k, v in loaded.last_eval.items()}
+    details.update(loaded.details())
     details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
     details["job"] = _job_fingerprint(job)
     report = _method_report(run, sel, kept_layers, dict(stages[loaded.primary]), seconds, cost, details)
@@ -282,7 +280,7 @@ def _method_report(run: MethodRun, sel: Selection, kept_layers: dict[int, list[i
     report = rpt.build_report(job.method, n_total, kept_layers, sel.knee_k, sel.mss, primary, seconds, cost,
                               n_layers=len(kept_layers), k_source=rpt.k_source_of(details.get("knee_source")))
     dense, pruned = primary["dense"], primary["pruned"]
-    if (isinstance(loaded, LMWorkload) and job.method == "cahp" and run.target is None and job.knee_warn_ratio > 0
+    if (loaded.metric_name == "perplexity" and job.method == "cahp" and run.target is None and job.knee_warn_ratio > 0
             and float(pruned) > job.knee_warn_ratio * float(dense)):
         report["warning"] = (
             f"the knee keeps {report['heads_kept']}/{n_total} heads and held-out perplexity goes from "

@@ -16,7 +16,7 @@ import copy
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from headbudget.io import atomic_write_dir
 from headbudget.pruning.job import PruneJob
@@ -109,6 +109,10 @@ class ClassificationWorkload:
 
         hist = finetune(model, self.tokenizer, {"train": self.train, **self.evals}, job.finetune_recipe())
         return dict(hist["final"]), hist["epochs"]
+
+    def details(self) -> dict[str, Any]:
+        """What the run's details.json adds for this task: nothing beyond the accuracies."""
+        return {}
 
     def save(self, model: Any, out: Path) -> None:
         _save(model, self.tokenizer, out, sidecar=True)
@@ -211,11 +215,32 @@ class LMWorkload:
                            progress=job.progress)
         return self.evaluate(model, job, "finetuned"), hist
 
+    def details(self) -> dict[str, Any]:
+        """The perplexity runs behind the last evaluation (tokens and windows of each text)."""
+        return {"perplexity_runs": dict(self.last_eval)}
+
     def save(self, model: Any, out: Path) -> None:
         _save(model, self.tokenizer, out, sidecar=False)
 
 
-Workload = ClassificationWorkload | LMWorkload
+class Workload(Protocol):
+    """What :func:`headbudget.pruning.pipeline.run_prune` needs of a job's model and data, whatever the task
+    (:class:`ClassificationWorkload`, :class:`LMWorkload`, or a task of a user's own)."""
+
+    metric_name: str  #: "accuracy" (higher is better) or "perplexity" (lower is better)
+    n_classes: int | None  #: classes of the signatures; None: label-free
+    tokenizer: Any
+    primary: str  #: the evaluation split (or text) the report ranks by
+    evals: dict[str, Any]
+
+    def fresh_model(self, job: PruneJob) -> Any: ...
+    def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]: ...
+    def batches(self, job: PruneJob, shuffle: bool) -> list[Any]: ...
+    def salience_batches(self, job: PruneJob) -> list[Any]: ...
+    def describe(self, job: PruneJob) -> dict[str, Any]: ...
+    def details(self) -> dict[str, Any]: ...
+    def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]: ...
+    def save(self, model: Any, out: Path) -> None: ...
 
 
 def eval_text_name(path: str | Path) -> str:
