@@ -272,7 +272,7 @@ def test_attattr_refuses_lm_and_bad_settings():
 
     with pytest.raises(ValueError, match="attattr attributes a class probability"):
         check_job(PruneJob("m", "lm", None, "o", method="attattr", keep=3, data="t.txt"))
-    with pytest.raises(ValueError, match="gate_cooldown must be >= 1 step, got 0"):
+    with pytest.raises(ValueError, match="gate_cooldown must be >= 1, got 0"):
         check_job(PruneJob("m", "sst5", "d", "o", method="joint-dsp-finetuned", keep=3, gate_cooldown=0))
 
 

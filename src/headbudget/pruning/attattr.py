@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from headbudget.pruning.job import require_positive
+
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
 
@@ -43,10 +45,7 @@ def check_job(job: Any) -> None:
     if job.task == "lm":
         raise ValueError("method attattr attributes a class probability: it needs a classification task "
                          "(sst5, mnli), not lm")
-    if job.attattr_examples < 1:
-        raise ValueError(f"attattr_examples must be >= 1, got {job.attattr_examples}")
-    if job.attattr_steps < 1:
-        raise ValueError(f"attattr_steps must be >= 1, got {job.attattr_steps}")
+    require_positive(job, "attattr_examples", "attattr_steps")
 
 AttentionWrapper = Callable[..., Any]
 

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from headbudget.pruning.importance import Batch, LossFn, batch_to_device, default_loss, select_top, unflatten
+from headbudget.pruning.job import require_positive
 from headbudget.train.loop import LogRecord, TrainLoop
 
 if TYPE_CHECKING:
@@ -98,10 +99,7 @@ def check_job(job: Any) -> None:
     ``ValueError`` naming the first bad one; registered as the check of every gate-training method."""
     if job.gate_lr <= 0:
         raise ValueError(f"gate_lr must be > 0, got {job.gate_lr}")
-    if job.gate_epochs < 1:
-        raise ValueError(f"gate_epochs must be >= 1, got {job.gate_epochs}")
-    if job.gate_cooldown is not None and job.gate_cooldown < 1:
-        raise ValueError(f"gate_cooldown must be >= 1 step, got {job.gate_cooldown}")
+    require_positive(job, "gate_epochs", "gate_cooldown")
 
 
 @dataclass

@@ -170,6 +170,19 @@ class PruneJob:
                               max_length=self.max_length, progress=self.progress)
 
 
+def require_positive(job: Any, *names: str) -> None:
+    """A one-line ``ValueError`` naming the first of ``names`` whose value is set and below 1.
+
+    >>> require_positive(PruneJob("m", "lm", None, "o", keep=0), "keep")
+    Traceback (most recent call last):
+    ValueError: keep must be >= 1, got 0
+    """
+    for name in names:
+        value = getattr(job, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def default_finetune_epochs(task: str) -> int:
     """Recovery fine-tuning epochs when a job names none: 3 for a classifier, 0 for task ``lm`` (a pruned LM
     is scored as it is unless recovery is asked for).

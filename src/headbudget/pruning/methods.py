@@ -55,6 +55,7 @@ from headbudget.pruning.importance import (
     random_importance,
     select_top,
 )
+from headbudget.pruning.job import require_positive
 
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
@@ -462,8 +463,7 @@ def _needs_pretrained(job: Any) -> None:
                          f"(pretrained / --pretrained MODEL), or use {job.method}"
                          f"{'-finetuned' if job.method == 'joint-dsp' else '-frozen'} to start from the fine-tuned "
                          "model")
-    if job.joint_epochs < 1:
-        raise ValueError(f"joint_epochs must be >= 1, got {job.joint_epochs}")
+    require_positive(job, "joint_epochs")
 
 
 def _floor_kept(job: Any) -> None:

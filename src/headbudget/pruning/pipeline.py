@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from headbudget.io import atomic_write_text
 from headbudget.pruning import report as rpt
-from headbudget.pruning.job import PruneJob
+from headbudget.pruning.job import PruneJob, require_positive
 from headbudget.pruning.methods import (
     MethodRun,
     Selection,
@@ -96,10 +96,7 @@ def check_job(job: PruneJob) -> None:
         raise ValueError(f"pool_size must be >= 2, got {job.pool_size}")
     if job.finetune_epochs < 0:
         raise ValueError(f"finetune_epochs must be >= 0, got {job.finetune_epochs}")
-    for name in ("limit_train", "limit_eval", "importance_batches"):
-        v = getattr(job, name)
-        if v is not None and v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+    require_positive(job, "limit_train", "limit_eval", "importance_batches")
 
 
 def _evaluate(model: Any, loaded: Workload, job: PruneJob, stage: str) -> dict[str, float]:
