@@ -5,6 +5,7 @@ is a live, read-only view of it, and ``score_heads`` / ``select_by_method`` read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -172,13 +173,13 @@ def test_a_comparison_runs_every_methods_check_before_any_method(tiny, tmp_path,
     assert not (tmp_path / "cmp" / "random").exists()  # was: random ran (and wrote its folder) first
 
 
-def _install_plugin(root, monkeypatch, entry_points: str, module: str) -> None:
+def _install_plugin(root, monkeypatch, entry_points: str, module: str, name: str = "hb_demo_plugin") -> None:
     """An installed distribution outside src: a module and a dist-info whose entry_points.txt names it."""
     root.mkdir()
-    (root / "hb_demo_plugin.py").write_text(module)
-    info = root / "hb_demo_plugin-0.1.dist-info"
+    (root / f"{name}.py").write_text(module)
+    info = root / f"{name}-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hb-demo-plugin\nVersion: 0.1\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(f"[{methods.ENTRY_POINT_GROUP}]\n{entry_points}\n")
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setattr(methods, "_plugins_loaded", False)
@@ -204,6 +205,74 @@ def test_an_installed_package_adds_an_importance_the_cli_can_use(tiny, tmp_path,
         "module 'hb_demo_plugin' has no attribute 'gone'"]
     assert methods.available_importances()[: len(BUILTINS)] == BUILTINS
     assert "fixed-plugin" in methods.available_importances() and "broken" not in methods.available_importances()
+
+
+PLUGIN_WITH_SETTINGS = """
+import dataclasses
+import numpy as np
+
+@dataclasses.dataclass
+class Settings:
+    shift: int = dataclasses.field(default=0, metadata={"help": "rotate each layer's scores by this many heads"})
+
+def scores(ctx):
+    base = [np.array([0.1, 0.9, 0.2, 0.3]), np.array([0.8, 0.05, 0.7, 0.6])]
+    return [np.roll(s, ctx.job.shift) for s in base]
+
+scores.settings = Settings
+"""
+
+
+def test_a_plugin_declares_its_own_settings_and_they_are_flags_config_keys_and_job_fields(
+        tiny, tmp_path, monkeypatch, registered, capsys):
+    from headbudget.cli.main import build_parser, main
+    from headbudget.pruning.pipeline import _job_fingerprint
+
+    _install_plugin(tmp_path / "site", monkeypatch, "shifted = hb_shift_plugin:scores", PLUGIN_WITH_SETTINGS,
+                    name="hb_shift_plugin")
+    registered.append("shifted")
+    sub = build_parser("prune")._subparsers._group_actions[0].choices["prune"]
+    assert "--shift" in sub.format_help() and "rotate each layer's scores" in sub.format_help()
+    base = ["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--method", "shifted", "--keep", "4",
+            "--finetune-epochs", "0", "--limit-train", "32", "--limit-eval", "16", "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "o"), "--shift", "1", "--print_config"]) == 0
+    assert "shift: 1\n" in capsys.readouterr().out
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("shift: 1\n")
+    assert main([*base, "--config", str(cfg), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    # rolled by one head: layer 0 scores [0.3, 0.1, 0.9, 0.2], layer 1 [0.6, 0.8, 0.05, 0.7]; the 4 best with a
+    # head per layer are 0.9 (0,2), 0.8 (1,1), 0.7 (1,3), 0.6 (1,0) -- not the unshifted {0: [1], 1: [0, 2, 3]}
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["kept"] == {"0": [2], "1": [0, 1, 3]}
+    # the registry knows the setting is this method's: another method's fingerprint leaves it out
+    job_cls = methods.with_method_settings(PruneJob)
+    assert methods.method_job_fields()["shifted"] == ("shift",)
+    fisher = job_cls("m", "lm", None, "o", method="fisher", shift=3)
+    assert "shift" not in _job_fingerprint(fisher) and _job_fingerprint(dataclasses.replace(
+        fisher, method="shifted"))["shift"] == 3
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*base, "--out", str(tmp_path / "bad"), "--shift", "x"])
+    assert_names(error_line(capsys.readouterr().err, "prune"), "--shift", "'x'")
+
+
+def test_builtin_methods_register_their_settings_and_the_job_is_composed_of_them():
+    from headbudget.pruning.job import AttAttrSettings, CahpSettings, GateTrainingSettings, join_settings
+
+    settings = {name: methods.get_importance(name).settings for name in BUILTINS}
+    assert settings == {"cahp": CahpSettings, "michel": None, "fisher": None, "magnitude": None, "random": None,
+                        "pipelined-dsp": GateTrainingSettings, "joint-dsp": GateTrainingSettings,
+                        "joint-dsp-finetuned": GateTrainingSettings, "pass": GateTrainingSettings,
+                        "pass-frozen": GateTrainingSettings, "attattr": AttAttrSettings}
+    own = {f.name for s in (CahpSettings, GateTrainingSettings, AttAttrSettings) for f in dataclasses.fields(s)}
+    assert len(own) == 22 and own <= {f.name for f in dataclasses.fields(PruneJob)}
+    assert methods.with_method_settings(PruneJob) is PruneJob  # every built-in's settings are PruneJob's already
+    assert methods.method_job_fields()["attattr"] == ("attattr_examples", "attattr_steps")
+    with pytest.raises(TypeError) as info:  # a plug-in may not redeclare a setting of the job
+        join_settings(PruneJob, [dataclasses.make_dataclass("Mine", [("seed", int, dataclasses.field(default=0))])])
+    assert_names(str(info.value), "seed", "PruneJob's")
+    with pytest.raises(TypeError) as info:  # settings without defaults could not be left out on the command line
+        methods.register_importance("needs", lambda ctx: [], settings=dataclasses.make_dataclass("S", [("x", int)]))
+    assert_names(str(info.value), "'needs'")
 
 
 # ---------------------------------------------------------------------------- the registry is the one table

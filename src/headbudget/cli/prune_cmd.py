@@ -32,7 +32,7 @@ from headbudget.cli.dataclass_flags import (
     print_config,
     settings_mapping,
 )
-from headbudget.pruning.job import CAHP, FinetuneJob, PruneJob
+from headbudget.pruning.job import CAHP, ENTRY_POINT_GROUP, FinetuneJob, PruneJob
 from headbudget.run_dir import claim_output_dir
 from headbudget.typed_config import option
 
@@ -57,7 +57,21 @@ class PruneCompareJob(PruneJob):
 
     def prune_job(self) -> PruneJob:
         """The settings every method of the comparison shares."""
-        return PruneJob(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PruneJob)})
+        cls = PruneJob if type(self) is PruneCompareJob else job_classes()[0]
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+
+def job_classes() -> tuple[type[PruneJob], type[PruneCompareJob]]:
+    """``PruneJob`` and ``PruneCompareJob`` with the settings of plug-in methods joined in, so a plug-in's settings
+    are flags and config keys (torch is imported only when a plug-in is installed or a method was registered)."""
+    from importlib.metadata import entry_points
+
+    if not entry_points(group=ENTRY_POINT_GROUP) and "headbudget.pruning.methods" not in sys.modules:
+        return PruneJob, PruneCompareJob
+    from headbudget.pruning.methods import load_plugins, with_method_settings
+
+    load_plugins()
+    return with_method_settings(PruneJob), with_method_settings(PruneCompareJob)
 
 
 def _add_common(p: argparse.ArgumentParser, cls: type[PruneJob], skip: tuple[str, ...] = ()) -> None:
@@ -138,7 +152,7 @@ def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy",
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    job = getattr(args, "job", None) or _job(args)
+    job = args.job
     if args.print_config:
         return print_config(job)
     from headbudget.pruning.pipeline import run_prune
@@ -176,7 +190,7 @@ def _comma_list(flag: str, raw: str | None, cast: Any = str) -> list[Any] | None
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    settings: PruneCompareJob = getattr(args, "job", None) or _job(args, PruneCompareJob)
+    settings: PruneCompareJob = args.job
     if args.print_config:
         return print_config(settings)
     from pathlib import Path
@@ -242,13 +256,14 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("prune", help="prune attention heads (CAHP or a baseline), fine-tune, report",
                               description="Prune heads with CAHP or a baseline; writes the model and report.json.")
-    _add_common(p, PruneJob)
+    job_cls, compare_cls = job_classes()
+    _add_common(p, job_cls)
     p.set_defaults(func=_cmd_prune)
 
     p = subparsers.add_parser("prune-compare", help="several pruning methods, one table",
                               description="Run several methods and tabulate: each cahp@d finds its own knee, each "
                                           "baseline takes the count of the nearest cahp entry before it (or --keep).")
-    _add_common(p, PruneCompareJob, skip=("method",))
+    _add_common(p, compare_cls, skip=("method",))
     p.add_argument("--resume", action="store_true",
                    help="reuse every method already finished in --out with the same settings; run the rest")
     p.set_defaults(func=_cmd_compare)

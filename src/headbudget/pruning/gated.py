@@ -469,3 +469,14 @@ def _pass_schedule(logits: torch.nn.Parameter, step: int, coeff: float, counter:
                 confidence.zero_()
             logits.data.copy_(new)
     return coeff, counter, reopened
+
+
+def check_joint_job(job: Any) -> None:
+    """The authors' joint protocols (joint-dsp, pass): the gate checks, a pre-trained model for a classifier."""
+    check_job(job)
+    if job.task != "lm" and job.pretrained is None:
+        raise ValueError(f"method {job.method} trains from the pre-trained model, as its authors do: give it "
+                         f"(pretrained / --pretrained MODEL), or use {job.method}"
+                         f"{'-finetuned' if job.method == 'joint-dsp' else '-frozen'} to start from the fine-tuned "
+                         "model")
+    require_positive(job, "joint_epochs")

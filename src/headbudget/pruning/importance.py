@@ -264,7 +264,8 @@ def salience(
 # --------------------------------------------------------------------------- plug-ins
 @dataclass
 class ImportanceContext:
-    """What an importance may use: the adapter (and its model), batches, the loss, a seed."""
+    """What an importance may use: the adapter (and its model), batches, the loss, a seed, and ``job``: the
+    run's settings, where a method registered with ``settings=`` finds its own (``ctx.job.<field>``)."""
 
     adapter: HeadAdapter
     model: torch.nn.Module
@@ -272,6 +273,7 @@ class ImportanceContext:
     loss_fn: LossFn = default_loss
     seed: int = 0
     progress: bool = True
+    job: Any = None
 
     @property
     def head_counts(self) -> list[int]:

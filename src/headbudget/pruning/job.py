@@ -8,6 +8,7 @@ the comparison and the CLI can all import it without importing :mod:`headbudget.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,32 +21,21 @@ BASELINES = ("baselines (michel, fisher, magnitude, random, pipelined-dsp, joint
 RECOVERY = "recovery fine-tuning"
 LM = "task lm: label-free pruning of a causal LM"
 
+#: the entry-point group through which an installed package adds importances: ``name = "module:function"`` (in
+#: pyproject.toml, ``[project.entry-points."headbudget.importance"]``) registers ``function`` as method ``name``
+#: (:func:`headbudget.pruning.methods.load_plugins`; with its ``settings`` dataclass, if it has one)
+ENTRY_POINT_GROUP = "headbudget.importance"
+
 
 @dataclass
-class PruneJob:
-    """Everything one pruning run needs.  Each field declares its flag once (:func:`headbudget.typed_config.option`):
-    ``headbudget prune``'s and ``prune-compare``'s flags, ``--config`` files and ``--print_config`` are generated
-    from these fields (:mod:`headbudget.cli.dataclass_flags`).
+class CahpSettings:
+    """The settings only ``cahp`` reads (registered with it in :mod:`headbudget.pruning.methods`): signatures,
+    t-SNE, clustering, the knee and the representatives.
 
-    ``model`` is anything :func:`headbudget.loading.load_model` opens; ``tokenizer`` (lm) overrides the
-    model's own.  Exactly one of ``keep`` (heads) / ``keep_ratio`` forces the head count; CAHP
-    otherwise takes it from the knee of its curve.
-
-        run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
+        >>> CahpSettings(pool_size=8).mss
+        'mean'
     """
 
-    model: str = option(
-        help="fine-tuned classifier folder (or wheel / pruned model); with task lm a causal LM folder, a "
-             "`headbudget train` run folder or a GGUF file", metavar="MODEL")
-    task: str = option(help="classification task, or lm: label-free pruning of a causal LM (metric: perplexity)",
-                       choices=("sst5", "mnli", "lm"))
-    data_dir: str | None = option(help="sst5/mnli: folder with the task's files")
-    out: str = option(help="output folder")
-    method: str = option("cahp", help="cahp or a baseline: michel, fisher, magnitude, random, pipelined-dsp, "
-                                      "joint-dsp, joint-dsp-finetuned, pass, pass-frozen, attattr, or a method "
-                                      "registered with headbudget.pruning.methods")
-    keep: int | None = option(None, help="force the number of heads kept (skips the knee)")
-    keep_ratio: float | None = option(None, help="force the fraction of heads kept")
     poly_degree: int = option(6, help="Kneedle polynomial degree (lower keeps more heads)", group=CAHP)
     pool_size: int = option(32, help="signature grid size B (B x B per head)", group=CAHP)
     perplexity: float = option(10.0, help="t-SNE perplexity (clipped below #heads)", group=CAHP)
@@ -59,6 +49,89 @@ class PruneJob:
     salience_order: str = option(
         "file", help="salience data: the first examples in file order (published code) or the first batches of "
                      "the seeded shuffle", choices=("file", "shuffled"), group=CAHP)
+    ddof: int = option(1, help="class-conditional signature variance: 1 = sample (published code), 0 = population",
+                       group=CAHP)
+    var_floor: float | None = option(
+        1e-6, help="max(var, floor) before Jeffries-Matusita (published: 1e-6); none: var + var_eps",
+        group=CAHP)
+    var_eps: float = option(0.0, help="added to the signature variance (legacy: 1e-10 with var_floor none)",
+                            group=CAHP)
+    tsne_dtype: str = option("float32", help="float type of t-SNE (published: float32)",
+                             choices=("float32", "float64"), group=CAHP)
+    # cahp selection (None: the mode's default -- classification the published salience / one head per
+    # cluster; task lm cahp.LM_DEFAULTS: fisher, importance allocation over 30 clusters)
+    representative: str | None = option(
+        None, help="cahp: the score that picks each cluster's head (default: salience for sst5/mnli, fisher "
+                   "for lm)", choices=("salience", "fisher"), group=CAHP)
+    allocation: str | None = option(
+        None, help="cahp: one head per cluster (published; default for sst5/mnli) or the head count spread over "
+                   "--clusters clusters by summed importance (default for lm)", choices=("cluster", "importance"),
+                   group=CAHP)
+    n_clusters: int | None = option(
+        None, help="cahp --allocation importance: number of clusters (default 30)", flag="--clusters",
+        group=CAHP)
+
+
+@dataclass
+class GateTrainingSettings:
+    """The settings of the gate-training baselines (pipelined-dsp, joint-dsp[-finetuned], pass[-frozen];
+    :mod:`headbudget.pruning.gated`): the published SST-5 settings.  The joint ones train the weights at the
+    job's ``lr``; the authors' joint protocols (joint-dsp, pass) train gates and weights together from the
+    pre-trained model, the -finetuned / -frozen variants start from the job's ``model``.
+
+        >>> GateTrainingSettings().gate_lr
+        0.5
+    """
+
+    gate_lr: float = option(
+        0.5, help="pipelined-dsp / joint-dsp / pass and their variants: learning rate of the head logits "
+                  "(published: 0.5)", group=BASELINES)
+    gate_epochs: int = option(
+        1, help="pipelined-dsp / joint-dsp-finetuned / pass-frozen: passes over the training batches for gate "
+                "training (joint-dsp / pass: joint_epochs)", group=BASELINES)
+    gate_cooldown: int | None = option(
+        None, help="pipelined-dsp / joint-dsp / joint-dsp-finetuned: steps to anneal the temperature 1000 -> "
+                   "1e-8 (default: the published SST-5 setting, 90 pipelined / 270 joint)", group=BASELINES)
+    pretrained: str | None = option(
+        None, help="joint-dsp / pass: the pre-trained model their authors' joint training starts from (a "
+                   "classifier gets a fresh head); required for sst5/mnli, task lm defaults to the model itself",
+        metavar="MODEL", group=BASELINES)
+    joint_epochs: int = option(
+        3, help="joint-dsp / pass: epochs of joint gate and weight training from the pre-trained model "
+                "(the authors': 3)", group=BASELINES)
+
+
+@dataclass
+class AttAttrSettings:
+    """The settings of ``attattr`` (:mod:`headbudget.pruning.attattr`).
+
+        >>> AttAttrSettings().attattr_steps
+        20
+    """
+
+    attattr_examples: int = option(
+        200, help="attattr: first N examples of the primary evaluation split (published: 200)",
+        group=BASELINES)
+    attattr_steps: int = option(20, help="attattr: integrated-gradients steps (published: 20)",
+                                group=BASELINES)
+
+
+@dataclass
+class _PruneSettings:
+    """What every method of a pruning run shares: inputs, the head count, recovery, evaluation and task lm."""
+
+    model: str = option(
+        help="fine-tuned classifier folder (or wheel / pruned model); with task lm a causal LM folder, a "
+             "`headbudget train` run folder or a GGUF file", metavar="MODEL")
+    task: str = option(help="classification task, or lm: label-free pruning of a causal LM (metric: perplexity)",
+                       choices=("sst5", "mnli", "lm"))
+    data_dir: str | None = option(help="sst5/mnli: folder with the task's files")
+    out: str = option(help="output folder")
+    method: str = option("cahp", help="cahp or a baseline: michel, fisher, magnitude, random, pipelined-dsp, "
+                                      "joint-dsp, joint-dsp-finetuned, pass, pass-frozen, attattr, or a method "
+                                      "registered with headbudget.pruning.methods")
+    keep: int | None = option(None, help="force the number of heads kept (skips the knee)")
+    keep_ratio: float | None = option(None, help="force the fraction of heads kept")
     importance_batches: int | None = option(
         None, help="baselines: training batches their gradient importance uses (default all)",
         group=BASELINES)
@@ -93,60 +166,13 @@ class PruneJob:
     eval_data: tuple[str, ...] = option(
         (), help="lm: comma list of more held-out text files, each scored by perplexity (at most --limit-eval "
                  "windows) and named by its file stem in the tables", group=LM)
-    ddof: int = option(1, help="class-conditional signature variance: 1 = sample (published code), 0 = population",
-                       group=CAHP)
-    var_floor: float | None = option(
-        1e-6, help="max(var, floor) before Jeffries-Matusita (published: 1e-6); none: var + var_eps",
-        group=CAHP)
-    var_eps: float = option(0.0, help="added to the signature variance (legacy: 1e-10 with var_floor none)",
-                            group=CAHP)
-    tsne_dtype: str = option("float32", help="float type of t-SNE (published: float32)",
-                             choices=("float32", "float64"), group=CAHP)
     knee_warn_ratio: float = option(
         2.0, help="task lm, knee-chosen count: warn when pruned perplexity exceeds this x dense (0: off)",
         group=LM)
-    # cahp selection (None: the mode's default -- classification the published salience / one head per
-    # cluster; task lm cahp.LM_DEFAULTS: fisher, importance allocation over 30 clusters)
-    representative: str | None = option(
-        None, help="cahp: the score that picks each cluster's head (default: salience for sst5/mnli, fisher "
-                   "for lm)", choices=("salience", "fisher"), group=CAHP)
-    allocation: str | None = option(
-        None, help="cahp: one head per cluster (published; default for sst5/mnli) or the head count spread over "
-                   "--clusters clusters by summed importance (default for lm)", choices=("cluster", "importance"),
-                   group=CAHP)
-    n_clusters: int | None = option(
-        None, help="cahp --allocation importance: number of clusters (default 30)", flag="--clusters",
-        group=CAHP)
-    # gate-training baselines (:mod:`headbudget.pruning.gated`): the published SST-5 settings; the joint ones
-    # (joint-dsp, joint-dsp-finetuned, pass) train the weights at ``lr``
-    gate_lr: float = option(
-        0.5, help="pipelined-dsp / joint-dsp / pass and their variants: learning rate of the head logits "
-                  "(published: 0.5)", group=BASELINES)
-    gate_epochs: int = option(
-        1, help="pipelined-dsp / joint-dsp-finetuned / pass-frozen: passes over the training batches for gate "
-                "training (joint-dsp / pass: joint_epochs)", group=BASELINES)
-    gate_cooldown: int | None = option(
-        None, help="pipelined-dsp / joint-dsp / joint-dsp-finetuned: steps to anneal the temperature 1000 -> "
-                   "1e-8 (default: the published SST-5 setting, 90 pipelined / 270 joint)", group=BASELINES)
-    # the authors' joint protocols (joint-dsp, pass): gates and weights trained together from the pre-trained
-    # model, as the DSP and PASS authors run them; the -finetuned / -frozen variants start from ``model``
-    pretrained: str | None = option(
-        None, help="joint-dsp / pass: the pre-trained model their authors' joint training starts from (a "
-                   "classifier gets a fresh head); required for sst5/mnli, task lm defaults to the model itself",
-        metavar="MODEL", group=BASELINES)
-    joint_epochs: int = option(
-        3, help="joint-dsp / pass: epochs of joint gate and weight training from the pre-trained model "
-                "(the authors': 3)", group=BASELINES)
     # every baseline's final ranking (cahp keeps its floor: its paper states it)
     layer_floor: bool = option(
         True, help="baselines: rank heads globally, so a layer may lose every head, as the baselines' papers do "
                    "(cahp keeps one head per layer)", flag="--no-layer-floor", group=BASELINES)
-    # attattr (:mod:`headbudget.pruning.attattr`)
-    attattr_examples: int = option(
-        200, help="attattr: first N examples of the primary evaluation split (published: 200)",
-        group=BASELINES)
-    attattr_steps: int = option(20, help="attattr: integrated-gradients steps (published: 20)",
-                                group=BASELINES)
     # which heads may go together (:mod:`headbudget.pruning.granularity`)
     granularity: str = option(
         "head", help="grouped-query models: any query heads (head; on SmolLM2-135M at 70% it kept 80 of 90 kv "
@@ -159,6 +185,23 @@ class PruneJob:
     extra: dict[str, Any] = option(help="free-form settings recorded with the run", cli=False,
                                    default_factory=dict)
 
+
+@dataclass
+class PruneJob(AttAttrSettings, GateTrainingSettings, CahpSettings, _PruneSettings):
+    """Everything one pruning run needs: the settings every method shares and each built-in method's own
+    (:class:`CahpSettings`, :class:`GateTrainingSettings`, :class:`AttAttrSettings`, each registered with its methods;
+    a plug-in method's settings join them, :func:`headbudget.pruning.methods.with_method_settings`).  Each
+    field declares its flag once (:func:`headbudget.typed_config.option`): ``headbudget prune``'s and
+    ``prune-compare``'s flags, ``--config`` files and ``--print_config`` are generated from these fields
+    (:mod:`headbudget.cli.dataclass_flags`).
+
+    ``model`` is anything :func:`headbudget.loading.load_model` opens; ``tokenizer`` (lm) overrides the
+    model's own.  Exactly one of ``keep`` (heads) / ``keep_ratio`` forces the head count; CAHP
+    otherwise takes it from the knee of its curve.
+
+        run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
+    """
+
     def __post_init__(self) -> None:
         if self.finetune_epochs is None:  # resolved here, so Python callers, --config files and flags agree
             self.finetune_epochs = default_finetune_epochs(self.task)
@@ -168,6 +211,28 @@ class PruneJob:
         return FinetuneRecipe(epochs=self.finetune_epochs, lr=self.lr, warmup_ratio=self.warmup_ratio,
                               weight_decay=self.weight_decay, batch_size=self.batch_size, seed=self.seed,
                               max_length=self.max_length, progress=self.progress)
+
+
+def join_settings(cls: type, settings: list[type]) -> type:
+    """``cls`` (a job dataclass) with the fields of each of ``settings`` it lacks joined in, after its own: a
+    plug-in method's settings become flags, config keys and ``--print_config`` lines like the built-ins'.
+
+        >>> @dataclass
+        ... class Offset:
+        ...     offset: int = option(0, help="my method's setting")
+        >>> job = join_settings(PruneJob, [Offset, CahpSettings])("m", "lm", None, "o", offset=2)
+        >>> job.offset, isinstance(job, PruneJob), join_settings(PruneJob, [CahpSettings]) is PruneJob
+        (2, True, True)
+    """
+    extra = list(dict.fromkeys(s for s in settings if not issubclass(cls, s)))
+    if not extra:
+        return cls
+    names = [f.name for s in extra for f in dataclasses.fields(s)]
+    clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & {f.name for f in dataclasses.fields(cls)}))
+    if clash:
+        raise TypeError(f"method settings {', '.join(clash)} are declared twice (or are {cls.__name__}'s own)")
+    # dataclass fields follow the reversed MRO: cls's (its required ones first), then extra's in order
+    return dataclasses.make_dataclass(cls.__name__, [], bases=(*reversed(extra), cls))
 
 
 def require_positive(job: Any, *names: str) -> None:

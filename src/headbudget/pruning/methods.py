@@ -33,6 +33,7 @@ last-heads`` works (:func:`load_plugins` reads the group on the first lookup).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,13 @@ from headbudget.pruning.importance import (
     random_importance,
     select_top,
 )
-from headbudget.pruning.job import require_positive
+from headbudget.pruning.job import (
+    ENTRY_POINT_GROUP,
+    AttAttrSettings,
+    CahpSettings,
+    GateTrainingSettings,
+    join_settings,
+)
 
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
@@ -106,7 +113,7 @@ class MethodRun:
     def importance_context(self) -> ImportanceContext:
         """The context an importance gets: the first ``job.importance_batches`` shuffled training batches."""
         return ImportanceContext(self.adapter, self.model, self.importance_batches[: self.job.importance_batches],
-                                 seed=self.job.seed, progress=self.job.progress)
+                                 seed=self.job.seed, progress=self.job.progress, job=self.job)
 
 
 @dataclass
@@ -134,9 +141,10 @@ class PruningMethod:
     importance it is built from (:func:`score_heads` gives it); ``select`` runs the selector when there is one, else
     ``keep_heads`` (an importance that picks its heads itself, as ``michel``'s rounds do), else the top scores.
 
-    ``job_fields``: :class:`~headbudget.pruning.job.PruneJob` fields only this method reads (a resumed
-    comparison reruns it when they change); ``check(job)``: raises a one-line ``ValueError`` for a job
-    this method cannot run.  ``keeps_layer_floor``: the method always keeps a head in every layer (a job with
+    ``settings``: the dataclass of this method's own settings (its fields are fields of the job, their flags
+    flags of ``headbudget prune``: :func:`with_method_settings`); ``job_fields``: the job fields only this method
+    reads (a resumed comparison reruns it when they change; default: every field of ``settings``);
+    ``check(job)``: raises a one-line ``ValueError`` for a job this method cannot run.  ``keeps_layer_floor``: the method always keeps a head in every layer (a job with
     ``layer_floor`` off is refused for it)."""
 
     name: str
@@ -144,9 +152,21 @@ class PruningMethod:
     selector: Selector | None = None
     keep_heads: KeepHeads | None = None
     finds_count: bool = False
-    job_fields: tuple[str, ...] = ()
+    job_fields: tuple[str, ...] | None = None
     check: Callable[[Any], None] | None = None
     keeps_layer_floor: bool = False
+    settings: type | None = None
+
+    def __post_init__(self) -> None:
+        if self.settings is not None:
+            if not dataclasses.is_dataclass(self.settings) or any(
+                    f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                    for f in dataclasses.fields(self.settings)):
+                raise TypeError(f"method {self.name!r}: settings must be a dataclass whose fields all have "
+                                f"defaults, got {self.settings!r}")
+        own = dataclasses.fields(self.settings) if self.settings is not None else ()
+        object.__setattr__(self, "job_fields", tuple(f.name for f in own) if self.job_fields is None
+                           else tuple(self.job_fields))
 
     def select(self, run: MethodRun) -> Selection:
         floor = self.keeps_layer_floor or layer_floor_of(run.job)
@@ -204,12 +224,14 @@ def _instance(fn: Any) -> Any:
 
 
 def register_importance(name: str, fn: Importance | None = None, *, replace: bool = False,
-                        job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None,
-                        keep_heads: KeepHeads | None = None) -> Any:
+                        job_fields: Sequence[str] | None = None, check: Callable[[Any], None] | None = None,
+                        keep_heads: KeepHeads | None = None, settings: type | None = None) -> Any:
     """Register ``fn(ctx) -> [scores of layer 0, scores of layer 1, ...]`` as method ``name``; as a
     decorator without ``fn``.  ``fn`` may also be a class whose instances are such callables (one
     instance is made).  ``keep_heads(ctx, n_keep, layer_floor)``: the method picks its heads itself from the
-    context (iterative pruning) rather than keeping the ``n_keep`` best scores.  Returns ``fn``.
+    context (iterative pruning) rather than keeping the ``n_keep`` best scores.  ``settings``: a dataclass of
+    the method's own settings (default: ``fn.settings`` if it has one), read from the job as ``ctx.job.<field>``
+    and given as flags by ``headbudget prune``.  Returns ``fn``.
 
         register_importance("taylor", lambda ctx: [np.abs(g) for g in gate_gradients(ctx.adapter, ctx.model,
                                                                                       ctx.batches)])
@@ -217,27 +239,29 @@ def register_importance(name: str, fn: Importance | None = None, *, replace: boo
     def add(f: Any) -> Any:
         if not callable(f):
             raise TypeError(f"register_importance({name!r}): {f!r} is not callable")
-        _register(PruningMethod(name, importance=_instance(f), keep_heads=keep_heads, job_fields=tuple(job_fields),
-                                check=check), replace)
+        _register(PruningMethod(name, importance=_instance(f), keep_heads=keep_heads, job_fields=job_fields,
+                                check=check, settings=settings or getattr(f, "settings", None)), replace)
         return f
 
     return add if fn is None else add(fn)
 
 
 def register_selector(name: str, fn: Selector | None = None, *, finds_count: bool = False, replace: bool = False,
-                      job_fields: Sequence[str] = (), check: Callable[[Any], None] | None = None,
-                      importance: Importance | None = None, keeps_layer_floor: bool = False) -> Any:
+                      job_fields: Sequence[str] | None = None, check: Callable[[Any], None] | None = None,
+                      importance: Importance | None = None, keeps_layer_floor: bool = False,
+                      settings: type | None = None) -> Any:
     """Register ``fn(run: MethodRun) -> Selection`` as method ``name`` (as a decorator without ``fn``):
     a method that picks the kept heads itself, e.g. ``lambda run: Selection(kept=my_heads(run.model,
     run.target))``.  ``finds_count``: it may be called with ``run.target=None`` and choose the count;
     ``importance``: one-shot scores the selector is built from, if any (:func:`score_heads` gives them);
-    ``keeps_layer_floor``: the method always keeps a head per layer (``cahp``)."""
+    ``keeps_layer_floor``: the method always keeps a head per layer (``cahp``); ``settings``: as
+    :func:`register_importance`'s."""
     def add(f: Any) -> Any:
         if not callable(f):
             raise TypeError(f"register_selector({name!r}): {f!r} is not callable")
         _register(PruningMethod(name, importance=importance, selector=_instance(f), finds_count=finds_count,
-                                job_fields=tuple(job_fields), check=check, keeps_layer_floor=keeps_layer_floor),
-                  replace)
+                                job_fields=job_fields, check=check, keeps_layer_floor=keeps_layer_floor,
+                                settings=settings or getattr(f, "settings", None)), replace)
         return f
 
     return add if fn is None else add(fn)
@@ -249,9 +273,6 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
-#: the entry-point group through which an installed package adds importances: ``name = "module:function"`` (in
-#: pyproject.toml, ``[project.entry-points."headbudget.importance"]``) registers ``function`` as method ``name``
-ENTRY_POINT_GROUP = "headbudget.importance"
 _plugins_loaded = False
 
 
@@ -345,6 +366,12 @@ def select_by_method(method: str, ctx: ImportanceContext, n_keep: int,
     return select_top(scores, n_keep, layer_floor=layer_floor), flatten(scores)
 
 
+def with_method_settings(cls: type) -> type:
+    """``cls`` (a :class:`~headbudget.pruning.job.PruneJob` class) with the settings of every registered method
+    joined in (:func:`~headbudget.pruning.job.join_settings`): how a plug-in's settings reach ``headbudget prune``."""
+    return join_settings(cls, [m.settings for m in _REGISTRY.values() if m.settings is not None])
+
+
 def method_job_fields() -> dict[str, tuple[str, ...]]:
     """``{method: job fields only it reads}`` for the methods that have any."""
     return {name: m.job_fields for name, m in _REGISTRY.items() if m.job_fields}
@@ -405,41 +432,18 @@ FROM_PRETRAINED = ("joint-dsp", "pass")
 def _gated(run: MethodRun) -> Selection:
     """DSP / PASS gate training (:func:`headbudget.pruning.gated.train_gates`) with the job's settings; the
     authors' joint protocols (:data:`FROM_PRETRAINED`) first put the pre-trained weights into the model."""
+    from headbudget.pruning import workloads
+
     job = run.job
     assert run.target is not None
     authors = job.method in FROM_PRETRAINED
-    start = _load_pretrained_into(run) if authors else "model"
+    start = workloads.load_pretrained_into(job, run.workload, run.model) if authors else "model"
     settings = gated.GateSettings(lr=job.gate_lr, epochs=job.joint_epochs if authors else job.gate_epochs,
                                   cooldown=job.gate_cooldown, weight_lr=job.lr, seed=job.seed)
     res = gated.train_gates(job.method, run.adapter, run.model, run.importance_batches[: job.importance_batches],
                             run.target, settings, progress=job.progress, layer_floor=layer_floor_of(job))
     info = dict(res.info, start=start)
     return Selection(kept=res.kept, details=dict(scores=res.logits, gate_training=info, gate_history=res.history))
-
-
-def _load_pretrained_into(run: MethodRun) -> str:
-    """Copy the pre-trained model's weights (``job.pretrained``; a classifier's head fresh from ``job.seed``)
-    into ``run.model`` in place -- the pipeline prunes and fine-tunes that object -- and name the start.  Task lm
-    without ``pretrained`` starts from the model itself: a causal LM is its own pre-trained model."""
-    from headbudget import loading
-    from headbudget.pruning.workloads import ClassificationWorkload
-
-    job, loaded = run.job, run.workload
-    if job.pretrained is None:
-        return "model"
-    if isinstance(loaded, ClassificationWorkload):
-        pre = loading.load_model(job.pretrained, "classifier", num_labels=loaded.spec.num_labels,
-                                 label_names=loaded.spec.label_names, seed=job.seed)
-    else:
-        pre = loading.load_model(job.pretrained, "causal", as_headbudget=True)
-    mine, theirs = run.model.state_dict(), pre.state_dict()
-    misfit = sorted(k for k in set(mine) | set(theirs)
-                    if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
-    if misfit:
-        raise ValueError(f"pretrained {job.pretrained}: {len(misfit)} of its tensors do not fit the model being "
-                         f"pruned (first: {misfit[0]}); give the checkpoint {job.model} was fine-tuned from")
-    run.model.load_state_dict(theirs)
-    return "pretrained"
 
 
 def _attattr(run: MethodRun) -> Selection:
@@ -456,16 +460,6 @@ def _attattr(run: MethodRun) -> Selection:
                                                                    "steps": job.attattr_steps}))
 
 
-def _needs_pretrained(job: Any) -> None:
-    gated.check_job(job)
-    if job.task != "lm" and job.pretrained is None:
-        raise ValueError(f"method {job.method} trains from the pre-trained model, as its authors do: give it "
-                         f"(pretrained / --pretrained MODEL), or use {job.method}"
-                         f"{'-finetuned' if job.method == 'joint-dsp' else '-frozen'} to start from the fine-tuned "
-                         "model")
-    require_positive(job, "joint_epochs")
-
-
 def _floor_kept(job: Any) -> None:
     if not layer_floor_of(job):
         raise ValueError(f"method {job.method} keeps at least one head per layer, as its paper states: layer_floor "
@@ -474,23 +468,26 @@ def _floor_kept(job: Any) -> None:
 
 def _register_builtins() -> None:
     # the order of METHODS before the registry: the CLI's choices and error messages list them so
-    register_selector("cahp", _cahp, finds_count=True, check=_floor_kept, keeps_layer_floor=True)
+    register_selector("cahp", _cahp, finds_count=True, check=_floor_kept, keeps_layer_floor=True,
+                      settings=CahpSettings, job_fields=())  # in every method's fingerprint, as always
     register_importance("michel", michel_importance, keep_heads=michel_iterative)
     for name, fn in (("fisher", fisher_importance), ("magnitude", magnitude_importance),
                      ("random", random_importance)):
         register_importance(name, fn)
+    # each gate method's fingerprint reads only the gate settings it uses
+    gates = {"settings": GateTrainingSettings}
     register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
-                      check=gated.check_job)
+                      check=gated.check_job, **gates)
     # the plain names are the authors' joint protocols; before they were, joint-dsp meant joint-dsp-finetuned and
     # pass meant pass-frozen (a run folder of the old meaning lacks pretrained / joint_epochs in its recorded
     # settings, so a resumed comparison reruns it)
     authors = ("gate_lr", "pretrained", "joint_epochs")
-    register_selector("joint-dsp", _gated, job_fields=(*authors, "gate_cooldown"), check=_needs_pretrained)
+    register_selector("joint-dsp", _gated, job_fields=(*authors, "gate_cooldown"), check=gated.check_joint_job, **gates)
     register_selector("joint-dsp-finetuned", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
-                      check=gated.check_job)
-    register_selector("pass", _gated, job_fields=authors, check=_needs_pretrained)
-    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"), check=gated.check_job)
-    register_selector("attattr", _attattr, job_fields=("attattr_examples", "attattr_steps"), check=attattr.check_job)
+                      check=gated.check_job, **gates)
+    register_selector("pass", _gated, job_fields=authors, check=gated.check_joint_job, **gates)
+    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"), check=gated.check_job, **gates)
+    register_selector("attattr", _attattr, check=attattr.check_job, settings=AttAttrSettings)
 
 
 _register_builtins()

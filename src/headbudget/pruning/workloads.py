@@ -272,3 +272,26 @@ def model_adapter(model: Any) -> Any:
     from headbudget.models.surgery import get_adapter
 
     return get_adapter(model)
+
+
+def load_pretrained_into(job: PruneJob, workload: Workload, model: Any) -> str:
+    """Copy the pre-trained model's weights (``job.pretrained``; a classifier's head fresh from ``job.seed``)
+    into ``model`` in place -- the pipeline prunes and fine-tunes that object -- and name the start.  Task lm
+    without ``pretrained`` starts from the model itself: a causal LM is its own pre-trained model."""
+    from headbudget import loading
+
+    if job.pretrained is None:
+        return "model"
+    if isinstance(workload, ClassificationWorkload):
+        pre = loading.load_model(job.pretrained, "classifier", num_labels=workload.spec.num_labels,
+                                 label_names=workload.spec.label_names, seed=job.seed)
+    else:
+        pre = loading.load_model(job.pretrained, "causal", as_headbudget=True)
+    mine, theirs = model.state_dict(), pre.state_dict()
+    misfit = sorted(k for k in set(mine) | set(theirs)
+                    if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+    if misfit:
+        raise ValueError(f"pretrained {job.pretrained}: {len(misfit)} of its tensors do not fit the model being "
+                         f"pruned (first: {misfit[0]}); give the checkpoint {job.model} was fine-tuned from")
+    model.load_state_dict(theirs)
+    return "pretrained"
