@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from headbudget.pruning.cahp import LM_DEFAULTS, allocate_by_importance, select_heads
+from headbudget.pruning.job import CahpSettings
 
 
 def _groups(n_groups: int, per: int, seed: int = 0) -> np.ndarray:
@@ -103,17 +104,19 @@ def test_cahp_select_defaults_by_mode_and_fisher_scores(monkeypatch):
         return real(features, heads, salience, **kw)
 
     monkeypatch.setattr(cahp, "select_heads", spy)
-    sel, secs = cahp.cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=5, seed=0, progress=False)
+    sel, secs = cahp.cahp_select(ad, batches, batches, CahpSettings(pool_size=6), n_classes=None, keep=5, seed=0,
+                                 progress=False)
     assert seen["allocation"] == LM_DEFAULTS["allocation"] == "importance"
     assert seen["n_clusters"] is None and len(sel.kept) == 5 and set(secs) == {"signatures", "salience", "cluster"}
     want = flatten(gate_gradients(ad, ad.model, batches, reduce="example_square", progress=False))
     np.testing.assert_allclose(seen["scores"], want, rtol=1e-6)
     assert np.argmax(want) in sel.kept
-    cahp.cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=5, seed=0, progress=False,
-                     representative="salience", allocation="cluster")
+    cahp.cahp_select(ad, batches, batches, CahpSettings(pool_size=6, representative="salience", allocation="cluster"),
+                     n_classes=None, keep=5, seed=0, progress=False)
     assert seen["scores"] is None and seen["allocation"] == "cluster"  # the original label-free CAHP
     with pytest.raises(ValueError, match="unknown representative"):
-        cahp.cahp_select(ad, batches, batches, n_classes=None, keep=5, representative="medoid", progress=False)
+        cahp.cahp_select(ad, batches, batches, CahpSettings(representative="medoid"), n_classes=None, keep=5,
+                         progress=False)
 
 
 def test_classification_default_stays_published(monkeypatch):

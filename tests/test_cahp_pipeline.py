@@ -211,6 +211,7 @@ def test_label_free_lm_mode_on_tiny_gpt2():
 
     from headbudget.models.surgery import get_adapter
     from headbudget.pruning.cahp import cahp_select
+    from headbudget.pruning.job import CahpSettings
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32)).eval()
@@ -220,10 +221,12 @@ def test_label_free_lm_mode_on_tiny_gpt2():
     for _ in range(4):
         ids = torch.randint(0, 50, (4, 12), generator=g)
         batches.append({"input_ids": ids, "labels": ids})
-    sel, secs = cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=4, seed=0, progress=False)
+    sel, secs = cahp_select(ad, batches, batches, CahpSettings(pool_size=6), n_classes=None, keep=4, seed=0,
+                            progress=False)
     assert len(sel.kept) == 4 and set(secs) == {"signatures", "salience", "cluster"}
     assert {sel.heads[i][0] for i in sel.kept} == {0, 1}  # at least one head per layer
-    sel2, _ = cahp_select(ad, batches, batches, n_classes=None, grid=6, keep=4, seed=0, progress=False)
+    sel2, _ = cahp_select(ad, batches, batches, CahpSettings(pool_size=6), n_classes=None, keep=4, seed=0,
+                            progress=False)
     assert sel2.kept == sel.kept
 
 

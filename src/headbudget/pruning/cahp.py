@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from headbudget.pruning.clustering import Clustering, cluster_sweep, embed_heads, find_knee
+from headbudget.pruning.job import CahpSettings
 
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
@@ -295,26 +296,15 @@ def cahp_select(
     adapter: HeadAdapter,
     signature_batches: Sequence[Mapping[str, Any]],
     salience_batches: Sequence[Mapping[str, Any]],
+    settings: CahpSettings | None = None,
     *,
     n_classes: int | None,
-    loss_fn: Callable[..., Any] | None = None,
-    grid: int = 32,
     keep: int | None = None,
-    poly_degree: int = 6,
-    perplexity: float = 10.0,
-    mss_variant: str = "mean",
     seed: int = 42,
-    salience_fraction: float = 0.25,
+    loss_fn: Callable[..., Any] | None = None,
     accuracy_fn: Callable[[list[int]], float] | None = None,
     accuracy_ks: Sequence[int] | None = None,
     progress: bool = True,
-    ddof: int = 1,
-    var_floor: float | None = 1e-6,
-    var_eps: float = 0.0,
-    tsne_dtype: str = "float32",
-    representative: str | None = None,
-    allocation: str | None = None,
-    n_clusters: int | None = None,
 ) -> tuple[CAHPSelection, dict[str, float]]:
     """CAHP on a model: signatures, salience, selection.  Returns the selection and the wall time
     of each stage (``signatures``, ``salience`` (with the Fisher scores when ``representative="fisher"``),
@@ -324,14 +314,15 @@ def cahp_select(
     mode (``n_classes=None``): JS divergence of pooled attention; ``loss_fn`` should then be the
     LM loss (e.g. batches carrying ``labels=input_ids``).
 
-    Defaults follow the published implementation: sample variance (``ddof=1``), variances floored
-    at ``var_floor=1e-6`` before Jeffries–Matusita, seed 42, t-SNE in float32.  ``ddof=0,
-    var_floor=None, var_eps=1e-10, tsne_dtype="float64"`` is headbudget's earlier behaviour.
-
-    ``representative`` (``"salience"`` or ``"fisher"``: mean squared per-example gate gradient over
-    ``signature_batches``), ``allocation`` and ``n_clusters`` (:func:`select_heads`) default to the
-    published selection (salience, one head per cluster) in class-conditional mode and to
-    :data:`LM_DEFAULTS` (Fisher, importance allocation over 30 clusters) in label-free mode.
+    ``settings`` (:class:`~headbudget.pruning.job.CahpSettings`, the ``prune`` flags of the same names; default
+    its defaults) follow the published implementation: a 32 x 32 signature grid, sample variance (``ddof=1``),
+    variances floored at ``var_floor=1e-6`` before Jeffries–Matusita, t-SNE in float32, salience on the first
+    ``salience_fraction`` of ``salience_batches``.  ``ddof=0, var_floor=None, var_eps=1e-10,
+    tsne_dtype="float64"`` is headbudget's earlier behaviour.  Its ``representative`` (``"salience"`` or
+    ``"fisher"``: mean squared per-example gate gradient over ``signature_batches``), ``allocation`` and
+    ``n_clusters`` (:func:`select_heads`) default to the published selection (salience, one head per cluster)
+    in class-conditional mode and to :data:`LM_DEFAULTS` (Fisher, importance allocation over 30 clusters) in
+    label-free mode.
 
     Example (``model`` a fine-tuned classifier, batches from ``tasks.make_loader``)::
 
@@ -343,12 +334,13 @@ def cahp_select(
 
     from .importance import default_loss, flatten, gate_gradients, salience
 
-    representative, allocation = _selection_defaults(n_classes is None, representative, allocation, n_clusters)
+    s = settings or CahpSettings()
+    representative, allocation = _selection_defaults(n_classes is None, s.representative, s.allocation, s.n_clusters)
     t0 = time.perf_counter()
-    sig = model_signatures(adapter, signature_batches, n_classes, grid, progress, ddof=ddof)
+    sig = model_signatures(adapter, signature_batches, n_classes, s.pool_size, progress, ddof=s.ddof)
     t1 = time.perf_counter()
     sal = salience(adapter, adapter.model, list(salience_batches), loss_fn or default_loss,
-                   fraction=salience_fraction, progress=progress)
+                   fraction=s.salience_fraction, progress=progress)
     t2 = time.perf_counter()
     secs = {"signatures": t1 - t0, "salience": t2 - t1}
     scores = None
@@ -357,13 +349,13 @@ def cahp_select(
                                         reduce="example_square", progress=progress, desc="fisher"))
         secs["salience"] += time.perf_counter() - t2  # the scoring stage: salience plus the representatives' Fisher
     t2 = time.perf_counter()
-    opts = dict(keep=keep, poly_degree=poly_degree, perplexity=perplexity, mss_variant=mss_variant, seed=seed,
-                accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=tsne_dtype,
-                scores=scores, allocation=allocation, n_clusters=n_clusters)
+    opts = dict(keep=keep, poly_degree=s.poly_degree, perplexity=s.perplexity, mss_variant=s.mss, seed=seed,
+                accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=s.tsne_dtype,
+                scores=scores, allocation=allocation, n_clusters=s.n_clusters)
     if sig.label_free:
         sel = select_heads(None, sig.heads, sal, distances=sig.distances(), **opts)  # type: ignore[arg-type]
     else:
-        sel = select_heads(sig.features(var_eps, var_floor), sig.heads, sal, **opts)  # type: ignore[arg-type]
+        sel = select_heads(sig.features(s.var_eps, s.var_floor), sig.heads, sal, **opts)  # type: ignore[arg-type]
     secs["cluster"] = time.perf_counter() - t2
     return sel, secs
 

@@ -402,18 +402,14 @@ def _cahp(run: MethodRun) -> Selection:
 
     job, loaded = run.job, run.workload
     accuracy_fn, accuracy_ks = _cahp_accuracy_curve(run)
-    if job.salience_order == "file":
-        sal_batches, sal_fraction = loaded.salience_batches(job), 1.0
+    settings: CahpSettings = job  # a PruneJob is its CahpSettings
+    if job.salience_order == "file":  # the workload cut the first salience_fraction of the examples already
+        sal_batches, settings = loaded.salience_batches(job), dataclasses.replace(job, salience_fraction=1.0)
     else:
-        sal_batches, sal_fraction = run.importance_batches, job.salience_fraction
-    sel, secs = cahp.cahp_select(
-        run.adapter, run.signature_batches, sal_batches, n_classes=loaded.n_classes, grid=job.pool_size,
-        keep=run.target, poly_degree=job.poly_degree, perplexity=job.perplexity, mss_variant=job.mss,
-        seed=job.seed, salience_fraction=sal_fraction, accuracy_fn=accuracy_fn,
-        accuracy_ks=accuracy_ks, progress=job.progress, ddof=job.ddof, var_floor=job.var_floor,
-        var_eps=job.var_eps, tsne_dtype=job.tsne_dtype, representative=job.representative,
-        allocation=job.allocation, n_clusters=job.n_clusters,
-    )
+        sal_batches = run.importance_batches
+    sel, secs = cahp.cahp_select(run.adapter, run.signature_batches, sal_batches, settings, n_classes=loaded.n_classes,
+                                 keep=run.target, seed=job.seed, accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks,
+                                 progress=job.progress)
     heads = run.heads
     details = dict(knee_source=sel.knee_source, rescued=[list(heads[i]) for i in sel.rescued],
                    salience=sel.salience, clusters=sel.labels, medoids=sel.medoids,
