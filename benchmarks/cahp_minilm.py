@@ -31,7 +31,7 @@ def _with_se(acc: float | None, n: int) -> dict | None:
 
 
 def results_summary(rows: list[dict], args: argparse.Namespace, seconds: dict) -> dict:
-    """The issue-10 file: dense and per-method test accuracy (before / after recovery) with standard errors."""
+    """The results file: dense and per-method test accuracy (before / after recovery) with standard errors."""
     from headbudget.data.classification import load_task
 
     data = load_task("sst5", args.data_dir)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=int, default=None, help="force the head count (else the first cahp's knee)")
     p.add_argument("--importance-batches", type=int, default=None, help="batches for baselines' gradients")
     p.add_argument("--results", default=None,
-                   help="also write the issue-10 summary here (e.g. benchmarks/results/cahp_minilm_sst5_full.json), "
+                   help="also write the results summary here (e.g. benchmarks/results/cahp_minilm_sst5_full.json), "
                         "rewritten after every method")
     p.add_argument("--no-resume", action="store_true", help="rerun methods already finished in OUT/compare")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Prefill and decode speed of pruned grouped-query models: dense vs each granularity (issue 19 §2).
+"""Prefill and decode speed of pruned grouped-query models: dense vs each granularity.
 
     python benchmarks/decode.py --contexts 512,2048,8192 --batches 1,8 --keep-ratios 0.7,0.5 \\
         --granularities head,group,balanced --new-tokens 64 --repeats 5 --prefill-batch 1 \\
@@ -90,10 +90,11 @@ def run_interleaved(models: dict[str, Any], prompt: torch.Tensor, batches: list[
 
 
 def use_index_select(model: Any) -> Any:
-    """``model`` with the attention of unequal-group layers as it was before issue 19 §2: the whole K/V cache
-    ``index_select``-ed to one row per query head on every step, then one SDPA call (the baseline).
+    """``model`` with the attention of unequal-group layers as it was before such layers attended on views of
+    the cache (one SDPA call per run of equal-size groups): the whole K/V cache ``index_select``-ed to one row
+    per query head on every step, then one SDPA call (the baseline).
 
-    The forward below deliberately copies the pre-§2 ``HeadBudgetAttention.forward`` from
+    The forward below deliberately copies that earlier ``HeadBudgetAttention.forward`` from
     ``modeling_headbudget.py`` (same q/k/v split, rotary, cache update); only the gather differs. It is frozen
     here on purpose so the benchmark keeps measuring the old path: do not make it call the model's code."""
     import types

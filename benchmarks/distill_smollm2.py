@@ -1,4 +1,4 @@
-"""Recovery by distillation on SmolLM2-135M (issue 19 §1): prune heads, then distil vs plain LM training.
+"""Recovery by distillation on SmolLM2-135M: prune heads, then distil vs plain LM training.
 
 For each method x keep ratio: prune SmolLM2 with the library (:func:`headbudget.pruning.pipeline.run_prune`,
 task lm, calibrated on the first ``--calib-chars`` of movie_reviews.txt), then train the pruned model for the

@@ -1,5 +1,5 @@
 """bf16 vs fp32 evaluation of SmolLM2-135M-Instruct: wall time, whether the scorer's fast path is
-kept, and agreement with fp32 (same predictions, largest |Δ log-likelihood|) -- issue 18 §1.
+kept, and agreement with fp32 (same predictions, largest |Δ log-likelihood|).
 
 One process, the model loaded once and cast; the configurations run interleaved, task by task (so
 a noisy neighbour slows them alike), each with a fresh scorer (its own fast-path checks):

@@ -1,4 +1,4 @@
-"""The pre-registered Prism study (issue 22; protocol: docs/prism_study.md): prism against uniform, the
+"""The pre-registered Prism study (protocol: docs/prism_study.md): prism against uniform, the
 reverse schedule, the all-wide control ``uniform@W`` (W = prism's widest head) and the budgeted
 ``late_dim_decay:0.75``, 5 seeds each with identical batches per seed, at two CPU sizes.
 

@@ -1,4 +1,4 @@
-"""Evidence (issue 20 §4): CAHP's signature pass, per-batch (``legacy=True``) vs regrouped by length, interleaved.
+"""Evidence: CAHP's signature pass, per-batch (``legacy=True``) vs regrouped by length, interleaved.
 
     python benchmarks/signature_speed.py --n 1000 --repeats 2 --threads 1 --bf16 --select
 

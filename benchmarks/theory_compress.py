@@ -1,4 +1,5 @@
-"""Evidence for issue 6, part 4: SVD (and K/V grouping) compression sweep with the three allocations.
+"""Evidence for low-rank head compression (docs/allocation.md): SVD (and K/V grouping) compression sweep with
+the three allocations.
 
     python benchmarks/theory_compress.py                 # trains runs/theory_cpu_small if missing
     python benchmarks/theory_compress.py --method group

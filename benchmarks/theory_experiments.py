@@ -1,4 +1,5 @@
-"""Evidence for issue 6, part 2: both synthetic experiments at their default sizes.
+"""Evidence for the allocation theory (docs/allocation.md): both synthetic experiments, saturation and n-gram
+extraction, at their default sizes.
 
     python benchmarks/theory_experiments.py            # ~10-15 min on 2 shared CPU cores
     python benchmarks/theory_experiments.py --quick    # smoke run

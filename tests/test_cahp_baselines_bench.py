@@ -1,5 +1,6 @@
-"""benchmarks/cahp_baselines_minilm.py (issue 20's comparison): the pure parts -- Jaccard, aggregation over
-seeds, resume bookkeeping, table rendering -- on synthetic rows, and the bf16 recovery fine-tune it can ask for."""
+"""benchmarks/cahp_baselines_minilm.py (CAHP against the published baselines on MiniLM / SST-5): the pure
+parts -- Jaccard, aggregation over seeds, resume bookkeeping, table rendering -- on synthetic rows, and the bf16
+recovery fine-tune it can ask for."""
 
 from __future__ import annotations
 

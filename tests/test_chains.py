@@ -1,4 +1,4 @@
-"""Every command's output is the next command's input (issue 9 section 6), on tiny models of each family:
+"""Every command's output is the next command's input, on tiny models of each family:
 train -> prune -> eval / perplexity / attention -> compress -> train --init for GPT-2, Llama-GQA and
 headbudget decoders (each output folder also opens where headbudget cannot be imported), and
 finetune -> prune -> evaluate for a BERT encoder."""

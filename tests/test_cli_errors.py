@@ -1,4 +1,4 @@
-"""Every anticipated error is one line, exit 2 (issue 18 §3); an unexpected one keeps its traceback."""
+"""Every anticipated error is one line, exit 2; an unexpected one keeps its traceback."""
 
 from __future__ import annotations
 

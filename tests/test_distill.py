@@ -1,4 +1,4 @@
-"""Logit distillation (issue 19 §1): ``headbudget distill`` / ``train --init STUDENT --teacher TEACHER``.
+"""Logit distillation: ``headbudget distill`` / ``train --init STUDENT --teacher TEACHER``.
 
 Tiny random Llama models sharing the byte tokenizer: the teacher 2 layers x 4 heads (2 kv groups), 64
 wide; the student 1 layer x 2 heads (1 kv group), 32 wide."""

@@ -1,4 +1,4 @@
-"""Granularity of head pruning on grouped-query models (issue 19 §2): head / group / balanced selections,
+"""Granularity of head pruning on grouped-query models: head / group / balanced selections,
 exact removal, KV-cache accounting, and unequal groups that attend without copying the cache."""
 
 from __future__ import annotations

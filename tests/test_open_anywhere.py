@@ -1,4 +1,4 @@
-"""Checkpoints open anywhere (issue 9 section 3): trained, pruned Llama-GQA and compressed models load
+"""Checkpoints open anywhere: trained, pruned Llama-GQA and compressed models load
 with plain transformers where ``import headbudget`` is impossible, give the same logits, and lm-eval's
 ``hf`` backend scores them with ``trust_remote_code=True``."""
 

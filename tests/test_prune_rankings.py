@@ -1,4 +1,4 @@
-"""Rankings that hold (issue 19 §3): prune-compare over several held-out texts (--eval-data) and calibration
+"""Rankings that hold: prune-compare over several held-out texts (--eval-data) and calibration
 seeds (--calibration-seeds), mean / spread per method and text, and a "best" method only where it is best on
 every text."""
 

@@ -1,4 +1,4 @@
-"""Prune -> reallocate -> retrain: ``from:DIR`` schedule specs and ``train --init`` (issue 9 section 5)."""
+"""Prune -> reallocate -> retrain: ``from:DIR`` schedule specs and ``train --init``."""
 
 import json
 

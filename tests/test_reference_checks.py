@@ -1,4 +1,4 @@
-"""Checks against independent references (issue 9 section 7): each compares with a computation that
+"""Checks against independent references: each compares with a computation that
 shares no code with the thing tested, so a bug planted in the layout-specific paths shows."""
 
 import itertools

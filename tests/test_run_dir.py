@@ -1,4 +1,4 @@
-"""Nothing a user made is lost (issue 18 §2): the output-folder guard, the one-writer lock, failed writes
+"""Nothing a user made is lost: the output-folder guard, the one-writer lock, failed writes
 that leave nothing behind, files that follow the umask, and torchrun workers that die with their launcher."""
 
 from __future__ import annotations

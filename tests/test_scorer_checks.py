@@ -1,4 +1,4 @@
-"""The scorer's fast path is checked, not trusted (issue 18 §1): every kind of unit it builds (branched
+"""The scorer's fast path is checked, not trusted: every kind of unit it builds (branched
 tries, unbranched rows, rows shared across documents, rolling windows) is compared with the plain
 computation when first met, whatever the order of requests; a model that ignores 4-D masks, or whose
 fast path raises, falls back with exactly one warning; bf16/fp16 stay on the fast path when they agree

@@ -1,4 +1,4 @@
-"""The scorer's token trie, in its own module (issue 21: scorer.py split at the trie)."""
+"""The scorer's token trie, in its own module (split out of scorer.py at the trie)."""
 
 from headbudget.evaluation.scorer import Scorer
 from headbudget.evaluation.token_trie import common_prefix_len, trie_layout
