@@ -635,7 +635,7 @@ def goal_checks(data: dict[str, Any], fraction: Fraction = GOAL_FRACTION,
         wins[best] = wins.get(best, 0) + 1
         ratio = after[best] / dense[t]
         g2[t] = {"status": "met" if ratio <= 1.15 else "not met" if not pending else "not met so far",
-                 "best": best, "ratio_to_dense": ratio, "not distilled yet": pending}
+                 "best": best, "ratio_to_dense": ratio, **({"not distilled yet": pending} if pending else {})}
     out["best_after_recovery_within_1.15x_dense"] = g2 or {"status": "not measured yet"}
     g3: dict[str, Any] = {"status": "not measured yet"}
     if wins:  # every cell that is best on some text must decode fast enough

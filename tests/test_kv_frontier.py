@@ -223,6 +223,9 @@ def test_goal_checks_per_text_on_hand_made_records(kvf):
     worse["cells"]["group-fisher-kv50"]["stages"]["rescore"]["ppl"]["a"] = 30.0
     worse["cells"]["merge-kv-sensitivity-kv50"]["stages"]["rescore"]["ppl"]["a"] = 11.6  # 1.16 x dense
     assert kvf.goal_checks(worse)["best_after_recovery_within_1.15x_dense"]["a"]["status"] == "not met so far"
+    worse["cells"]["merge-kv-uniform-kv50"]["stages"]["rescore"] = {"ppl": {"a": 12.0, "b": 50.0}}
+    done = kvf.goal_checks(worse)["best_after_recovery_within_1.15x_dense"]["a"]  # every cell distilled: final
+    assert done == {"status": "not met", "best": "merge-kv-sensitivity-kv50", "ratio_to_dense": pytest.approx(1.16)}
     worse["cells"]["merge-kv-uniform-kv50"]["stages"]["rescore"] = {"ppl": {"a": 12.0, "b": 30.0}}  # all distilled
     assert kvf.goal_checks(worse)["best_after_recovery_within_1.15x_dense"]["a"]["status"] == "not met"
     report = kvf.markdown(_records())
