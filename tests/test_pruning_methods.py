@@ -256,14 +256,14 @@ def test_a_plugin_declares_its_own_settings_and_they_are_flags_config_keys_and_j
 
 
 def test_builtin_methods_register_their_settings_and_the_job_is_composed_of_them():
-    from headbudget.pruning.job import AttAttrSettings, CahpSettings, GateTrainingSettings, join_settings
+    from headbudget.pruning.job import AttAttrSettings, CahpSettings, DspPassSettings, join_settings
 
     settings = {name: methods.get_importance(name).settings for name in BUILTINS}
     assert settings == {"cahp": CahpSettings, "michel": None, "fisher": None, "magnitude": None, "random": None,
-                        "pipelined-dsp": GateTrainingSettings, "joint-dsp": GateTrainingSettings,
-                        "joint-dsp-finetuned": GateTrainingSettings, "pass": GateTrainingSettings,
-                        "pass-frozen": GateTrainingSettings, "attattr": AttAttrSettings}
-    own = {f.name for s in (CahpSettings, GateTrainingSettings, AttAttrSettings) for f in dataclasses.fields(s)}
+                        "pipelined-dsp": DspPassSettings, "joint-dsp": DspPassSettings,
+                        "joint-dsp-finetuned": DspPassSettings, "pass": DspPassSettings,
+                        "pass-frozen": DspPassSettings, "attattr": AttAttrSettings}
+    own = {f.name for s in (CahpSettings, DspPassSettings, AttAttrSettings) for f in dataclasses.fields(s)}
     assert len(own) == 22 and own <= {f.name for f in dataclasses.fields(PruneJob)}
     assert methods.with_method_settings(PruneJob) is PruneJob  # every built-in's settings are PruneJob's already
     assert methods.method_job_fields()["attattr"] == ("attattr_examples", "attattr_steps")

@@ -73,13 +73,13 @@ class CahpSettings:
 
 
 @dataclass
-class GateTrainingSettings:
+class DspPassSettings:
     """The settings of the gate-training baselines (pipelined-dsp, joint-dsp[-finetuned], pass[-frozen];
     :mod:`headbudget.pruning.gated`): the published SST-5 settings.  The joint ones train the weights at the
     job's ``lr``; the authors' joint protocols (joint-dsp, pass) train gates and weights together from the
     pre-trained model, the -finetuned / -frozen variants start from the job's ``model``.
 
-        >>> GateTrainingSettings().gate_lr
+        >>> DspPassSettings().gate_lr
         0.5
     """
 
@@ -187,9 +187,9 @@ class _PruneSettings:
 
 
 @dataclass
-class PruneJob(AttAttrSettings, GateTrainingSettings, CahpSettings, _PruneSettings):
+class PruneJob(AttAttrSettings, DspPassSettings, CahpSettings, _PruneSettings):
     """Everything one pruning run needs: the settings every method shares and each built-in method's own
-    (:class:`CahpSettings`, :class:`GateTrainingSettings`, :class:`AttAttrSettings`, each registered with its methods;
+    (:class:`CahpSettings`, :class:`DspPassSettings`, :class:`AttAttrSettings`, each registered with its methods;
     a plug-in method's settings join them, :func:`headbudget.pruning.methods.with_method_settings`).  Each
     field declares its flag once (:func:`headbudget.typed_config.option`): ``headbudget prune``'s and
     ``prune-compare``'s flags, ``--config`` files and ``--print_config`` are generated from these fields

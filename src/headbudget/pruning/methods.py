@@ -60,7 +60,7 @@ from headbudget.pruning.job import (
     ENTRY_POINT_GROUP,
     AttAttrSettings,
     CahpSettings,
-    GateTrainingSettings,
+    DspPassSettings,
     join_settings,
 )
 
@@ -471,7 +471,7 @@ def _register_builtins() -> None:
                      ("random", random_importance)):
         register_importance(name, fn)
     # each gate method's fingerprint reads only the gate settings it uses
-    gates = {"settings": GateTrainingSettings}
+    gates = {"settings": DspPassSettings}
     register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
                       check=gated.check_job, **gates)
     # the plain names are the authors' joint protocols; before they were, joint-dsp meant joint-dsp-finetuned and
