@@ -701,43 +701,49 @@ def markdown(data: dict[str, Any], llamacpp: dict[str, Any] | None = None) -> st
 
 
 def draw(data: dict[str, Any]) -> Any:
-    """Perplexity vs KV bytes/token, one panel per held-out text, one line per method and stage (solid with dots:
-    before recovery; dashed with open squares: after distillation), dense as a star and 1.15x dense dotted;
-    returns the figure."""
+    """Perplexity vs KV bytes/token: one column per held-out text, the top row before recovery, the bottom row
+    after distillation (each on its own log scale, so the methods that recover are not squeezed under those that
+    do not); one colour per method in both rows, dense as a star and 1.15x dense dotted; returns the figure."""
     from headbudget.io import new_figure
 
     cells = data["cells"]
     dense = cells.get("dense", {}).get("stages", {})
     texts = list(dense.get("score", {}).get("ppl", {})) or sorted(
         {t for d in cells.values() for t in d["stages"].get("score", {}).get("ppl", {})})
-    fig, ax0 = new_figure(figsize=(5 * max(1, len(texts)), 4.2), layout="constrained")
+    fig, ax0 = new_figure(figsize=(5 * max(1, len(texts)), 7.6), layout="constrained")
     fig.delaxes(ax0)
-    axes = fig.subplots(1, max(1, len(texts)), squeeze=False)[0]
+    grid = fig.subplots(2, max(1, len(texts)), squeeze=False)
     methods = [m for m in METHODS if m != "dense" and any(d.get("method") == m for d in cells.values())]
-    for ax, t in zip(axes, texts):
-        for i, m in enumerate(methods):
-            # before: small dots on a solid line; after distillation: large open squares on a dashed line
-            for stage, style, marker, ms, tag in (("score", "-", "o", 4, "before"), ("rescore", "--", "s", 8, "after")):
+    rows = (("score", "-", "o", "before recovery"), ("rescore", "--", "s", "after 200k tokens of distillation"))
+    for axes, (stage, style, marker, when) in zip(grid, rows):
+        for ax, t in zip(axes, texts):
+            for i, m in enumerate(methods):
                 pts = sorted((d["stages"]["build"]["kv_bytes_per_token"], d["stages"][stage]["ppl"][t])
                              for d in cells.values() if d.get("method") == m and stage in d["stages"]
                              and t in d["stages"][stage]["ppl"])
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, ms=ms, color=f"C{i}",
-                            mfc="none" if tag == "after" else f"C{i}", label=f"{m} ({tag})")
-        if "score" in dense and "build" in dense:
-            ref = dense["score"]["ppl"][t]
-            ax.plot([dense["build"]["kv_bytes_per_token"]], [ref], "k*", ms=10, label="dense")
-            ax.axhline(ref * 1.15, color="0.4", ls=":", lw=1, label="1.15 x dense (the goal)")
-        ax.set_yscale("log")
-        ax.set_xlabel("KV cache bytes per token (fp32, measured)")
-        ax.set_title(f"{t} (perplexity, log scale)", fontsize=10)
-        ax.grid(alpha=0.3)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, ms=5, color=f"C{i}",
+                            label=m)
+            if "score" in dense and "build" in dense:
+                ref = dense["score"]["ppl"][t]
+                ax.plot([dense["build"]["kv_bytes_per_token"]], [ref], "k*", ms=10, label="dense")
+                ax.axhline(ref * 1.15, color="0.4", ls=":", lw=1, label="1.15 x dense (the goal)")
+            ax.set_yscale("log")
+            ax.set_title(f"{t}: {when}", fontsize=10)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("perplexity (log scale)")
+    kv = sorted({d["stages"]["build"]["kv_bytes_per_token"] for d in cells.values()
+                 if d["stages"].get("build", {}).get("kv_bytes_per_token")})
+    kv = [b for i, b in enumerate(kv) if i + 1 == len(kv) or kv[i + 1] > 1.02 * b]  # one tick per size (svd's ~)
+    if kv:  # ticks at the cells' sizes, each with its share of the dense cache
+        for ax in grid.flat:
+            ax.set_xticks(kv, [f"{b / 1000:.1f}k\n{b / kv[-1]:.0%}" for b in kv])
+    for ax in grid[-1]:
+        ax.set_xlabel("KV cache bytes per token (fp32, measured; % of dense)")
     if len(texts):
-        axes[0].set_ylabel("perplexity")
-        axes[0].legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M: shrinking the KV cache (dots, solid: before recovery; open squares, dashed: after "
-                 "200k tokens of distillation)",
-                 fontsize=10)
+        handles = {h.get_label(): h for ax in grid.flat for h in ax.get_lines()}
+        fig.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=8)
+    fig.suptitle("SmolLM2-135M: shrinking the KV cache, perplexity on three held-out texts", fontsize=11)
     return fig
 
 

@@ -233,21 +233,30 @@ def test_goal_checks_per_text_on_hand_made_records(kvf):
     assert "merge_gap_le_group_gap_before_recovery: a **met**" in report
 
 
-def test_plot_has_one_line_per_method_per_stage(kvf, tmp_path):
+def test_plot_has_a_row_before_and_after_recovery_and_one_line_per_method(kvf, tmp_path):
     fig = kvf.plot(_records(), tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 0
-    assert [ax.get_title() for ax in fig.axes] == ["a (perplexity, log scale)", "b (perplexity, log scale)"]
-    for ax in fig.axes:
-        labels = sorted(line.get_label() for line in ax.get_lines())
-        assert labels == sorted(["merge-kv-uniform (before)", "merge-kv-sensitivity (before)",
-                                 "merge-kv-sensitivity (after)", "group-fisher (before)", "group-fisher (after)",
-                                 "group-cahp (before)", "dense", "1.15 x dense (the goal)"])
-        styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for line in ax.get_lines()}
-        assert styles["group-fisher (before)"] == ("-", "o") and styles["group-fisher (after)"] == ("--", "s")
+    assert [ax.get_title() for ax in fig.axes] == ["a: before recovery", "b: before recovery",
+                                                   "a: after 200k tokens of distillation",
+                                                   "b: after 200k tokens of distillation"]
+    reference = ["dense", "1.15 x dense (the goal)"]
+    for ax in fig.axes[:2]:  # every built cell before recovery; only the distilled ones after it
+        assert sorted(line.get_label() for line in ax.get_lines()) == sorted(
+            ["merge-kv-uniform", "merge-kv-sensitivity", "group-fisher", "group-cahp", *reference])
+        assert {line.get_linestyle() for line in ax.get_lines() if line.get_label() not in reference} == {"-"}
+    for ax in fig.axes[2:]:
+        assert sorted(line.get_label() for line in ax.get_lines()) == sorted(
+            ["merge-kv-sensitivity", "group-fisher", *reference])
+    colour = {ax.get_title(): {line.get_label(): line.get_color() for line in ax.get_lines()} for ax in fig.axes}
+    assert colour["a: before recovery"]["group-fisher"] == colour["a: after 200k tokens of distillation"]["group-fisher"]
+    after = {line.get_label(): line for line in fig.axes[2].get_lines()}
+    assert list(after["merge-kv-sensitivity"].get_ydata()) == [11.0]  # its rescore perplexity on text a
     goal = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}["1.15 x dense (the goal)"]
     assert goal == [pytest.approx(11.5)] * 2  # dense perplexity 10 on text a
     xs = {line.get_label(): list(line.get_xdata()) for line in fig.axes[0].get_lines()}
-    assert xs["merge-kv-sensitivity (before)"] == [44 * 512] and xs["dense"] == [90 * 512]
+    assert xs["merge-kv-sensitivity"] == [44 * 512] and xs["dense"] == [90 * 512]
+    assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == sorted(
+        ["merge-kv-uniform", "merge-kv-sensitivity", "group-fisher", "group-cahp", *reference])
 
 
 def test_svd_cell_is_built_at_the_value_rank_that_fits_and_skipped_where_none_does(kvf, tmp_path):
