@@ -237,6 +237,12 @@ def test_a_plugin_declares_its_own_settings_and_they_are_flags_config_keys_and_j
             "--finetune-epochs", "0", "--limit-train", "32", "--limit-eval", "16", "--no-progress"]
     assert main([*base, "--out", str(tmp_path / "o"), "--shift", "1", "--print_config"]) == 0
     assert "shift: 1\n" in capsys.readouterr().out
+    compare = ["prune-compare", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--out", str(tmp_path / "c")]
+    assert main([*compare, "--methods", "shifted,fisher", "--shift", "2", "--print_config"]) == 0
+    assert "shift: 2\n" in capsys.readouterr().out
+    assert main([*compare, "--methods", "shifted", "--shift", "1", "--keep", "4", "--finetune-epochs", "0",
+                 "--limit-train", "32", "--limit-eval", "16", "--no-progress"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "c" / "shifted" / "report.json").read_text())["kept"] == {"0": [2], "1": [0, 1, 3]}
     cfg = tmp_path / "job.yaml"
     cfg.write_text("shift: 1\n")
     assert main([*base, "--config", str(cfg), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
