@@ -53,7 +53,7 @@ def _one_line(capsys, monkeypatch, exc: BaseException) -> tuple[int, str]:
     def fail(args):
         raise exc
 
-    monkeypatch.setattr(experiment_cmd, "run_ngram_cmd", fail)
+    monkeypatch.setattr(experiment_cmd, "run_experiment", fail)
     rc = main(["experiment", "ngram"])
     return rc, capsys.readouterr().err
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from headbudget.cli.dataclass_flags import (
     add_config_flags,
     add_dataclass_flags,
+    add_overwrite_flag,
     dataclass_from_args,
     print_config,
 )
@@ -31,8 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_dataclass_flags(p, CompressJob, positional=("model",))  # every setting, declared on CompressJob
     add_config_flags(p, CompressJob, "the compress job's settings")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_overwrite_flag(p)
     p.set_defaults(func=run, validate=_validate)
 
 

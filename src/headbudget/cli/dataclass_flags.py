@@ -174,6 +174,12 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, what: str = "the set
                    help=f"print all of {what} as YAML (feed it back with --config) and exit")
 
 
+def add_overwrite_flag(p: argparse.ArgumentParser, what: str = "run") -> None:
+    """``--overwrite``: a command that writes a run folder refuses one holding an earlier run's results without it."""
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace the results of an earlier {what} in --out (without it such a folder is refused)")
+
+
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The generated flags given on the command line, as a nested mapping (``a.b`` -> ``{"a": {"b": ...}}``)."""
     out: dict[str, Any] = {}
@@ -261,5 +267,5 @@ def printed(args: argparse.Namespace) -> bool:
     return False
 
 
-__all__ = ["add_config_flags", "add_dataclass_flags", "add_settings", "build", "dataclass_from_args", "deep_merge",
+__all__ = ["add_config_flags", "add_dataclass_flags", "add_overwrite_flag", "add_settings", "build", "dataclass_from_args", "deep_merge",
            "flag_name", "flag_values", "missing_flags", "print_config", "printed", "settings_mapping"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headbudget.cli.dataclass_flags import add_settings, printed
+from headbudget.cli.dataclass_flags import add_overwrite_flag, add_settings, printed
 from headbudget.io import atomic_write_json
 from headbudget.run_dir import check_not_an_input, check_output_file
 from headbudget.typed_config import device_option, dtype_option, option
@@ -319,8 +319,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Mean attention distance, entropy and local share per "
                               "layer and head; JSON and PNG plots.")
     add_settings(p, AttentionSettings, "the attention run's settings", positional=("model",))
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_overwrite_flag(p)
     p.set_defaults(func=_attention_in_out)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from headbudget.cli.dataclass_flags import (
     add_config_flags,
     add_dataclass_flags,
+    add_overwrite_flag,
     build,
     deep_merge,
     flag_name,
@@ -39,15 +40,14 @@ def _check_positive(cfg: Any, cls: type) -> None:
             raise ValueError(f"{flag_name(f)} must be positive, got {value}")
 
 
-def _add_experiment(esub: Any, name: str, cls: type, help: str, description: str, quick: str, func: Any) -> None:
+def _add_experiment(esub: Any, name: str, cls: type, help: str, description: str, quick: str) -> None:
     p = esub.add_parser(name, help=help, description=description + " Defaults shown are the full run's; --quick "
                         "starts from smaller ones, and flags given override either.")
     p.add_argument("--quick", action="store_true", help=quick)
     add_dataclass_flags(p, cls)
     add_config_flags(p, cls, f"the {name} experiment's settings")
     add_threads_flag(p)  # applied by cli.main (headbudget.threads); the experiment keeps it
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_overwrite_flag(p)
 
     def validate(args: argparse.Namespace) -> None:  # the config before any work: a bad value costs nothing
         base = cls.quick() if args.quick else cls()
@@ -61,7 +61,7 @@ def _add_experiment(esub: Any, name: str, cls: type, help: str, description: str
             raise ValueError(f"--threads must be positive, got {args.threads}")
         args.cfg = dataclasses.replace(cfg, threads=args.threads or 0)  # 0: keep what cli.main's policy chose
 
-    p.set_defaults(func=func, validate=validate)
+    p.set_defaults(func=run_experiment, validate=validate)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,40 +78,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_experiment(esub, "saturation", SaturationConfig,
                     help="students of head dim 1..64 imitate a fixed single-head teacher at L in {16,64,256,1024}",
                     description="Normalised error vs student head dim for each sequence length L (1 = uniform "
-                                "attention).", quick="small smoke-run sizes (~20 s)", func=run_saturation_cmd)
+                                "attention).", quick="small smoke-run sizes (~20 s)")
     _add_experiment(esub, "ngram", NgramConfig,
                     help="copy tokens at a few offsets with one attention layer; sweep n_heads x head_dim at fixed "
                          "budget", description="Error vs number of heads at a fixed attention budget n_heads x "
-                                               "head_dim.", quick="small smoke-run sizes (~30-60 s)",
-                    func=run_ngram_cmd)
+                                               "head_dim.", quick="small smoke-run sizes (~30-60 s)")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
-def run_saturation_cmd(args: argparse.Namespace) -> int:
-    from headbudget.experiments.saturation import format_saturation, run_saturation, write_saturation
+def run_experiment(args: argparse.Namespace) -> int:
+    """``headbudget experiment NAME``: its ``run_NAME``, ``write_NAME`` and ``format_NAME`` on the config."""
+    import importlib
 
     if args.print_config:
         return print_config(args.cfg)
+    name = args.experiment
+    module = importlib.import_module(f"headbudget.experiments.{name}")
     out = args.cfg.out  # --out, or the out: of --config
-    with claim_output_dir(out, command="headbudget experiment saturation", overwrite=args.overwrite,
+    with claim_output_dir(out, command=f"headbudget experiment {name}", overwrite=args.overwrite,
                           inputs={"--config": getattr(args, "config", None)}) as write_to:
-        result = run_saturation(args.cfg)
-        json_path, png_path = write_saturation(result, write_to)
-    print(format_saturation(result))
-    print(f"wrote {Path(out) / Path(json_path).name} and {Path(out) / Path(png_path).name}")
-    return 0
-
-
-def run_ngram_cmd(args: argparse.Namespace) -> int:
-    from headbudget.experiments.ngram import format_ngram, run_ngram, write_ngram
-
-    if args.print_config:
-        return print_config(args.cfg)
-    out = args.cfg.out  # --out, or the out: of --config
-    with claim_output_dir(out, command="headbudget experiment ngram", overwrite=args.overwrite,
-                          inputs={"--config": getattr(args, "config", None)}) as write_to:
-        result = run_ngram(args.cfg)
-        json_path, png_path = write_ngram(result, write_to)
-    print(format_ngram(result))
+        result = getattr(module, f"run_{name}")(args.cfg)
+        json_path, png_path = getattr(module, f"write_{name}")(result, write_to)
+    print(getattr(module, f"format_{name}")(result))
     print(f"wrote {Path(out) / Path(json_path).name} and {Path(out) / Path(png_path).name}")
     return 0

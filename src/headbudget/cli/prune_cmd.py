@@ -27,6 +27,7 @@ from typing import Any
 from headbudget.cli.dataclass_flags import (
     add_config_flags,
     add_dataclass_flags,
+    add_overwrite_flag,
     build,
     dataclass_from_args,
     print_config,
@@ -83,8 +84,7 @@ def _add_common(p: argparse.ArgumentParser, cls: type[PruneJob], skip: tuple[str
                                  "the published code's sample variance, max(var, 1e-6) and float32 (sets "
                                  + ", ".join(f"{k}={v}" for k, v in LEGACY_SIGNATURES.items()) + ")")
     add_config_flags(p, cls, "the prune job's settings")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_overwrite_flag(p)
 
     def validate(args: argparse.Namespace) -> None:  # before torch is imported: a bad key costs nothing
         args.job = _job(args, cls)
@@ -250,8 +250,7 @@ def register(subparsers: Any) -> None:
                               description="Fine-tune a classifier: AdamW, linear warmup, dynamic padding.")
     add_dataclass_flags(p, FinetuneJob, positional=("model",))
     add_config_flags(p, FinetuneJob, "the fine-tuning job's settings")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_overwrite_flag(p)
     p.set_defaults(func=_cmd_finetune, validate=_validate_finetune)
 
     p = subparsers.add_parser("prune", help="prune attention heads (CAHP or a baseline), fine-tune, report",

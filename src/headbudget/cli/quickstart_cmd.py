@@ -20,6 +20,7 @@ from typing import Any
 from headbudget.cli.dataclass_flags import (
     add_config_flags,
     add_dataclass_flags,
+    add_overwrite_flag,
     build,
     print_config,
     settings_mapping,
@@ -81,13 +82,6 @@ def _attention_stage(summary: dict[str, Any], data, cfg: RunConfig, out: Path) -
     return "\n".join(lines)
 
 
-def _quiet_transformers() -> None:
-    """Hide transformers' per-file load/save progress bars (this command draws its own)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 def _validate(args: argparse.Namespace) -> None:
     """The bundled config, --tiny, then --config, --set and the flags given, read before torch is imported
     (cli.main calls it first)."""
@@ -116,8 +110,10 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
 def _quickstart(cfg: RunConfig, write_to: Path) -> int:
     """The quickstart writing into ``write_to`` (``cfg.out``, or the staging folder of an --overwrite)."""
-    _quiet_transformers()
+    from headbudget.cli.train_cmd import quiet_transformers
     from headbudget.train.compare import prepare_for, run_compare
+
+    quiet_transformers()
 
     t_all = time.perf_counter()
     out, shown = Path(write_to), Path(cfg.out)
@@ -183,7 +179,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                         skip=[f.name for f in dataclasses.fields(RunConfig) if f.name not in ("out", "data")]
                         + [f"data.{f.name}" for f in dataclasses.fields(DataSection) if f.name != "cache_dir"])
     add_config_flags(p, RunConfig, "the quickstart's run config")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier quickstart in --out (without it such a folder is refused)")
+    add_overwrite_flag(p, "quickstart")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_quickstart, validate=_validate)

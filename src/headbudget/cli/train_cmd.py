@@ -22,7 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-from headbudget.cli.dataclass_flags import add_dataclass_flags, deep_merge, flag_values, print_config
+from headbudget.cli.dataclass_flags import (
+    add_dataclass_flags,
+    add_overwrite_flag,
+    deep_merge,
+    flag_values,
+    print_config,
+)
 from headbudget.train.config import CompareConfig, RunConfig, load_config, resolve_config_path
 
 #: ``train.threads`` is set by the one ``--threads`` every command takes (headbudget.threads); its generated
@@ -101,7 +107,7 @@ def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """Hide transformers' per-file load/save progress bars (this command draws its own)."""
     from transformers.utils import logging as hf_logging
 
@@ -156,7 +162,7 @@ def run_inputs(cfg: RunConfig, args: argparse.Namespace, command: str = "train")
 
 def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
     """Claim ``out`` and train (or distill: ``cfg.distill.teacher``) into it; what train and distill share."""
-    _quiet_transformers()
+    quiet_transformers()
     from headbudget.run_dir import check_not_an_input, claim_output_dir, write_dir
     from headbudget.train.loop import TrainingDivergedError
     from headbudget.train.trainer import Trainer
@@ -240,7 +246,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     settings: CompareConfig = getattr(args, "cfg", None) or _load(args, cls=CompareConfig)
     if args.print_config:  # the run config and its compare: section, one file train and compare both read
         return print_config(settings)
-    _quiet_transformers()
+    quiet_transformers()
     from headbudget.run_dir import claim_output_dir, write_dir
     from headbudget.train.compare import default_reference, parse_schedules, run_compare
 
@@ -305,8 +311,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "model.init": ("--init",), "data.source": ("--data",), "train.tokens": ("--tokens",)})
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out (none yet: start at step 0 "
                    "with a notice; a finished run is left as it is)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_overwrite_flag(p)
     p.set_defaults(func=cmd_train, validate=_validate_train)
 
     p = sub.add_parser("distill", help="recover a pruned/compressed model by logit distillation from a teacher",
@@ -322,8 +327,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                  "train.tokens": ("--tokens",), **THREADS["aliases"]})
     _add_set_flags(p, "train.batch_size=8")
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier run in --out (without it such a folder is refused)")
+    add_overwrite_flag(p)
     p.set_defaults(func=cmd_distill, validate=_validate_distill)
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
@@ -334,8 +338,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted comparison in --out: finished runs are read back, a run with a "
                         "checkpoint continues from it exactly, the rest are trained")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results of an earlier comparison in --out (without it such a folder is refused)")
+    add_overwrite_flag(p, "comparison")
     p.set_defaults(func=cmd_compare, validate=_validate_compare)
 
     p = sub.add_parser("prepare", help="tokenize a data source into cached train/val memmaps",
