@@ -91,3 +91,40 @@ def test_every_bar_of_headbudget_is_the_progress_bar():
     own = [str(p.relative_to(SRC)) for p in sorted(SRC.rglob("*.py")) if p.name != "progress.py"
            and re.search(r"^\s*from tqdm(\.auto|\.std)? import tqdm\b", p.read_text(), flags=re.M)]
     assert own == []
+
+
+def test_no_progress_also_silences_the_libraries_bars(tmp_path, capsys):
+    """``prune --no-progress`` wrote transformers' "Loading weights" / "Writing model shards" bars all the same;
+    now a pipeline whose job has ``progress`` off turns the libraries' bars off for its run, and back on after."""
+    from transformers.utils import logging as hf_logging
+
+    from headbudget.cli.main import main
+    from test_cahp_pipeline import DATA, _save_tiny  # tests/ is on sys.path under pytest
+
+    tiny = _save_tiny(tmp_path, "bert")
+    base = ["prune", str(tiny), "--task", "sst5", "--data-dir", str(DATA), "--method", "fisher", "--keep", "4",
+            "--finetune-epochs", "0", "--limit-train", "32", "--limit-eval", "16"]
+    assert hf_logging.is_progress_bar_enabled()
+    assert main([*base, "--out", str(tmp_path / "bars")]) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" in err and "Writing model shards" in err  # the libraries' bars, as they are
+    assert main([*base, "--no-progress", "--out", str(tmp_path / "quiet")]) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err and "it/s" not in err
+    assert hf_logging.is_progress_bar_enabled()  # restored for whatever runs next
+
+
+def test_quiet_unless_progress_reads_the_jobs_progress():
+    from types import SimpleNamespace
+
+    from transformers.utils import logging as hf_logging
+
+    from headbudget.progress import quiet_unless_progress
+
+    @quiet_unless_progress
+    def seen(job, extra=0):
+        return hf_logging.is_progress_bar_enabled(), extra
+
+    assert seen(SimpleNamespace(progress=False), extra=3) == (False, 3)
+    assert seen(job=SimpleNamespace(progress=True)) == (True, 0)
+    assert hf_logging.is_progress_bar_enabled()

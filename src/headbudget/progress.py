@@ -13,13 +13,16 @@ its final state when it closes.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm as _auto_tqdm
 
-__all__ = ["PLAIN_INTERVAL_S", "ProgressBar"]
+__all__ = ["PLAIN_INTERVAL_S", "ProgressBar", "library_bars", "quiet_unless_progress"]
 
 #: seconds between two lines of a bar written off a terminal (its start and final state are always written)
 PLAIN_INTERVAL_S = 30.0
@@ -79,3 +82,44 @@ class ProgressBar(_auto_tqdm):  # type: ignore[misc,valid-type]
     def _write_line(self, line: str) -> None:
         self.fp.write(line.rstrip("\r") + "\n")
         getattr(self.fp, "flush", lambda: None)()
+
+
+@contextlib.contextmanager
+def library_bars(enabled: bool) -> Iterator[None]:
+    """transformers' and datasets' own progress bars (loading weights, writing shards, reading data files) off
+    unless ``enabled``, restored afterwards: ``--no-progress`` / ``--quiet`` silence them too."""
+    if enabled:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    try:
+        import datasets  # an optional dependency (lm-eval's, the hub's)
+    except ImportError:
+        datasets = None
+    hf_on = hf_logging.is_progress_bar_enabled()
+    ds_on = datasets is not None and datasets.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if ds_on:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if hf_on:
+            hf_logging.enable_progress_bar()
+        if ds_on:
+            datasets.enable_progress_bars()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def quiet_unless_progress(fn: F) -> F:
+    """``fn(job, ...)`` run under :func:`library_bars` of ``job.progress``: a pipeline whose job turns its bars
+    off turns the libraries' off too."""
+    @functools.wraps(fn)
+    def run(job: Any, *args: Any, **kwargs: Any) -> Any:
+        with library_bars(bool(getattr(job, "progress", True))):
+            return fn(job, *args, **kwargs)
+
+    return run  # type: ignore[return-value]

@@ -13,15 +13,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headbudget.cli.dataclass_flags import add_overwrite_flag, add_settings, printed
 from headbudget.io import atomic_write_json
+from headbudget.progress import library_bars
 from headbudget.run_dir import check_not_an_input, check_output_file
 from headbudget.typed_config import device_option, dtype_option, option
 
@@ -146,7 +145,7 @@ def run_eval(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json", inputs=_inputs(args))
     _check_model_flags(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    with _library_bars(not args.quiet):
+    with library_bars(not args.quiet):
         harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
                                       num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
                                       log_samples=args.log_samples, allow_code=args.allow_code)
@@ -171,32 +170,6 @@ def run_eval(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
-
-
-@contextlib.contextmanager
-def _library_bars(enabled: bool) -> Iterator[None]:
-    """transformers' and datasets' progress bars (loading weights, reading data files) off unless ``enabled``."""
-    if enabled:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    try:
-        import datasets  # an optional dependency (lm-eval's, the hub's)
-    except ImportError:
-        datasets = None
-    hf_on = hf_logging.is_progress_bar_enabled()
-    ds_on = datasets is not None and datasets.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    if ds_on:
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if hf_on:
-            hf_logging.enable_progress_bar()
-        if ds_on:
-            datasets.enable_progress_bars()
 
 
 def _print_report(report: dict[str, Any], format_report: Any) -> None:

@@ -36,6 +36,7 @@ from headbudget.compression.merge_kv import (
     merge_kv_model,
 )
 from headbudget.compression.svd import CompressionError
+from headbudget.progress import quiet_unless_progress
 
 
 def _windows(ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -61,6 +62,7 @@ def plan_counts(model: nn.Module, kv_heads: int | None, kv_budget: float | None,
     return allocate_kv(allowed, kv_units(model), kv_budget, sensitivity if kv_allocation == "sensitivity" else None)
 
 
+@quiet_unless_progress
 def run_merge_kv(job: CompressJob, threads: int | None = None) -> dict[str, Any]:
     """``compress --method merge-kv``: merge ``job.model``'s key/value heads (``job.kv_heads`` per layer, or
     ``job.kv_budget`` of the cache bytes) and write ``job.out/model/`` and ``job.out/report.json``; returns the

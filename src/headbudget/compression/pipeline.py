@@ -30,6 +30,7 @@ from headbudget.compression.grouping import adjacent_groups, check_groups, group
 from headbudget.compression.job import CompressJob
 from headbudget.compression.svd import CompressionError, rotary_reason, svd_compress
 from headbudget.io import atomic_write_dir, atomic_write_json
+from headbudget.progress import quiet_unless_progress
 
 METHODS = ("svd", "group", "merge-kv")  # merge-kv: headbudget.compression.merge_kv (needs calibration)
 HELDOUT_SEED = 1_000_003  # synthetic evaluation text: a seed no training config uses
@@ -203,6 +204,7 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
+@quiet_unless_progress
 def run_compress(job: CompressJob, *, groups: Sequence[Sequence[Sequence[int]] | None] | None = None,
                  threads: int | None = None) -> dict[str, Any]:
     """Load ``job.model``, compress, evaluate and write ``job.out/model/``, ``job.out/report.json`` (and the sweep).

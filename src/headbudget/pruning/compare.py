@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from headbudget.io import atomic_write_text
+from headbudget.progress import quiet_unless_progress
 from headbudget.pruning import pipeline
 from headbudget.pruning.job import PruneJob
 from headbudget.pruning.methods import get_importance
@@ -70,6 +71,7 @@ def _finished(sub: PruneJob) -> dict[str, Any] | None:
     return {"report": report, "details": details}
 
 
+@quiet_unless_progress
 def run_prune_compare(job: PruneJob, methods: str, resume: bool = False,
                 on_row: Callable[[dict[str, Any]], None] | None = None,
                 calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean",

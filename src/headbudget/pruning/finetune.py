@@ -29,7 +29,7 @@ from headbudget.data.classification import Example, TaskData, get_task, load_tas
 from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_json, follow_umask, save_figure
 from headbudget.models.surgery import get_adapter, save_pruned
-from headbudget.progress import ProgressBar
+from headbudget.progress import ProgressBar, quiet_unless_progress
 from headbudget.pruning.job import FinetuneJob, FinetuneRecipe
 from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
 
@@ -248,6 +248,7 @@ def save_classifier(model: nn.Module, tokenizer: Any, out: str | os.PathLike[str
     return follow_umask(save_pruned(model, out, tokenizer))
 
 
+@quiet_unless_progress
 def run_finetune(job: FinetuneJob, eval_before: bool = True) -> dict[str, Any]:
     """``headbudget finetune``: load the model and task, fine-tune with the job's recipe, write to ``job.out``:
     the model + tokenizer (``save_pretrained``, plus ``kept_heads.json``), ``finetune.json``

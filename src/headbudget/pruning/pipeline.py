@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headbudget.io import atomic_write_text
+from headbudget.progress import quiet_unless_progress
 from headbudget.pruning import report as rpt
 from headbudget.pruning.job import PruneJob, require_positive
 from headbudget.pruning.methods import (
@@ -125,6 +126,7 @@ def _checked_target(job: PruneJob, counts: list[int]) -> int | None:
     return target
 
 
+@quiet_unless_progress
 def run_prune(job: PruneJob, loaded: Workload | None = None,
               on_stage: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Select (the job's registered method, :mod:`headbudget.pruning.methods`), remove, fine-tune and report
