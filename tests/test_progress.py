@@ -7,6 +7,8 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "headbudget"
 
 
@@ -93,7 +95,19 @@ def test_every_bar_of_headbudget_is_the_progress_bar():
     assert own == []
 
 
-def test_no_progress_also_silences_the_libraries_bars(tmp_path, capsys):
+@pytest.fixture
+def library_bars_on():
+    """transformers' bars on for the test (commands run earlier in the session may have turned them off for good,
+    as train and export do), then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    yield
+    (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def test_no_progress_also_silences_the_libraries_bars(tmp_path, capsys, library_bars_on):
     """``prune --no-progress`` wrote transformers' "Loading weights" / "Writing model shards" bars all the same;
     now a pipeline whose job has ``progress`` off turns the libraries' bars off for its run, and back on after."""
     from transformers.utils import logging as hf_logging
@@ -114,7 +128,7 @@ def test_no_progress_also_silences_the_libraries_bars(tmp_path, capsys):
     assert hf_logging.is_progress_bar_enabled()  # restored for whatever runs next
 
 
-def test_quiet_unless_progress_reads_the_jobs_progress():
+def test_quiet_unless_progress_reads_the_jobs_progress(library_bars_on):
     from types import SimpleNamespace
 
     from transformers.utils import logging as hf_logging
