@@ -97,8 +97,7 @@ def test_every_bar_of_headbudget_is_the_progress_bar():
 
 @pytest.fixture
 def library_bars_on():
-    """transformers' bars on for the test (commands run earlier in the session may have turned them off for good,
-    as train and export do), then as they were."""
+    """transformers' bars on for the test, then as they were (whatever ran before in this process)."""
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
@@ -142,3 +141,20 @@ def test_quiet_unless_progress_reads_the_jobs_progress(library_bars_on):
     assert seen(SimpleNamespace(progress=False), extra=3) == (False, 3)
     assert seen(job=SimpleNamespace(progress=True)) == (True, 0)
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_commands_that_draw_their_own_bars_turn_the_libraries_off_only_while_they_run(library_bars_on):
+    """train, distill, compare, quickstart and export decorate their work with ``library_bars(False)``; before,
+    they turned transformers' bars off for the rest of the process."""
+    from transformers.utils import logging as hf_logging
+
+    from headbudget.cli import export_cmd, quickstart_cmd, train_cmd
+    from headbudget.progress import library_bars
+
+    @library_bars(False)
+    def work():
+        return hf_logging.is_progress_bar_enabled()
+
+    assert (work(), work(), hf_logging.is_progress_bar_enabled()) == (False, False, True)  # reusable, restored
+    for fn in (train_cmd._run_training, train_cmd._run_compare, quickstart_cmd._quickstart, export_cmd._export):
+        assert fn.__wrapped__ is not None, fn  # contextlib's decorator keeps the undecorated function

@@ -175,7 +175,7 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, what: str = "the set
 
 
 def add_overwrite_flag(p: argparse.ArgumentParser, what: str = "run") -> None:
-    """``--overwrite``: a command that writes a run folder refuses one holding an earlier run's results without it."""
+    """``--overwrite``: without it, a command that writes a run folder refuses one holding an earlier run's results."""
     p.add_argument("--overwrite", action="store_true",
                    help=f"replace the results of an earlier {what} in --out (without it such a folder is refused)")
 
@@ -267,5 +267,6 @@ def printed(args: argparse.Namespace) -> bool:
     return False
 
 
-__all__ = ["add_config_flags", "add_dataclass_flags", "add_overwrite_flag", "add_settings", "build", "dataclass_from_args", "deep_merge",
-           "flag_name", "flag_values", "missing_flags", "print_config", "printed", "settings_mapping"]
+__all__ = ["add_config_flags", "add_dataclass_flags", "add_overwrite_flag", "add_settings", "build",
+           "dataclass_from_args", "deep_merge", "flag_name", "flag_values", "missing_flags", "print_config", "printed",
+           "settings_mapping"]

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from headbudget.cli.dataclass_flags import add_settings, printed
+from headbudget.progress import library_bars
 from headbudget.typed_config import option
 
 
@@ -45,13 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if printed(args):
-        return 0
-    from transformers.utils import logging as hf_logging
+    return 0 if printed(args) else _export(args)
 
+
+@library_bars(False)  # the result and any warning are the output
+def _export(args: argparse.Namespace) -> int:
     from headbudget.export import export_model
 
-    hf_logging.disable_progress_bar()  # the result and any warning are the output
     result = export_model(args.model, args.out, fmt=args.fmt, outtype=args.outtype, gguf_file=args.gguf_file,
                           tokenizer=args.tokenizer, tokenizer_pre=args.tokenizer_pre, overwrite=args.overwrite)
     from headbudget.export import kv_cache_line

@@ -33,7 +33,7 @@ from headbudget.cli.dataclass_flags import (
     print_config,
     settings_mapping,
 )
-from headbudget.pruning.job import CAHP, ENTRY_POINT_GROUP, FinetuneJob, PruneJob
+from headbudget.pruning.job import CAHP, ENTRY_POINT_GROUP, FinetuneJob, PruneJob, join_settings
 from headbudget.run_dir import claim_output_dir
 from headbudget.typed_config import option
 
@@ -58,7 +58,8 @@ class PruneCompareJob(PruneJob):
 
     def prune_job(self) -> PruneJob:
         """The settings every method of the comparison shares."""
-        cls = PruneJob if type(self) is PruneCompareJob else job_classes()[0]
+        # the plug-in settings this class was joined with (job_classes) join PruneJob the same way
+        cls = join_settings(PruneJob, [b for b in type(self).__bases__ if b is not PruneCompareJob])
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
 

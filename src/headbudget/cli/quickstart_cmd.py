@@ -26,6 +26,7 @@ from headbudget.cli.dataclass_flags import (
     settings_mapping,
 )
 from headbudget.io import atomic_write_json, atomic_write_text
+from headbudget.progress import library_bars
 from headbudget.train.config import DataSection, RunConfig, apply_overrides, resolve_config_path
 
 #: ``--tiny`` (hidden, for tests): seconds instead of minutes.
@@ -108,12 +109,10 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         return _quickstart(cfg, write_to)
 
 
+@library_bars(False)  # it draws its own bars: transformers' per-file load/save bars stay off
 def _quickstart(cfg: RunConfig, write_to: Path) -> int:
     """The quickstart writing into ``write_to`` (``cfg.out``, or the staging folder of an --overwrite)."""
-    from headbudget.cli.train_cmd import quiet_transformers
     from headbudget.train.compare import prepare_for, run_compare
-
-    quiet_transformers()
 
     t_all = time.perf_counter()
     out, shown = Path(write_to), Path(cfg.out)

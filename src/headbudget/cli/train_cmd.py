@@ -29,6 +29,7 @@ from headbudget.cli.dataclass_flags import (
     flag_values,
     print_config,
 )
+from headbudget.progress import library_bars
 from headbudget.train.config import CompareConfig, RunConfig, load_config, resolve_config_path
 
 #: ``train.threads`` is set by the one ``--threads`` every command takes (headbudget.threads); its generated
@@ -107,13 +108,6 @@ def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def quiet_transformers() -> None:
-    """Hide transformers' per-file load/save progress bars (this command draws its own)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 def _given(args: argparse.Namespace, key: str) -> bool:
     """Was config key ``section.name`` set on the command line (its flag or --set)?"""
     section, name = key.split(".")
@@ -160,9 +154,9 @@ def run_inputs(cfg: RunConfig, args: argparse.Namespace, command: str = "train")
             "--config": getattr(args, "config", None)}
 
 
+@library_bars(False)  # the trainer draws its own bars: transformers' per-file load/save bars stay off
 def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
     """Claim ``out`` and train (or distill: ``cfg.distill.teacher``) into it; what train and distill share."""
-    quiet_transformers()
     from headbudget.run_dir import check_not_an_input, claim_output_dir, write_dir
     from headbudget.train.loop import TrainingDivergedError
     from headbudget.train.trainer import Trainer
@@ -246,7 +240,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     settings: CompareConfig = getattr(args, "cfg", None) or _load(args, cls=CompareConfig)
     if args.print_config:  # the run config and its compare: section, one file train and compare both read
         return print_config(settings)
-    quiet_transformers()
+    return _run_compare(settings, args)
+
+
+@library_bars(False)  # the trainer draws its own bars
+def _run_compare(settings: CompareConfig, args: argparse.Namespace) -> int:
     from headbudget.run_dir import claim_output_dir, write_dir
     from headbudget.train.compare import default_reference, parse_schedules, run_compare
 

@@ -144,8 +144,8 @@ class PruningMethod:
     ``settings``: the dataclass of this method's own settings (its fields are fields of the job, their flags
     flags of ``headbudget prune``: :func:`with_method_settings`); ``job_fields``: the job fields only this method
     reads (a resumed comparison reruns it when they change; default: every field of ``settings``);
-    ``check(job)``: raises a one-line ``ValueError`` for a job this method cannot run.  ``keeps_layer_floor``: the method always keeps a head in every layer (a job with
-    ``layer_floor`` off is refused for it)."""
+    ``check(job)``: raises a one-line ``ValueError`` for a job this method cannot run.  ``keeps_layer_floor``:
+    the method always keeps a head in every layer (a job with ``layer_floor`` off is refused for it)."""
 
     name: str
     importance: Importance | None = None
@@ -407,9 +407,9 @@ def _cahp(run: MethodRun) -> Selection:
         sal_batches, settings = loaded.salience_batches(job), dataclasses.replace(job, salience_fraction=1.0)
     else:
         sal_batches = run.importance_batches
-    sel, secs = cahp.cahp_select(run.adapter, run.signature_batches, sal_batches, settings, n_classes=loaded.n_classes,
-                                 keep=run.target, seed=job.seed, accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks,
-                                 progress=job.progress)
+    sel, secs = cahp.cahp_select(run.adapter, run.signature_batches, sal_batches, settings,
+                                 n_classes=loaded.n_classes, keep=run.target, seed=job.seed,
+                                 accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks, progress=job.progress)
     heads = run.heads
     details = dict(knee_source=sel.knee_source, rescued=[list(heads[i]) for i in sel.rescued],
                    salience=sel.salience, clusters=sel.labels, medoids=sel.medoids,
@@ -470,19 +470,20 @@ def _register_builtins() -> None:
     for name, fn in (("fisher", fisher_importance), ("magnitude", magnitude_importance),
                      ("random", random_importance)):
         register_importance(name, fn)
-    # each gate method's fingerprint reads only the gate settings it uses
-    gates = {"settings": DspPassSettings}
+    # each gate method's fingerprint reads only the gate settings it uses (job_fields narrows DspPassSettings)
     register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
-                      check=gated.check_job, **gates)
+                      check=gated.check_job, settings=DspPassSettings)
     # the plain names are the authors' joint protocols; before they were, joint-dsp meant joint-dsp-finetuned and
     # pass meant pass-frozen (a run folder of the old meaning lacks pretrained / joint_epochs in its recorded
     # settings, so a resumed comparison reruns it)
     authors = ("gate_lr", "pretrained", "joint_epochs")
-    register_selector("joint-dsp", _gated, job_fields=(*authors, "gate_cooldown"), check=gated.check_joint_job, **gates)
+    register_selector("joint-dsp", _gated, job_fields=(*authors, "gate_cooldown"), check=gated.check_joint_job,
+                      settings=DspPassSettings)
     register_selector("joint-dsp-finetuned", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
-                      check=gated.check_job, **gates)
-    register_selector("pass", _gated, job_fields=authors, check=gated.check_joint_job, **gates)
-    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"), check=gated.check_job, **gates)
+                      check=gated.check_job, settings=DspPassSettings)
+    register_selector("pass", _gated, job_fields=authors, check=gated.check_joint_job, settings=DspPassSettings)
+    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"), check=gated.check_job,
+                      settings=DspPassSettings)
     register_selector("attattr", _attattr, check=attattr.check_job, settings=AttAttrSettings)
 
 
