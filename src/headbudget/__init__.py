@@ -5,12 +5,10 @@
     >>> prism(12, 768).heads[:4]
     (3, 3, 3, 3)
 
-Importing the package is light: it does not import torch or transformers, so ``headbudget.schedules``,
-``headbudget.accounting`` and ``headbudget.budget`` (and ``headbudget schedule``) answer at once.
-Saved models still load with ``AutoModelForCausalLM.from_pretrained(dir)`` after ``import headbudget``:
-importing ``headbudget.models`` registers the ``headbudget`` model type with ``AutoConfig`` and
-``AutoModelForCausalLM``, and when transformers is imported after headbudget, a one-shot import hook
-does that registration right after transformers has loaded (at once if it is already loaded).
+Importing the package does not import torch or transformers, so ``headbudget schedule`` answers at once.
+Saved models still load with ``AutoModelForCausalLM.from_pretrained(dir)`` after ``import headbudget``: a
+one-shot import hook registers the ``headbudget`` model type right after transformers loads (at once if it
+already is).
 """
 
 from __future__ import annotations
@@ -54,15 +52,12 @@ class _TransformersHook(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path=None, target=None):
         if fullname != "transformers":
             return None
-        _remove_hook()  # one shot, and lets the lookup below see the real finders only
+        # one shot, and lets the lookup below see the real finders only
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _TransformersHook)]
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None:
             spec.loader = _LoaderThenRegister(spec.loader)
         return spec
-
-
-def _remove_hook() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _TransformersHook)]
 
 
 if "transformers" in sys.modules:  # already paid for: register now
@@ -71,11 +66,7 @@ elif not any(isinstance(f, _TransformersHook) for f in sys.meta_path):
     sys.meta_path.insert(0, _TransformersHook())
 
 
-def _register_lm_eval() -> None:
-    try:  # lm-eval's registry is light (no torch); the model class is imported only when lm-eval asks
-        import headbudget.evaluation  # noqa: F401  (registers the lm-eval model "headbudget" when installed)
-    except ImportError:
-        pass
-
-
-_register_lm_eval()
+try:  # lm-eval's registry is light (no torch); the model class is imported only when lm-eval asks
+    from headbudget import evaluation  # noqa: F401  (registers the lm-eval model "headbudget" when installed)
+except ImportError:
+    pass

@@ -48,14 +48,14 @@ class ParameterCount:
         return d
 
 
+def _qkv_rows(spec: LayerSpec) -> int:
+    """Output features of a layer's q, k and v projections together."""
+    return spec.n_heads * spec.qk_head_dim + spec.n_kv_heads * (spec.qk_head_dim + spec.v_head_dim)
+
+
 def attention_parameters(spec: LayerSpec, d_model: int, bias: bool = True) -> int:
-    q = d_model * spec.n_heads * spec.qk_head_dim
-    k = d_model * spec.n_kv_heads * spec.qk_head_dim
-    v = d_model * spec.n_kv_heads * spec.v_head_dim
-    o = spec.n_heads * spec.v_head_dim * d_model
-    b = (spec.n_heads * spec.qk_head_dim + spec.n_kv_heads * (spec.qk_head_dim + spec.v_head_dim) + d_model
-         if bias else 0)
-    return q + k + v + o + b
+    rows = _qkv_rows(spec)
+    return d_model * rows + spec.n_heads * spec.v_head_dim * d_model + ((rows + d_model) if bias else 0)
 
 
 def mlp_parameters(d_model: int, mlp_ratio: int = 4, bias: bool = True) -> int:
@@ -63,44 +63,31 @@ def mlp_parameters(d_model: int, mlp_ratio: int = 4, bias: bool = True) -> int:
     return 2 * d_model * hidden + ((hidden + d_model) if bias else 0)
 
 
-def count_parameters(
-    schedule: HeadSchedule, vocab_size: int, n_positions: int, *, bias: bool = True, mlp_ratio: int = 4
-) -> ParameterCount:
+def count_parameters(schedule: HeadSchedule, vocab_size: int, n_positions: int, *, bias: bool = True,
+                     mlp_ratio: int = 4) -> ParameterCount:
     """Count parameters of a headbudget decoder with this schedule (matches ``model.num_parameters()``)."""
     d = schedule.d_model
     norm = 2 * d if bias else d  # LayerNorm weight (+ bias)
-    per_layer = tuple(
-        LayerParams(attention_parameters(s, d, bias), mlp_parameters(d, mlp_ratio, bias), 2 * norm)
-        for s in schedule.layers
-    )
+    mlp = mlp_parameters(d, mlp_ratio, bias)
+    per_layer = tuple(LayerParams(attention_parameters(s, d, bias), mlp, 2 * norm) for s in schedule.layers)
     embedding = vocab_size * d + n_positions * d
     total = embedding + sum(p.total for p in per_layer) + norm
-    return ParameterCount(
-        total=total,
-        embedding=embedding,
-        non_embedding=total - embedding,
-        attention=sum(p.attention for p in per_layer),
-        mlp=sum(p.mlp for p in per_layer),
-        per_layer=per_layer,
-    )
+    return ParameterCount(total=total, embedding=embedding, non_embedding=total - embedding,
+                          attention=sum(p.attention for p in per_layer), mlp=sum(p.mlp for p in per_layer),
+                          per_layer=per_layer)
 
 
 def attention_flops_per_token(spec: LayerSpec, d_model: int, context: int) -> int:
     """Forward FLOPs per token of one attention layer: projections plus score and value products."""
-    proj = 2 * d_model * (spec.n_heads * spec.qk_head_dim + spec.n_kv_heads * (spec.qk_head_dim + spec.v_head_dim))
-    proj += 2 * spec.n_heads * spec.v_head_dim * d_model
-    scores = 2 * context * spec.n_heads * spec.qk_head_dim
-    values = 2 * context * spec.n_heads * spec.v_head_dim
-    return proj + scores + values
+    proj = 2 * d_model * (_qkv_rows(spec) + spec.n_heads * spec.v_head_dim)
+    return proj + 2 * context * spec.n_heads * (spec.qk_head_dim + spec.v_head_dim)  # scores and values
 
 
-def flops_per_token(
-    schedule: HeadSchedule, vocab_size: int, context: int, *, mlp_ratio: int = 4
-) -> dict[str, int | list[int]]:
+def flops_per_token(schedule: HeadSchedule, vocab_size: int, context: int, *,
+                    mlp_ratio: int = 4) -> dict[str, int | list[int]]:
     """Forward FLOPs per token at context length ``context``: total, per layer, and the output head."""
     d = schedule.d_model
-    mlp = 2 * 2 * d * mlp_ratio * d
-    per_layer = [attention_flops_per_token(s, d, context) + mlp for s in schedule.layers]
+    per_layer = [attention_flops_per_token(s, d, context) + 4 * d * mlp_ratio * d for s in schedule.layers]
     head = 2 * d * vocab_size
     return {"total": sum(per_layer) + head, "per_layer": per_layer, "lm_head": head}
 
@@ -124,25 +111,22 @@ def config_cost(config, context: int | None = None) -> ModelCost:
     gated MLPs have three matrices, RMSNorm has no bias, rotary models have no position table and an
     untied output head counts its own parameters.
 
-        >>> from headbudget.models import HeadBudgetConfig
-        >>> cfg = HeadBudgetConfig.from_preset("gpt2-124m", "prism")
-        >>> config_cost(cfg).params
+        >>> config_cost(HeadBudgetConfig.from_preset("gpt2-124m", "prism")).params    # headbudget.models'
         124439808
     """
     d, vocab = config.n_embd, config.vocab_size
     context = config.n_positions if context is None else context
     specs = [LayerSpec(**s) for s in config.layer_specs()]
     gated = config.mlp == "gated_silu"
+    n_mat = 3 if gated else 2
     norm = d * (2 if (config.norm == "layernorm" and config.bias) else 1)
     params = vocab * d + norm + (0 if config.tie_word_embeddings else vocab * d)
     params += config.n_positions * d if config.position == "learned" else 0
     flops = 2 * d * vocab
     for spec, hidden in zip(specs, config.intermediate_sizes()):
-        q, kv_rows = spec.n_heads * spec.qk_head_dim, spec.n_kv_heads * (spec.qk_head_dim + spec.v_head_dim)
-        o_in = spec.n_heads * spec.v_head_dim
-        params += d * (q + kv_rows) + o_in * d + 2 * norm
-        params += (q + kv_rows) * config.qkv_bias + d * config.o_bias
-        n_mat = 3 if gated else 2
+        rows = _qkv_rows(spec)
+        params += d * rows + spec.n_heads * spec.v_head_dim * d + 2 * norm
+        params += rows * config.qkv_bias + d * config.o_bias
         params += n_mat * d * hidden + config.mlp_bias * ((2 if gated else 1) * hidden + d)
         flops += attention_flops_per_token(spec, d, context) + 2 * n_mat * d * hidden
     return ModelCost(params=int(params), flops_per_token=int(flops), context=int(context))
@@ -151,13 +135,9 @@ def config_cost(config, context: int | None = None) -> ModelCost:
 def kv_cache_bytes_per_token(config, dtype="float32") -> int:
     """Bytes one token adds to the KV cache of a headbudget decoder: every layer stores its key heads
     (``n_kv_heads x qk_head_dim``) and value heads (``n_kv_heads x v_head_dim``) at the element size of
-    ``dtype`` (a torch dtype or its name).  Equal to 2 x sum(kv_heads x head_dim) x bytes when q/k and v
-    widths are equal.
+    ``dtype`` (a torch dtype or its name).
 
-        >>> from headbudget.models import HeadBudgetConfig
-        >>> cfg = HeadBudgetConfig(schedule={"d_model": 64, "layers": [{"n_heads": 4, "head_dim": 16,
-        ...                                                             "n_kv_heads": 2}] * 3})
-        >>> kv_cache_bytes_per_token(cfg, "bfloat16")   # 3 layers x 2 (k, v) x 2 heads x 16 x 2 bytes
+        >>> kv_cache_bytes_per_token(cfg, "bfloat16")   # cfg: 3 layers with 2 kv heads of 16 (k and v)
         384
     """
     import torch

@@ -1,40 +1,12 @@
 """Budgeted head schedules: hit a target fraction of the uniform attention budget.
 
 The attention budget of a schedule is ``D = sum over layers of n_heads x head_dim``.  The strategies
-here shrink a reference schedule (by default the preset's uniform schedule) to a target fraction of
-its budget and return a *non-neutral* :class:`~headbudget.schedules.HeadSchedule` (widths below
-``d_model`` are legal; the model sizes q/k/v/o from the schedule):
-
-``uniform_shrink``
-    every layer keeps its head count and loses the same share of ``head_dim``.
-``late_dim_decay``
-    the first ``keep_layers`` layers stay whole; later layers shrink ``head_dim`` with depth,
-    ``decay="linear"`` (keep factor ``1 - s*j/J`` for the j-th of J shrunk layers, floored at one
-    ``head_dim_multiple``) or
-    ``decay="geometric"`` (keep factor ``r**j``).
-``front_loaded_heads``
-    ``head_dim`` is fixed; the head count falls linearly with depth from the full count in layer 0.
-``custom``
-    either an exact per-layer list ``"4x64/4x64/2x64/2x64"`` (``HEADSxHEAD_DIM`` per layer), or a
-    relative per-layer profile ``profile=1/1/0.5/0.5`` scaled to hit the target.
-
-Every strategy respects ``head_dim_multiple`` (8 by default) and hits the target budget within one
-step of its granularity: one ``head_dim_multiple`` step of every head of one layer for the
-head-dim strategies, one head for ``front_loaded_heads`` (in practice within half a step).
-
-Spec syntax (for ``schedule_from_spec``/``compare``/``--schedule``)::
-
-    KIND:FRACTION[:OPTION=VALUE...]
-    uniform_shrink:0.75
-    late_dim_decay:0.75                  # linear decay, keep_layers = n_layers // 3
-    late_dim_decay:0.5:decay=geometric:keep=2
-    front_loaded_heads:0.75
-    custom:0.75:profile=1/1/0.75/0.5     # relative per-layer widths
-    custom:4x32/4x32/2x32/2x32           # exact per-layer HEADSxHEAD_DIM
-
-:func:`parse_budget_spec` splits the colon form; :func:`headbudget.schedule_spec.schedule_from_spec`
-reads it (and registers every strategy as a plain schedule kind).  This module imports only
-:mod:`headbudget.schedules` and :mod:`headbudget.budget_report`, so it sits below the spec parser.
+(``uniform_shrink``, ``late_dim_decay``, ``front_loaded_heads``, ``custom``; see docs/allocation.md) shrink a
+reference schedule (by default the preset's uniform one) to a fraction of its budget and return a
+*non-neutral* :class:`~headbudget.schedules.HeadSchedule`.  Each respects ``head_dim_multiple`` and meets
+the target within one step of its granularity (:func:`headbudget.budget_report.budget_step`).  The spec
+form ``KIND:FRACTION[:OPTION=VALUE...]`` (:func:`parse_budget_spec`) is read by
+:func:`headbudget.schedule_spec.schedule_from_spec`, which sits above this module.
 
     >>> s = budgeted_schedule("cpu-small", 0.75, "late_dim_decay")
     >>> s.head_dims, round(s.budget / (6 * 256), 3)
@@ -58,18 +30,13 @@ class BudgetError(ScheduleError):
 
 
 # ---------------------------------------------------------------------- integer fitting
-def fit_integer_total(
-    targets: Sequence[float],
-    lower: Sequence[int],
-    upper: Sequence[int],
-    weights: Sequence[float],
-    total: float,
-) -> list[int]:
+def fit_integer_total(targets: Sequence[float], lower: Sequence[int], upper: Sequence[int],
+                      weights: Sequence[float], total: float) -> list[int]:
     """Integers ``v_i`` in ``[lower_i, upper_i]`` near ``targets`` with ``sum v_i*w_i`` close to ``total``.
 
-    Rounds the continuous targets, then takes the best single or paired one-unit move (ranked by the
-    total's error, then the largest and the summed squared deviation from the targets) until none helps.
-    Paired moves let the total be met by spreading the change instead of pushing one item far off.
+    Rounds the targets, then takes the best single or paired one-unit move until none helps.  Moves are
+    ranked by the total's error, then the worst and the summed squared deviation from the targets, so the
+    total is met by spreading the change instead of pushing one item far off.
 
     >>> fit_integer_total([1.5, 1.5, 1.5], [1, 1, 1], [4, 4, 4], [1, 1, 1], 5)
     [1, 2, 2]
@@ -78,8 +45,6 @@ def fit_integer_total(
     v = [min(max(int(round(t)), lo), hi) for t, lo, hi in zip(targets, lower, upper)]
 
     def score(vals: list[int]) -> tuple[float, float, float]:
-        # Lexicographic: the total's error first, then the worst and the summed squared layer deviation,
-        # so hitting the total never pushes one layer far from its target when a spread-out fix exists.
         err = abs(total - sum(x * w for x, w in zip(vals, weights)))
         devs = [abs(x - t) for x, t in zip(vals, targets)]
         return round(err, 9), round(max(devs), 9), round(sum(d * d for d in devs), 9)
@@ -117,11 +82,8 @@ def _bisect(fn: Callable[[float], float], lo: float, hi: float, target: float, i
 
 # ---------------------------------------------------------------------- references
 def reference_schedule(base: str | ModelPreset | HeadSchedule | Sequence[int]) -> HeadSchedule:
-    """The schedule a budget fraction refers to.
-
-    ``base`` is a preset name or :class:`ModelPreset` (its uniform schedule), a
-    :class:`HeadSchedule` (used as is), or ``(n_layers, d_model, n_heads)``.
-    """
+    """The schedule a budget fraction refers to: a preset (name or :class:`ModelPreset`)'s uniform schedule,
+    a :class:`HeadSchedule` as is, or ``uniform(n_layers, d_model, n_heads)`` of a triple."""
     if isinstance(base, HeadSchedule):
         return base
     if isinstance(base, str):
@@ -131,9 +93,8 @@ def reference_schedule(base: str | ModelPreset | HeadSchedule | Sequence[int]) -
     try:
         n_layers, d_model, n_heads = (int(x) for x in base)
     except (TypeError, ValueError):
-        raise BudgetError(
-            f"base must be a preset name, ModelPreset, HeadSchedule or (n_layers, d_model, n_heads); got {base!r}"
-        ) from None
+        raise BudgetError("base must be a preset name, ModelPreset, HeadSchedule or (n_layers, d_model, "
+                          f"n_heads); got {base!r}") from None
     return uniform(n_layers, d_model, n_heads)
 
 
@@ -152,22 +113,15 @@ def _finish(ref: HeadSchedule, layers: list[LayerSpec], name: str, target: float
     sched = HeadSchedule(ref.d_model, tuple(layers), neutral=False, head_dim_multiple=ref.head_dim_multiple,
                          name=name)
     if target is not None and step is not None and abs(sched.budget - target) > step:
-        raise BudgetError(
-            f"{name.split(':')[0]}: cannot reach {target / ref.budget:.3f} of the budget (got "
-            f"{sched.budget / ref.budget:.3f}); head_dim cannot go below {ref.head_dim_multiple} "
-            "and head counts below 1"
-        )
+        raise BudgetError(f"{name.split(':')[0]}: cannot reach {target / ref.budget:.3f} of the budget (got "
+                          f"{sched.budget / ref.budget:.3f}); head_dim cannot go below "
+                          f"{ref.head_dim_multiple} and head counts below 1")
     return sched
 
 
 def _dim_units(ref: HeadSchedule) -> tuple[int, list[int]]:
-    m = ref.head_dim_multiple
-    units = []
-    for i, s in enumerate(ref.layers):
-        if s.head_dim % m:
-            raise BudgetError(f"layer {i}: head_dim={s.head_dim} is not a multiple of {m}")
-        units.append(s.head_dim // m)
-    return m, units
+    """The multiple and each layer's head_dim in its units (HeadSchedule checked that they divide)."""
+    return ref.head_dim_multiple, [s.head_dim // ref.head_dim_multiple for s in ref.layers]
 
 
 def _shrink_dims(ref: HeadSchedule, keep: Sequence[float], target: float, fixed: Sequence[bool]) -> list[LayerSpec]:
@@ -189,9 +143,8 @@ def uniform_shrink(ref: HeadSchedule, fraction: float) -> HeadSchedule:
     return _finish(ref, layers, f"uniform_shrink:{f:g}", target, budget_step(ref, "uniform_shrink"))
 
 
-def late_dim_decay(
-    ref: HeadSchedule, fraction: float, decay: str = "linear", keep_layers: int | None = None
-) -> HeadSchedule:
+def late_dim_decay(ref: HeadSchedule, fraction: float, decay: str = "linear",
+                   keep_layers: int | None = None) -> HeadSchedule:
     """Keep the first ``keep_layers`` layers whole and shrink head_dim in later layers with depth.
 
     ``keep_layers`` defaults to ``n_layers // 3`` and is lowered automatically when the target
@@ -210,39 +163,30 @@ def late_dim_decay(
     min_keep = [1 / u for u in units]
 
     def widths(param: float, k: int) -> list[float]:
-        keep = []
-        J = n - k
-        for i in range(n):
-            if i < k:
-                keep.append(1.0)
-                continue
-            j = i - k + 1
-            g = 1 - param * j / J if decay == "linear" else param ** j
-            keep.append(min(1.0, max(min_keep[i], g)))
-        return keep
+        def g(j: int) -> float:  # the keep factor of the j-th of the n - k shrunk layers
+            return 1 - param * j / (n - k) if decay == "linear" else param ** j
+
+        return [1.0 if i < k else min(1.0, max(min_keep[i], g(i - k + 1))) for i in range(n)]
 
     def total(keep: list[float]) -> float:
         return sum(g * s.width for g, s in zip(keep, ref.layers))
 
     while True:
-        strongest = widths(float(n) if decay == "linear" else 0.0, k)
-        if total(strongest) <= target + 1e-9:
+        reachable = total(widths(float(n) if decay == "linear" else 0.0, k))
+        if reachable <= target + 1e-9:
             break
         if auto and k > 0:
             k -= 1
             continue
-        reachable = total(strongest) / ref.budget
-        raise BudgetError(
-            f"late_dim_decay: fraction {f:g} is below the smallest reachable {reachable:.3f} with "
-            f"keep_layers={k}" + (" (lower keep_layers)" if k else " (head_dim cannot go below the multiple)")
-        )
+        raise BudgetError(f"late_dim_decay: fraction {f:g} is below the smallest reachable "
+                          f"{reachable / ref.budget:.3f} with keep_layers={k}"
+                          + (" (lower keep_layers)" if k else " (head_dim cannot go below the multiple)"))
     if decay == "linear":
         # slopes above 1 push the first shrunk layers to the floor too (needed for small fractions)
         param = _bisect(lambda s: total(widths(s, k)), 0.0, float(n), target)
     else:  # keep factor r**j falls as r falls: bisect on 1 - r so the function is non-increasing
         param = 1 - _bisect(lambda x: total(widths(1 - x, k)), 0.0, 1.0, target)
-    keep = widths(param, k)
-    layers = _shrink_dims(ref, keep, target, [i < k for i in range(n)])
+    layers = _shrink_dims(ref, widths(param, k), target, [i < k for i in range(n)])
     return _finish(ref, layers, f"late_dim_decay:{f:g}:{decay}:keep={k}", target,
                    budget_step(ref, "late_dim_decay"))
 
@@ -264,8 +208,7 @@ def front_loaded_heads(ref: HeadSchedule, fraction: float, max_heads: int | None
     if total(counts(1.0)) > target + 1e-9 and n > 1:
         # even the last layer at one head is not enough: let the slope pass the middle layers too
         s = _bisect(lambda s: total(counts(s)), 0.0, float(n), target)
-    c = counts(s)
-    v = fit_integer_total(c, [1] * n, tops, [sp.head_dim for sp in ref.layers], target)
+    v = fit_integer_total(counts(s), [1] * n, tops, [sp.head_dim for sp in ref.layers], target)
     layers = [LayerSpec(h, sp.head_dim) for h, sp in zip(v, ref.layers)]
     return _finish(ref, layers, f"front_loaded_heads:{f:g}", target, budget_step(ref, "front_loaded_heads"))
 
@@ -276,24 +219,20 @@ def _parse_layer_list(text: str | Sequence[Any]) -> list[LayerSpec]:
     for i, item in enumerate(items):
         if isinstance(item, LayerSpec):
             out.append(item)
-            continue
-        if isinstance(item, (tuple, list)) and len(item) == 2:
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
             out.append(LayerSpec(int(item[0]), int(item[1])))
-            continue
-        try:
-            h, d = str(item).lower().split("x")
-            out.append(LayerSpec(int(h), int(d)))
-        except ValueError:
-            raise BudgetError(f"custom layer list entry {i} ({item!r}) is not HEADSxHEAD_DIM, e.g. 4x64") from None
+        else:
+            try:
+                h, d = str(item).lower().split("x")
+                out.append(LayerSpec(int(h), int(d)))
+            except ValueError:
+                raise BudgetError(f"custom layer list entry {i} ({item!r}) is not HEADSxHEAD_DIM, "
+                                  "e.g. 4x64") from None
     return out
 
 
-def custom_budget(
-    ref: HeadSchedule,
-    fraction: float | None = None,
-    layers: str | Sequence[Any] | None = None,
-    profile: str | Sequence[float] | None = None,
-) -> HeadSchedule:
+def custom_budget(ref: HeadSchedule, fraction: float | None = None, layers: str | Sequence[Any] | None = None,
+                  profile: str | Sequence[float] | None = None) -> HeadSchedule:
     """A custom per-layer budget: an exact ``layers`` list, or a relative width ``profile``.
 
     With ``layers`` (``"4x64/4x64/2x64/2x64"``) the schedule is taken as given (and checked against
@@ -310,12 +249,10 @@ def custom_budget(
         sched = _finish(ref, specs, "custom:" + "/".join(f"{s.n_heads}x{s.head_dim}" for s in specs))
         if fraction is not None:
             f = _check_fraction(fraction)
-            step = max(s.n_heads * ref.head_dim_multiple for s in specs)
-            if abs(sched.budget - f * ref.budget) > step:
-                raise BudgetError(
-                    f"custom layer list has budget {sched.budget} = {sched.budget / ref.budget:.3f} of the "
-                    f"reference, not the requested {f:g}"
-                )
+            if abs(sched.budget - f * ref.budget) > max(s.n_heads * ref.head_dim_multiple for s in specs):
+                got = sched.budget / ref.budget
+                raise BudgetError(f"custom layer list has budget {sched.budget} = {got:.3f} of the "
+                                  f"reference, not the requested {f:g}")
         return sched
     f = _check_fraction(1.0 if fraction is None else fraction)
     if isinstance(profile, str):
@@ -342,19 +279,14 @@ def custom_budget(
                    budget_step(ref, "custom"))
 
 
-def budgeted_schedule(
-    base: str | ModelPreset | HeadSchedule | Sequence[int],
-    budget_fraction: float | None,
-    strategy: str = "uniform_shrink",
-    **opts: Any,
-) -> HeadSchedule:
+def budgeted_schedule(base: str | ModelPreset | HeadSchedule | Sequence[int], budget_fraction: float | None,
+                      strategy: str = "uniform_shrink", **opts: Any) -> HeadSchedule:
     """A schedule with ``budget_fraction`` of ``base``'s attention budget, allocated by ``strategy``.
 
     ``opts``: ``decay`` ("linear"/"geometric") and ``keep_layers`` for ``late_dim_decay``;
     ``max_heads`` for ``front_loaded_heads``; ``layers`` or ``profile`` for ``custom``.
     ``strategy`` may carry options in spec form (``"late_dim_decay:decay=geometric:keep=2"``) or be a
     bare per-layer list: ``"4x64,4x64,2x64,2x64"`` (exact layers) or ``"1,1,0.5,0.5"`` (a profile).
-    This is the call behind ``headbudget schedule --budget 0.75 --strategy late_dim_decay``.
 
     >>> budgeted_schedule("cpu-small", 0.5, "front_loaded_heads").heads
     (4, 3, 2, 1, 1, 1)
@@ -364,36 +296,24 @@ def budgeted_schedule(
     strategy = strategy.strip()
     if strategy.partition(":")[0] not in STRATEGIES and ("," in strategy or "/" in strategy):
         # a bare per-layer list: HxD entries are exact layers, numbers a relative width profile
-        key = "layers" if "x" in strategy.lower() else "profile"
-        opts[key] = strategy
+        opts["layers" if "x" in strategy.lower() else "profile"] = strategy
         strategy = "custom"
     elif ":" in strategy:  # options in spec form, e.g. late_dim_decay:decay=geometric:keep=2
-        name, _, rest = strategy.partition(":")
-        _, fraction, spec_opts = parse_budget_spec(f"{name}:{budget_fraction if budget_fraction else 1}:{rest}")
-        opts = {**spec_opts, **opts}
-        strategy = name
-    if strategy == "uniform_shrink":
-        _no_opts(strategy, opts, ())
-        return uniform_shrink(ref, budget_fraction)
-    if strategy == "late_dim_decay":
-        _no_opts(strategy, opts, ("decay", "keep_layers"))
-        if "keep_layers" in opts:
-            opts["keep_layers"] = int(opts["keep_layers"])
-        return late_dim_decay(ref, budget_fraction, **opts)
-    if strategy == "front_loaded_heads":
-        _no_opts(strategy, opts, ("max_heads",))
-        return front_loaded_heads(ref, budget_fraction, **opts)
-    if strategy == "custom":
-        _no_opts(strategy, opts, ("layers", "profile"))
-        return custom_budget(ref, budget_fraction, **opts)
-    raise BudgetError(f"unknown budget strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-
-
-def _no_opts(strategy: str, opts: dict[str, Any], allowed: tuple[str, ...]) -> None:
-    bad = sorted(set(opts) - set(allowed))
-    if bad:
+        strategy, _, rest = strategy.partition(":")
+        opts = {**parse_budget_spec(f"{strategy}:{budget_fraction or 1}:{rest}")[2], **opts}
+    build, allowed = {
+        "uniform_shrink": (uniform_shrink, ()), "late_dim_decay": (late_dim_decay, ("decay", "keep_layers")),
+        "front_loaded_heads": (front_loaded_heads, ("max_heads",)),
+        "custom": (custom_budget, ("layers", "profile")),
+    }.get(strategy, (None, ()))
+    if build is None:
+        raise BudgetError(f"unknown budget strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if bad := sorted(set(opts) - set(allowed)):
         hint = f" (it takes {', '.join(allowed)})" if allowed else " (it takes none)"
         raise BudgetError(f"strategy {strategy} does not take option(s) {', '.join(bad)}{hint}")
+    if "keep_layers" in opts:
+        opts["keep_layers"] = int(opts["keep_layers"])
+    return build(ref, budget_fraction, **opts)
 
 
 # ---------------------------------------------------------------------- spec parsing
@@ -406,15 +326,13 @@ def parse_budget_spec(spec: str) -> tuple[str, float | None, dict[str, Any]]:
 
     >>> parse_budget_spec("late_dim_decay:0.5:decay=geometric:keep=2")
     ('late_dim_decay', 0.5, {'decay': 'geometric', 'keep_layers': 2})
-    >>> parse_budget_spec("custom:4x32/4x32")
-    ('custom', None, {'layers': '4x32/4x32'})
     """
     kind, _, rest = spec.strip().partition(":")
     if kind not in STRATEGIES:
         raise BudgetError(f"unknown budget strategy {kind!r} in {spec!r}; choose from {', '.join(STRATEGIES)}")
     fraction: float | None = None
     opts: dict[str, Any] = {}
-    for part in [p for p in rest.split(":") if p] if rest else []:
+    for part in filter(None, rest.split(":")):
         if "=" in part:
             key, _, value = part.partition("=")
             if key not in _OPTION_ALIASES:

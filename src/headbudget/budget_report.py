@@ -3,7 +3,7 @@ implies (``headbudget schedule --budget ... --strategy ...`` prints it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from headbudget.accounting import count_parameters, flops_per_token
@@ -26,24 +26,17 @@ class BudgetReport:
     reference_flops_per_token: int
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        d = asdict(self)
-        d["per_layer_width"] = list(self.per_layer_width)
-        return d
+        return dict(asdict(self), per_layer_width=list(self.per_layer_width))
 
     def format(self) -> str:
-        return (
-            f"{self.name}: D={self.budget} ({self.fraction:.3f} of {self.reference_budget}), "
-            f"attention params {self.attention_params:,} (ref {self.reference_attention_params:,}), "
-            f"total params {self.total_params:,}, FLOPs/token {self.flops_per_token:,} "
-            f"(ref {self.reference_flops_per_token:,})"
-        )
+        return (f"{self.name}: D={self.budget} ({self.fraction:.3f} of {self.reference_budget}), "
+                f"attention params {self.attention_params:,} (ref {self.reference_attention_params:,}), "
+                f"total params {self.total_params:,}, FLOPs/token {self.flops_per_token:,} "
+                f"(ref {self.reference_flops_per_token:,})")
 
 
-def budget_report(
-    schedule: HeadSchedule, reference: HeadSchedule, vocab_size: int, n_positions: int, context: int | None = None
-) -> BudgetReport:
+def budget_report(schedule: HeadSchedule, reference: HeadSchedule, vocab_size: int, n_positions: int,
+                  context: int | None = None) -> BudgetReport:
     """Budget, parameters and forward FLOPs/token of ``schedule`` next to ``reference``.
 
     >>> from headbudget.budget import reference_schedule, uniform_shrink
@@ -53,23 +46,17 @@ def budget_report(
     """
     ctx = n_positions if context is None else context
     p = count_parameters(schedule, vocab_size, n_positions)
-    pr = count_parameters(reference, vocab_size, n_positions)
     return BudgetReport(
-        name=schedule.name,
-        budget=schedule.budget,
-        reference_budget=reference.budget,
-        fraction=schedule.budget / reference.budget,
-        per_layer_width=tuple(s.width for s in schedule.layers),
+        name=schedule.name, budget=schedule.budget, reference_budget=reference.budget,
+        fraction=schedule.budget / reference.budget, per_layer_width=tuple(s.width for s in schedule.layers),
         attention_params=p.attention,
-        reference_attention_params=pr.attention,
-        total_params=p.total,
-        flops_per_token=int(flops_per_token(schedule, vocab_size, ctx)["total"]),
-        reference_flops_per_token=int(flops_per_token(reference, vocab_size, ctx)["total"]),
-    )
+        reference_attention_params=count_parameters(reference, vocab_size, n_positions).attention,
+        total_params=p.total, flops_per_token=int(flops_per_token(schedule, vocab_size, ctx)["total"]),
+        reference_flops_per_token=int(flops_per_token(reference, vocab_size, ctx)["total"]))
 
 
 def budget_step(schedule: HeadSchedule, strategy: str) -> int:
-    """The granularity the strategy moves the budget in: the target is met within this (see module doc)."""
+    """The granularity ``strategy`` moves the budget in: the target is met within it (docs/allocation.md)."""
     if strategy == "front_loaded_heads":
         return max(s.head_dim for s in schedule.layers)
     return max(s.n_heads * schedule.head_dim_multiple for s in schedule.layers)

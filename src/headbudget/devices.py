@@ -4,7 +4,6 @@
     >>> from headbudget.devices import resolve_device, resolve_dtype
     >>> resolve_dtype("bfloat16"), resolve_device("cpu")
     (torch.bfloat16, device(type='cpu'))
-
 """
 
 from __future__ import annotations
@@ -14,16 +13,13 @@ import os
 
 import torch
 
-#: ``--dtype`` / ``dtype=`` values (lm-eval's hf backend takes the same names); "auto" keeps the
-#: checkpoint's own float type
+#: ``--dtype`` / ``dtype=`` values (lm-eval's hf backend takes the same names); "auto": the checkpoint's own
 DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32,
                                          "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# --------------------------------------------------------------------------- dtype and device
 def resolve_dtype(value: str | torch.dtype | None, flag: str = "--dtype") -> torch.dtype | None:
-    """The torch dtype of a ``--dtype`` flag or a ``dtype=`` model argument; None for "auto" (or
-    None): the checkpoint's own float type, as transformers loads it.
+    """The torch dtype of a ``--dtype`` flag or ``dtype=`` argument; None ("auto" or None): the checkpoint's.
 
         >>> resolve_dtype("bfloat16"), resolve_dtype("auto"), resolve_dtype(torch.float16)
         (torch.bfloat16, None, torch.float16)
@@ -39,11 +35,8 @@ def resolve_dtype(value: str | torch.dtype | None, flag: str = "--dtype") -> tor
 
 
 def resolve_device(device: str | torch.device | None, flag: str = "--device") -> torch.device:
-    """The device every command runs on: ``device`` when given (cpu, cuda, cuda:N), else cuda when
-    available, else cpu.
+    """``device`` when given (cpu, cuda, cuda:N), else cuda when available, else cpu.
 
-        >>> resolve_device("cpu")
-        device(type='cpu')
         >>> resolve_device(None)          # on a machine with a GPU       # doctest: +SKIP
         device(type='cuda')
     """
@@ -63,13 +56,10 @@ __all__ = ["DTYPES", "resolve_device", "resolve_dtype"]
 
 # --------------------------------------------------------------------------- training precision
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX-512 BF16). Without it torch
-    emulates bf16: measured here on an AVX2-only EPYC, a bf16-autocast MiniLM training step took
-    66-76 s against 4.6-5.2 s in fp32; on an AMX CPU the same autocast ran SmolLM2 distillation 2.2x
-    faster than fp32.
-
-    ``HEADBUDGET_CPU_BF16=0`` (or ``1``) in the environment overrides the probe, so that ``auto`` means
-    the same precision on every machine (the test suite sets 0: its reference numbers are fp32)."""
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX-512 BF16).  Without it torch emulates
+    bf16: on an AVX2-only EPYC a bf16-autocast MiniLM step took 66-76 s against 4.6-5.2 s in fp32 (an AMX CPU
+    ran SmolLM2 distillation 2.2x faster than fp32).  ``HEADBUDGET_CPU_BF16=0`` (or ``1``) overrides the
+    probe, so ``auto`` means the same precision everywhere (the test suite sets 0: its numbers are fp32)."""
     forced = os.environ.get("HEADBUDGET_CPU_BF16", "").strip()
     if forced in ("0", "1"):
         return forced == "1"
@@ -80,9 +70,8 @@ def cpu_has_native_bf16() -> bool:
 
 
 def cpu_description() -> str:
-    """The CPU a figure was measured on: model name, the widest vector ISA torch's kernels use here,
-    and the core count, e.g. ``'AMD EPYC (AVX512, 2 cores)'``. Losses of a deterministic run can differ
-    in their last bits between ISAs, and tokens/s differ a lot, so benchmark records keep it."""
+    """The CPU a figure was measured on, e.g. ``'AMD EPYC (AVX512, 2 cores)'`` (model, torch's vector ISA,
+    cores): losses can differ in their last bits between ISAs, and tokens/s a lot, so benchmarks keep it."""
     model = "unknown CPU"
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
         for line in cpuinfo:
@@ -93,9 +82,8 @@ def cpu_description() -> str:
 
 
 def use_bf16_autocast(precision: str, device: torch.device, flag: str = "train.precision") -> bool:
-    """Whether a training forward runs under bf16 autocast: ``bf16`` yes, ``fp32`` no, ``auto`` on
-    CUDA and on CPUs with native bf16 (:func:`cpu_has_native_bf16`). An explicit ``bf16`` on a CPU
-    without it warns once (it is emulated, often 10x slower), and is still honoured.
+    """Whether a training forward runs under bf16 autocast: ``bf16`` yes, ``fp32`` no, ``auto`` on CUDA and on
+    CPUs with native bf16; an explicit ``bf16`` on a CPU without it warns (emulated, often 10x slower).
 
         >>> use_bf16_autocast("fp32", torch.device("cpu")), use_bf16_autocast("auto", torch.device("cuda"))
         (False, True)

@@ -1,9 +1,8 @@
 """``headbudget export``: write a model folder as a file another runtime serves (llama.cpp's GGUF).
 
-Opens anything :func:`headbudget.loading.load_model_and_tokenizer` opens (a headbudget model, uniform or
-pruned; a transformers Llama/Mistral/Qwen2 folder; a GGUF file) and writes it with
-:func:`headbudget.models.export_gguf.export_gguf`.  A model read from a GGUF file keeps that file's tokenizer
-metadata unless another tokenizer is named.
+Opens anything :func:`headbudget.loading.load_model_and_tokenizer` opens and writes it with
+:func:`headbudget.models.export_gguf.export_gguf`; a model read from a GGUF file keeps that file's tokenizer
+metadata unless another tokenizer is named.  See docs/export.md.
 
     >>> from headbudget.export import export_model
     >>> result = export_model("runs/smol-pruned/model", "smol-pruned.gguf", outtype="f16")   # doctest: +SKIP
@@ -57,10 +56,8 @@ def export_model(model: str | os.PathLike, out: str | os.PathLike, *, fmt: str =
 
 
 def _dense_gguf_kv(src: Any, dtype: Any) -> tuple[int, str] | None:
-    """llama.cpp's KV-cache bytes per token of the dense model a pruned one came from, and the file that says
-    so: the ``report.json`` ``headbudget prune`` wrote beside ``model/`` (its ``gguf_kv_cache_bytes_per_token``
-    before pruning; in an older report, headbudget's ``kv_cache_bytes_per_token`` at the model's dtype
-    recounted at llama.cpp's f16: a dense model has equal groups, so nothing is duplicated)."""
+    """llama.cpp's KV-cache bytes per token of the dense model a pruned one came from, and the prune
+    ``report.json`` that says so (an older report's ``kv_cache_bytes_per_token``, recounted at f16)."""
     import torch
 
     from headbudget.models.export_gguf import LLAMACPP_CACHE_BYTES

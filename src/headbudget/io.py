@@ -1,11 +1,8 @@
 """Files in and out: atomic writes, and the one text and JSONL reader.
 
-Writes go to a temp file in the same folder, then ``os.replace``.
-
-Nothing half-written is ever left at the target path, even if the process dies mid-write, and a
-failed write removes its temporary file.  Written files and folders get the permissions an ordinary
-``open``/``mkdir`` would give them under the user's umask (``tempfile`` alone would make them 0600/0700,
-and so does safetensors for ``model.safetensors``): :func:`follow_umask`.
+Writes go to a temporary sibling, then ``os.replace``: nothing half-written is ever left at the target path,
+and a failed write removes its temporary file.  Written files and folders follow the user's umask
+(:func:`follow_umask`; ``tempfile`` and safetensors alone would make them 0600/0700).
 
     >>> from headbudget.io import atomic_write_json
     >>> p = atomic_write_json("/tmp/headbudget-io-example.json", {"ok": True})
@@ -42,9 +39,8 @@ _NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_I
 
 
 def regular_file(path: str | os.PathLike, error: type[Exception] = ValueError) -> Path:
-    """``path`` if it is a regular file (a symbolic link to one is), else ``error`` naming what it is: opening
-    a FIFO blocks until a writer comes, a device never ends, so a model folder, tokenizer or checkpoint file
-    is refused before it is opened.  A missing file is the ``FileNotFoundError`` of ``os.stat``.
+    """``path`` if it is a regular file (or a link to one), else ``error`` naming what it is (a FIFO blocks
+    ``open``, a device never ends); a missing file is ``os.stat``'s ``FileNotFoundError``.
 
     >>> regular_file("runs/demo/model/config.json")   # a FIFO: "...config.json: a FIFO, not a regular file; ..."
     PosixPath('runs/demo/model/config.json')
@@ -72,8 +68,7 @@ def current_umask() -> int:
 
 
 def follow_umask(path: str | os.PathLike) -> Path:
-    """Give ``path`` (a file, or a folder and everything in it) the mode a plain ``open``/``mkdir`` would:
-    0666/0777 minus the umask.
+    """Give ``path`` (a file, or a folder and all in it) a plain ``open``/``mkdir``'s mode: 0666/0777 - umask.
 
     >>> follow_umask("runs/demo/model")   # after save_pretrained, whose model.safetensors is 0600
     PosixPath('runs/demo/model')
@@ -84,12 +79,9 @@ def follow_umask(path: str | os.PathLike) -> Path:
     if path.is_dir() and not path.is_symlink():
         os.chmod(path, dir_mode)
         for root, dirs, files in os.walk(path):
-            for name in dirs:
-                if not os.path.islink(os.path.join(root, name)):
-                    os.chmod(os.path.join(root, name), dir_mode)
-            for name in files:
-                if not os.path.islink(os.path.join(root, name)):
-                    os.chmod(os.path.join(root, name), file_mode)
+            for name, mode in [*((d, dir_mode) for d in dirs), *((f, file_mode) for f in files)]:
+                if not os.path.islink(entry := os.path.join(root, name)):
+                    os.chmod(entry, mode)
     elif path.is_file() and not path.is_symlink():
         os.chmod(path, file_mode)
     return path
@@ -113,8 +105,8 @@ def _temp_prefix(path: Path) -> str:
 
 
 def remove_dead_temporaries(path: str | os.PathLike) -> list[Path]:
-    """Remove the temporary siblings of ``path`` left by writers that died (``kill -9`` mid-write): a killed
-    GGUF export leaves hundreds of MB.  Live writers' files stay.  Returns what was removed.
+    """Remove (and return) the temporary siblings of ``path`` left by dead writers (a killed GGUF export
+    leaves hundreds of MB); live writers' files stay.
 
     >>> remove_dead_temporaries("runs/m.gguf")   # [PosixPath('runs/.m.gguf.4242-k2j9x0ab.tmp')] after a kill
     []
@@ -172,10 +164,9 @@ _FULL_BELOW = 16 << 20
 
 
 def as_os_error(exc: BaseException, path: str | os.PathLike) -> OSError | None:
-    """The OSError behind a failed write to ``path``, when the writer hid it: safetensors and tokenizers
-    (Rust) say ``... (os error 28)``, torch's zip writer ``[enforce fail at inline_container.cc] ...`` with
-    no reason (then a nearly full file system means ENOSPC).  None when it is not a write failure.
-    Call it before removing the partial output, which frees the space.
+    """The OSError behind a failed write to ``path`` when the writer hid it (Rust's ``... (os error 28)``;
+    torch's reasonless ``inline_container.cc`` failure on a nearly full disk is ENOSPC), else None.  Call it
+    before removing the partial output, which frees the space.
 
     >>> as_os_error(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"), "m")
     OSError(28, 'No space left on device')
@@ -208,6 +199,35 @@ def atomic_write_json(path: str | os.PathLike, data: Any, indent: int = 2) -> Pa
     return atomic_write_text(path, json.dumps(data, indent=indent) + "\n")
 
 
+def _atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], folder: bool) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(path)
+    if folder:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp"))
+    else:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        write(tmp)
+        follow_umask(tmp)  # mkstemp/mkdtemp made it 0600/0700
+        if folder and path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        hidden = as_os_error(exc, path)  # before the cleanup frees the space
+        if folder:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        if hidden is not None and hidden is not exc:
+            raise hidden from exc
+        _name_the_target(exc, tmp, path)
+        raise
+    return path
+
+
 def atomic_write_file(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
     """Write one file through ``write(tmp)`` (a temporary sibling path), then move it to ``path``, so a
     failure (or Ctrl-C) never leaves a half-written file there.
@@ -215,24 +235,7 @@ def atomic_write_file(path: str | os.PathLike, write: Callable[[Path], Any]) -> 
     >>> atomic_write_file("/tmp/headbudget-io.bin", lambda p: p.write_bytes(b"GGUF"))
     PosixPath('/tmp/headbudget-io.bin')
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temporaries(path)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        follow_umask(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except BaseException as exc:
-        hidden = as_os_error(exc, path)  # before the cleanup frees the space
-        tmp.unlink(missing_ok=True)
-        if hidden is not None and hidden is not exc:
-            raise hidden from exc
-        _name_the_target(exc, tmp, path)
-        raise
-    return path
+    return _atomic_write(path, write, folder=False)
 
 
 def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
@@ -241,24 +244,7 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
     >>> atomic_write_dir("/tmp/headbudget-io-model", lambda d: (d / "config.json").write_text("{}"))
     PosixPath('/tmp/headbudget-io-model')
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temporaries(path)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp"))
-    try:
-        write(tmp)
-        follow_umask(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        hidden = as_os_error(exc, path)  # before the cleanup frees the space
-        shutil.rmtree(tmp, ignore_errors=True)
-        if hidden is not None and hidden is not exc:
-            raise hidden from exc
-        _name_the_target(exc, tmp, path)
-        raise
-    return path
+    return _atomic_write(path, write, folder=True)
 
 
 def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -268,8 +254,7 @@ def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
     fig = Figure(*args, **kwargs)
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    return fig, ax
+    return fig, fig.subplots()
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
@@ -303,14 +288,11 @@ def _not_utf8(path: str | os.PathLike, raw: bytes, exc: UnicodeDecodeError, base
 
 def read_text(source: str | os.PathLike, *, hf_config: str | None = None, split: str = "test",
               column: str = "text", flag: str = "--data") -> str:
-    """The text of a UTF-8 file, or of a Hugging Face dataset ``name[:config]`` (its ``column`` joined with
-    blank lines, as the HF perplexity guide's ``"\\n\\n".join(ds["text"])``).
+    """The text of a UTF-8 file (else :class:`NotUTF8Error`), or of a Hugging Face dataset ``name[:config]``
+    (its ``column`` joined with blank lines, as the HF perplexity guide does).  A source that looks like a
+    path (a suffix, a leading ``.``, ``/`` or ``~``, a folder) is never looked up as a dataset: a
+    ``FileNotFoundError`` naming ``flag``.
 
-    A source that looks like a path (has a suffix, starts with ``.``, ``/`` or ``~``, or is a folder) and
-    is not a file is a ``FileNotFoundError`` naming ``flag`` and the path; it is never looked up as a
-    dataset.  Another encoding than UTF-8 is a :class:`NotUTF8Error`.
-
-    >>> read_text("corpus.txt")     # a latin-1 file: "corpus.txt: not UTF-8 text (byte 0xe9 at offset 41, line 2)"
     >>> read_text("wikitext:wikitext-2-raw-v1")[:4]                  # doctest: +SKIP
     ' = V'
     """
@@ -349,17 +331,11 @@ def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
             offset += len(raw)
 
 
-def iter_jsonl(path: str | os.PathLike, *, error: type[ValueError] = ValueError
-               ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line_number, row)`` for each non-blank line of a JSONL file whose every line is a JSON object.
-
-    A line that is not JSON, or not an object, raises ``error`` (the caller's ``ValueError`` subclass)
-    naming ``path:line``; bytes that are not UTF-8 raise :class:`NotUTF8Error`.
-
-    >>> list(iter_jsonl("rows.jsonl"))     # '{"a": 1}\\n\\n[2]\\n'
-    Traceback (most recent call last):
-    ValueError: rows.jsonl:3: expected a JSON object, got list
-    """
+def iter_jsonl(path: str | os.PathLike, *,
+               error: type[ValueError] = ValueError) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line_number, row)`` for each non-blank line of a JSONL file; a line that is not a JSON object raises
+    ``error`` (the caller's ``ValueError`` subclass) naming ``path:line`` (``rows.jsonl:3: expected a JSON
+    object, got list``); bytes that are not UTF-8 raise :class:`NotUTF8Error`."""
     for lineno, line in iter_text_lines(path):
         if not line.strip():
             continue

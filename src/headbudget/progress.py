@@ -1,10 +1,8 @@
 """The one progress bar of headbudget (:class:`ProgressBar`, a ``tqdm.auto.tqdm``), wherever it writes.
 
-On a terminal (or in a notebook) it is tqdm as ever: one line redrawn in place.  Written to a file or a pipe
-(``headbudget quickstart 2> log``, a batch job's log) tqdm's in-place updates are ``\\r``-separated copies of the
-line, several a second: hundreds of KB a run that a log reader shows as one endless line.  There it prints a
-plain, newline-terminated line when the bar starts, at most every :data:`PLAIN_INTERVAL_S` seconds after, and
-its final state when it closes.
+On a terminal (or in a notebook) it is tqdm as ever.  Written to a file or a pipe, tqdm's in-place updates
+would be ``\\r``-separated copies of the line, several a second (one endless line of hundreds of KB); there it
+prints a plain line when the bar starts, at most every :data:`PLAIN_INTERVAL_S` seconds after, and at close.
 
     >>> from headbudget.progress import ProgressBar as tqdm    # a drop-in for ``from tqdm.auto import tqdm``
     >>> for _ in tqdm(range(3), desc="demo", disable=True):
@@ -31,19 +29,16 @@ PLAIN_INTERVAL_S = 30.0
 _NOTEBOOK = any(c.__module__ == "tqdm.notebook" for c in _auto_tqdm.__mro__)
 
 
-def _is_terminal(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
 class ProgressBar(_auto_tqdm):  # type: ignore[misc,valid-type]
-    """``tqdm.auto.tqdm`` that writes plain lines at a modest interval off a terminal (module docstring)."""
+    """``tqdm.auto.tqdm`` that writes plain lines at a modest interval off a terminal."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         stream = kwargs.get("file")
-        self._plain = not _NOTEBOOK and not _is_terminal(sys.stderr if stream is None else stream)
+        try:
+            terminal = bool((sys.stderr if stream is None else stream).isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            terminal = False
+        self._plain = not _NOTEBOOK and not terminal
         self._plain_t: float | None = None  # when the last plain line was written
         self._plain_n: float | None = None  # and at which count
         self._plain_closing = False

@@ -1,24 +1,12 @@
 """The output folder of a command: checked before the work starts, never silently replaced, one writer.
 
 Every command that writes a folder (``train``, ``compare``, ``quickstart``, ``finetune``, ``prune``,
-``prune-compare``, ``compress``, ``experiment``) enters :func:`claim_output_dir` before its work:
-
-* a path that is a file, or lies under one, or a folder that cannot be created or written to is one
-  :class:`OutputDirError` line before anything is computed;
-* a folder that holds another run's results (:func:`previous_results`) is refused in one line naming
-  them and the ways out (``--resume`` where the command has it, ``--overwrite``, another folder);
-  ``overwrite=True`` deletes those results first;
-* one writer per folder: ``.headbudget.lock`` holds the writer's pid and host under an exclusive
-  ``flock``; a second writer is refused in one line naming them; the kernel drops the ``flock`` when its
-  process dies, so the lock of a dead (even ``kill -9``-ed) writer is simply taken over.  The lock file is
-  removed on exit, and so is a folder the claim created that stayed empty;
-* an output that is one of the command's inputs, contains one or lies inside one (real paths, symlinks
-  followed) is refused in one line before anything is written (:func:`check_not_an_input`);
-* ``overwrite=True`` never deletes first: the new results are written beside the old ones (the block gets a
-  staging folder) and swapped in only when the block ends without error, so a failure or a kill mid-run
-  leaves the old results as they were;
-* temporary files of a dead writer (the lock says the writer is dead) are removed by the next claim and never
-  count as results: interrupted atomic writes, a staging folder, an interrupted swap (rolled back).
+``prune-compare``, ``compress``, ``experiment``) enters :func:`claim_output_dir` before its work: an unusable
+path, an output that is (or contains, or lies in) one of the inputs, another run's results without
+``--overwrite``/``--resume``, or a live second writer (an exclusive ``flock`` on ``.headbudget.lock``, which
+the kernel drops when its writer dies) is one :class:`OutputDirError` line before anything is computed.
+``overwrite=True`` stages the new results and swaps them in only on success; a dead writer's temporaries are
+removed by the next claim.  See docs/training.md.
 
     >>> from headbudget.run_dir import claim_output_dir
     >>> with claim_output_dir("/tmp/headbudget-run-example", overwrite=True, inputs={"MODEL": "runs/prism"}) as out:
@@ -45,8 +33,7 @@ from headbudget.io import atomic_write_text, pid_alive
 
 LOCK_NAME = ".headbudget.lock"
 
-#: entries any headbudget command writes into its output folder (a run, a comparison, a pruned or
-#: compressed model, an experiment); a sub-folder holding one of them (compare's ``prism-seed0/``) counts too
+#: what headbudget commands write into an output folder; a sub-folder holding one (``prism-seed0/``) counts
 RESULT_NAMES = frozenset({
     "summary.json", "metrics.jsonl", "checkpoints", "model", "config.yaml", "tokenizer", "tensorboard",
     "compare.json", "compare.md", "report.json", "report.md", "details.json", "timings.json", "attention.json",
@@ -60,12 +47,10 @@ class OutputDirError(ValueError):
     """An output path that cannot be used (one line: the flag, the path and what is wrong)."""
 
 
-#: where ``overwrite`` writes the new results (inside the claimed folder, under its lock) and where the old ones
-#: wait while the two are swapped; the swap's journal names the staged entries
+#: where ``overwrite`` stages the new results, where the old ones wait during the swap, and the swap's journal
 STAGING_NAME, REPLACED_NAME, SWAP_JOURNAL = ".headbudget-new.tmp", ".headbudget-old.tmp", ".headbudget-swap.json"
 
-#: a temporary file or folder of :mod:`headbudget.io`'s atomic writes (``.model.<pid>-<random>.tmp``, and the
-#: ``.model.<random>.tmp`` of earlier releases) or of a claim (staging, replaced results, swap journal)
+#: an atomic write's temporary (``.model.<pid>-<random>.tmp``; ``.model.<random>.tmp`` of earlier releases)
 _TEMP = re.compile(r"^\..+\.(\d+-)?[a-z0-9_]{8}\.tmp$")
 
 
@@ -114,9 +99,8 @@ def _reason(exc: OSError) -> str:
 
 def check_output_file(path: str | os.PathLike, flag: str = "--json",
                       inputs: Mapping[str, object] | None = None) -> Path:
-    """Refuse, before any work, an output file that cannot be written: one of the command's ``inputs``
-    (:func:`check_not_an_input`), a folder at ``path``, a file where a parent folder should be, or a folder
-    nothing can be created in.  Creates nothing.
+    """Refuse, before any work, an output file that cannot be written (one of the ``inputs``, a folder, under
+    a file, in a read-only folder).  Creates nothing.
 
     >>> check_output_file("results/eval.json", inputs={"MODEL": "runs/prism/model"})
     PosixPath('results/eval.json')
@@ -137,15 +121,6 @@ def check_output_file(path: str | os.PathLike, flag: str = "--json",
     return path
 
 
-def _input_paths(inputs: Mapping[str, object]) -> Iterator[tuple[str, str]]:
-    """(flag, path) for every input that names something on disk (hub names, ``synthetic:N`` are skipped)."""
-    for flag, value in inputs.items():
-        values = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
-        for v in values:
-            if isinstance(v, (str, os.PathLike)) and str(v) and os.path.lexists(v):
-                yield flag, os.fspath(v)
-
-
 def _within(inner: str, outer: str) -> bool:
     """Is real path ``inner`` ``outer`` itself or below it (path components, not string prefixes)?"""
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
@@ -153,53 +128,35 @@ def _within(inner: str, outer: str) -> bool:
 
 def check_not_an_input(out: str | os.PathLike, inputs: Mapping[str, object] | None,
                        flag: str = "--out") -> None:
-    """Refuse an output ``out`` that is one of ``inputs`` (flag -> path, list of paths or None), contains one or
-    lies inside one: writing (or ``--overwrite`` replacing) it would destroy what the command reads.  Real
-    paths are compared, so a symlink to the input is the input.  Creates nothing.
+    """Refuse an output ``out`` that is, contains or lies inside one of ``inputs`` (flag -> path(s) or None),
+    real paths compared (a symlink to the input is the input): writing it would destroy what is read.
 
     >>> check_not_an_input("runs/m", {"MODEL": "runs/m", "--data": "text.txt"})
     Traceback (most recent call last):
     OutputDirError: --out runs/m is the MODEL runs/m: choose another --out
     """
     target = os.path.realpath(out)
-    for name, path in _input_paths(inputs or {}):
-        real = os.path.realpath(path)
-        if real == target:
-            how = "is"
-        elif _within(real, target):
-            how = "contains"
-        elif _within(target, real):
-            how = "lies inside"
-        else:
-            continue
-        shown = path if os.path.realpath(path) == os.path.abspath(path) else f"{path} (= {real})"
-        raise OutputDirError(f"{flag} {out} {how} the {name} {shown}: choose another {flag}")
-
-
-def _read_holder(lock: Path) -> dict:
-    try:
-        return json.loads(lock.read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
-
-
-def _describe(holder: dict) -> str:
-    who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
-    return f"{who}, {holder['command']}" if holder.get("command") else who
+    for name, value in (inputs or {}).items():
+        for path in value if isinstance(value, (list, tuple, set, frozenset)) else [value]:
+            if not (isinstance(path, (str, os.PathLike)) and str(path) and os.path.lexists(path)):
+                continue  # None, a hub name, synthetic:N
+            path, real = os.fspath(path), os.path.realpath(path)
+            how = ("is" if real == target else "contains" if _within(real, target)
+                   else "lies inside" if _within(target, real) else None)
+            if how is not None:
+                shown = path if real == os.path.abspath(path) else f"{path} (= {real})"
+                raise OutputDirError(f"{flag} {out} {how} the {name} {shown}: choose another {flag}")
 
 
 @contextlib.contextmanager
 def claim_output_dir(path: str | os.PathLike, *, flag: str = "--out", command: str = "",
                      resume: bool | None = None, overwrite: bool = False, keep: tuple[str, ...] = (),
                      inputs: Mapping[str, object] | None = None) -> Iterator[Path]:
-    """Check, lock and claim the output folder ``path`` for the duration of the block; yields the folder to
-    write into.
+    """Check, lock and claim the output folder ``path`` for the block; yields the folder to write into.
 
-    ``inputs`` (flag -> path or paths) are what the command reads: an output that is, contains or lies in one
-    is refused first.  ``resume`` is None for commands that cannot continue a run (the refusal then names only
-    ``--overwrite`` and another folder); True lets a folder with results through (the command continues
-    them).  ``overwrite`` with results present yields a staging folder inside ``path``; its entries replace the
-    old results when the block ends without error (on an error it is removed and the old results stay).
+    ``inputs``: flag -> path(s) the command reads (:func:`check_not_an_input`).  ``resume`` is None for
+    commands that cannot continue a run; True lets a folder with results through.  ``overwrite`` with results
+    present yields a staging folder whose entries replace the old results when the block ends without error.
     ``keep`` names entries that are never results nor replaced (quickstart's ``data-cache``).
 
     >>> with claim_output_dir("runs/prism", command="headbudget train", resume=False) as out:
@@ -323,23 +280,24 @@ def _lock(lock: Path, path: Path, flag: str, created: bool) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = _read_holder(lock)
+            try:
+                holder = json.loads(lock.read_text() or "{}")
+            except (OSError, ValueError):
+                holder = {}
             # EAGAIN/EACCES: another writer holds the flock; any other error: no flock on this filesystem,
             # then the recorded pid decides (same host only)
             if exc.errno in (errno.EAGAIN, errno.EACCES) or (
                     holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
                     and holder["pid"] != os.getpid() and pid_alive(holder["pid"])):
                 os.close(fd)
-                raise OutputDirError(
-                    f"{flag} {path} is being written by another headbudget process ({_describe(holder)}; lock "
-                    f"{lock}): wait for it to end or choose another {flag}") from None
+                who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+                who += f", {holder['command']}" if holder.get("command") else ""
+                raise OutputDirError(f"{flag} {path} is being written by another headbudget process ({who}; "
+                                     f"lock {lock}): wait for it to end or choose another {flag}") from None
             return fd
-        try:
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
+        with contextlib.suppress(FileNotFoundError):
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                return fd
         os.close(fd)
     raise OutputDirError(f"{flag} {path}: the lock {lock} keeps changing; is another process writing there?")
 

@@ -1,9 +1,6 @@
 """Schedule specs: the names a schedule is given on the command line and in configs, read into a
-:class:`~headbudget.schedules.HeadSchedule` for a preset.
-
-This module sits above :mod:`headbudget.schedules` (types and generators) and :mod:`headbudget.budget`
-(budgeted strategies, and the parser of their ``KIND:FRACTION[:OPT=VAL]`` form); it imports both and
-neither imports it, so the spec parser has one home and no import circle.
+:class:`~headbudget.schedules.HeadSchedule` for a preset.  This module sits above :mod:`headbudget.schedules`
+and :mod:`headbudget.budget` (neither imports it), so the spec parser has one home and no import circle.
 
     >>> schedule_from_spec("uniform@128", "cpu-small").heads
     (2, 2, 2, 2, 2, 2)
@@ -19,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from headbudget.budget import STRATEGIES, BudgetError, budgeted_schedule, fit_integer_total, parse_budget_spec
+from headbudget.budget import STRATEGIES, budgeted_schedule, fit_integer_total, parse_budget_spec
 from headbudget.schedules import (
     HeadSchedule,
     LayerSpec,
@@ -34,8 +31,7 @@ from headbudget.schedules import (
     uniform_head_dim,
 )
 
-# Kinds of schedule a user can name on the command line / in configs.  Each takes the preset and
-# keyword options; ``register_schedule_kind`` lets other code add more.
+# Kinds of schedule a user can name: ``fn(preset, **options)``; ``register_schedule_kind`` adds more.
 ScheduleFactory = Callable[..., HeadSchedule]
 SCHEDULE_KINDS: dict[str, ScheduleFactory] = {}
 
@@ -88,8 +84,8 @@ def _kind_linear(p: ModelPreset, max_head_dim: int | None = None, min_head_dim: 
 def _budget_kind(strategy: str) -> ScheduleFactory:
     """The kind ``strategy`` (``uniform_shrink``, ...): ``budget=`` or ``spec_arg="0.75[:OPT=VAL]"``."""
 
-    def factory(p: ModelPreset, budget: float | None = None, spec_arg: str | None = None, **options: Any
-                ) -> HeadSchedule:
+    def factory(p: ModelPreset, budget: float | None = None, spec_arg: str | None = None,
+                **options: Any) -> HeadSchedule:
         known = {k: v for k, v in options.items() if k in ("decay", "keep_layers", "max_heads", "layers", "profile")}
         if spec_arg:
             _, fraction, opts = parse_budget_spec(f"{strategy}:{spec_arg}")
@@ -109,13 +105,9 @@ for _strategy in STRATEGIES:
 
 
 def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> HeadSchedule:
-    """Build a schedule from its command-line name for a preset.
-
-    ``spec`` is a registered kind (``uniform``, ``prism``, ``reverse``, ``linear``, the budgeted
-    strategies ...), ``uniform@HEAD_DIM`` (a uniform control at a given head width), a comma list of
-    head counts, the budget form ``KIND:FRACTION[:OPT=VAL]`` (see :mod:`headbudget.budget`),
-    ``from:DIR`` (the layout of a saved headbudget model, e.g. a pruned one) or ``from:DIR:neutral``
-    (that head profile re-widened to the dense model's attention budget, see :func:`schedule_from_model`).
+    """Build a schedule from its command-line name for a preset: a registered kind (``uniform``, ``prism``,
+    ...), ``uniform@HEAD_DIM``, a comma list of head counts, the budget form ``KIND:FRACTION[:OPT=VAL]``, or
+    ``from:DIR[:neutral]`` (a saved model's layout, :func:`schedule_from_model`).
 
     >>> schedule_from_spec("late_dim_decay:0.5:decay=geometric:keep=2", "cpu-small").head_dims
     (64, 64, 32, 16, 8, 8)
@@ -131,10 +123,7 @@ def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> 
             raise ScheduleError(f"{path}: its schedule is {sched.n_layers} layers x d_model {sched.d_model}, "
                                 f"preset {p.name} is {p.n_layers} x {p.d_model}")
         return sched
-    if ":" in spec:
-        name = spec.partition(":")[0]
-        if name not in STRATEGIES:
-            raise BudgetError(f"unknown budget strategy {name!r} in {spec!r}; choose from {', '.join(STRATEGIES)}")
+    if ":" in spec:  # parse_budget_spec names an unknown strategy
         kind, fraction, opts = parse_budget_spec(spec)
         sched = budgeted_schedule(p, fraction, kind, **{**options, **opts})
     elif spec in SCHEDULE_KINDS:
@@ -148,10 +137,8 @@ def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> 
     elif "," in spec or spec.isdigit():
         sched = from_list(spec, p.d_model, p.n_layers)
     else:
-        raise ScheduleError(
-            f"unknown schedule {spec!r}; use one of {', '.join(SCHEDULE_KINDS)}, uniform@HEAD_DIM, "
-            "or a comma list of head counts"
-        )
+        raise ScheduleError(f"unknown schedule {spec!r}; use one of {', '.join(SCHEDULE_KINDS)}, "
+                            "uniform@HEAD_DIM, or a comma list of head counts")
     if sched.n_layers != p.n_layers:
         raise ScheduleError(f"schedule has {sched.n_layers} layers but preset {p.name} has {p.n_layers}")
     return sched
@@ -160,10 +147,9 @@ def schedule_from_spec(spec: str, preset: ModelPreset | str, **options: Any) -> 
 def schedule_from_model(directory: str, neutral: bool = False) -> HeadSchedule:
     """The schedule a saved headbudget model has (heads kept per layer, kv groups, widths).
 
-    ``neutral=True`` keeps every layer's head and kv-head counts but re-widens the heads, with one
-    head_dim for all layers as far as the multiple allows, so the attention budget D = sum(heads x
-    head_dim) equals the dense model's again (recorded at the first pruning as ``dense_budget``;
-    else layers x d_model).  For multi-head attention that makes the parameters equal the dense model's.
+    ``neutral=True`` keeps the head and kv-head counts but re-widens the heads to one shared head_dim (as
+    far as the multiple allows) so that D = sum(heads x head_dim) equals the dense model's again
+    (``dense_budget``, recorded at the first pruning; else layers x d_model).
 
         >>> schedule_from_model("runs/pruned/model").heads          # doctest: +SKIP
         (2, 3, 3, 5, 6, 6)

@@ -1,18 +1,13 @@
 """Head schedules: how attention is split into heads in every layer.
 
-A :class:`HeadSchedule` is an immutable list of :class:`LayerSpec` (one per layer) plus the
-model width ``d_model``.  A *neutral* schedule has ``n_heads * head_dim == d_model`` in every
-layer, so its weights have exactly the shapes of the uniform model (identical parameters and
-FLOPs); a non-neutral one (budgeted or pruned) may be narrower.
+A :class:`HeadSchedule` is an immutable list of :class:`LayerSpec` (one per layer) plus ``d_model``.  A
+*neutral* schedule has ``n_heads * head_dim == d_model`` in every layer, so its weights have the shapes of the
+uniform model (identical parameters and FLOPs); a budgeted or pruned one may be narrower.  Command-line
+names (``prism``, ``uniform@128``, ...) are read by :func:`headbudget.schedule_spec.schedule_from_spec`.
 
-    >>> from headbudget.schedules import prism, uniform
+    >>> from headbudget.schedules import prism
     >>> prism(12, 768).heads
     (3, 3, 3, 3, 6, 6, 6, 6, 12, 12, 12, 12)
-    >>> uniform(12, 768, 12).head_dims[0]
-    64
-
-Command-line names of schedules (``prism``, ``uniform@128``, ``late_dim_decay:0.75``, ``from:DIR``) are
-read by :func:`headbudget.schedule_spec.schedule_from_spec`.
 """
 
 from __future__ import annotations
@@ -49,12 +44,10 @@ class LayerSpec:
             object.__setattr__(self, "kv_groups", None if len(set(groups)) == 1 else groups)
             if self.n_kv_heads is None:
                 object.__setattr__(self, "n_kv_heads", len(groups))
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.qk_head_dim is None:
-            object.__setattr__(self, "qk_head_dim", self.head_dim)
-        if self.v_head_dim is None:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
+        for name, default in {"n_kv_heads": self.n_heads, "qk_head_dim": self.head_dim,
+                              "v_head_dim": self.head_dim}.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
 
     @property
     def width(self) -> int:
@@ -68,11 +61,9 @@ class LayerSpec:
 
     def to_dict(self) -> dict[str, int]:
         d = {"n_heads": self.n_heads, "head_dim": self.head_dim, "n_kv_heads": self.n_kv_heads}
-        # Only written when they differ, so ordinary schedules stay short in JSON.
-        if self.qk_head_dim != self.head_dim:
-            d["qk_head_dim"] = self.qk_head_dim
-        if self.v_head_dim != self.head_dim:
-            d["v_head_dim"] = self.v_head_dim
+        # only written when they differ, so ordinary schedules stay short in JSON
+        d.update({k: getattr(self, k) for k in ("qk_head_dim", "v_head_dim")
+                  if getattr(self, k) != self.head_dim})
         if self.kv_groups is not None:
             d["kv_groups"] = list(self.kv_groups)
         return d
@@ -94,13 +85,10 @@ class HeadSchedule:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        layers = tuple(
-            spec if isinstance(spec, LayerSpec) else LayerSpec(**spec) for spec in self.layers
-        )
+        layers = tuple(spec if isinstance(spec, LayerSpec) else LayerSpec(**spec) for spec in self.layers)
         object.__setattr__(self, "layers", layers)
         self.validate()
 
-    # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         if not isinstance(self.d_model, int) or self.d_model <= 0:
             raise ScheduleError(f"d_model must be a positive integer, got {self.d_model!r}")
@@ -115,26 +103,18 @@ class HeadSchedule:
                     raise ScheduleError(f"layer {i}: {name} must be a positive integer, got {value!r}")
             if s.kv_groups is not None:
                 if len(s.kv_groups) != s.n_kv_heads or sum(s.kv_groups) != s.n_heads or min(s.kv_groups) < 1:
-                    raise ScheduleError(
-                        f"layer {i}: kv_groups {list(s.kv_groups)} must list {s.n_kv_heads} positive sizes "
-                        f"summing to n_heads={s.n_heads}"
-                    )
+                    raise ScheduleError(f"layer {i}: kv_groups {list(s.kv_groups)} must list {s.n_kv_heads} "
+                                        f"positive sizes summing to n_heads={s.n_heads}")
             elif s.n_heads % s.n_kv_heads:
-                raise ScheduleError(
-                    f"layer {i}: n_heads={s.n_heads} is not divisible by n_kv_heads={s.n_kv_heads}"
-                )
+                raise ScheduleError(f"layer {i}: n_heads={s.n_heads} is not divisible by "
+                                    f"n_kv_heads={s.n_kv_heads}")
             if s.head_dim % self.head_dim_multiple:
-                raise ScheduleError(
-                    f"layer {i}: head_dim={s.head_dim} is not a multiple of {self.head_dim_multiple} "
-                    "(set head_dim_multiple=1 to allow it)"
-                )
+                raise ScheduleError(f"layer {i}: head_dim={s.head_dim} is not a multiple of "
+                                    f"{self.head_dim_multiple} (set head_dim_multiple=1 to allow it)")
             if self.neutral and s.width != self.d_model:
-                raise ScheduleError(
-                    f"layer {i}: n_heads x head_dim = {s.n_heads} x {s.head_dim} = {s.width} "
-                    f"!= d_model={self.d_model} in a parameter-neutral schedule"
-                )
+                raise ScheduleError(f"layer {i}: n_heads x head_dim = {s.n_heads} x {s.head_dim} = {s.width} "
+                                    f"!= d_model={self.d_model} in a parameter-neutral schedule")
 
-    # ------------------------------------------------------------------ views
     @property
     def n_layers(self) -> int:
         return len(self.layers)
@@ -170,41 +150,26 @@ class HeadSchedule:
         return iter(self.layers)
 
     # ------------------------------------------------------------------ edits (return new schedules)
-    def with_layers(self, layers: Iterable[LayerSpec], *, neutral: bool | None = None, name: str | None = None
-                    ) -> HeadSchedule:
-        return replace(
-            self,
-            layers=tuple(layers),
-            neutral=self.neutral if neutral is None else neutral,
-            name=self.name if name is None else name,
-        )
+    def with_layers(self, layers: Iterable[LayerSpec], *, neutral: bool | None = None,
+                    name: str | None = None) -> HeadSchedule:
+        return replace(self, layers=tuple(layers), neutral=self.neutral if neutral is None else neutral,
+                       name=self.name if name is None else name)
 
     def with_layer(self, index: int, spec: LayerSpec, *, neutral: bool | None = None) -> HeadSchedule:
         layers = list(self.layers)
         layers[index] = spec
         return self.with_layers(layers, neutral=neutral)
 
-    # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "d_model": self.d_model,
-            "neutral": self.neutral,
-            "head_dim_multiple": self.head_dim_multiple,
-            "layers": [s.to_dict() for s in self.layers],
-        }
+        return {"name": self.name, "d_model": self.d_model, "neutral": self.neutral,
+                "head_dim_multiple": self.head_dim_multiple, "layers": [s.to_dict() for s in self.layers]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HeadSchedule:
         try:
             layers = tuple(LayerSpec(**spec) for spec in d["layers"])
-            return cls(
-                d_model=d["d_model"],
-                layers=layers,
-                neutral=d.get("neutral", True),
-                head_dim_multiple=d.get("head_dim_multiple", 8),
-                name=d.get("name", "custom"),
-            )
+            return cls(d_model=d["d_model"], layers=layers, neutral=d.get("neutral", True),
+                       head_dim_multiple=d.get("head_dim_multiple", 8), name=d.get("name", "custom"))
         except KeyError as exc:
             raise ScheduleError(f"schedule dict is missing the field {exc.args[0]!r}") from None
         except TypeError as exc:
@@ -262,26 +227,16 @@ def _power_of_two_dims(max_head_dim: int, min_head_dim: int) -> list[int]:
             raise ScheduleError(f"{name} must be a positive power of two, got {v!r}")
     if min_head_dim > max_head_dim:
         raise ScheduleError(f"min_head_dim={min_head_dim} is larger than max_head_dim={max_head_dim}")
-    dims, d = [], max_head_dim
-    while d >= min_head_dim:
-        dims.append(d)
-        d //= 2
-    return dims
+    return [max_head_dim >> i for i in range((max_head_dim // min_head_dim).bit_length())]
 
 
-def prism(
-    n_layers: int,
-    d_model: int,
-    max_head_dim: int = 256,
-    min_head_dim: int = 64,
-    n_kv_groups: int | None = None,
-) -> HeadSchedule:
+def prism(n_layers: int, d_model: int, max_head_dim: int = 256, min_head_dim: int = 64,
+          n_kv_groups: int | None = None) -> HeadSchedule:
     """The progressive ("Prism") schedule: few wide heads early, many narrow heads late.
 
-    Head dims are the powers of two from ``max_head_dim`` down to ``min_head_dim``, one contiguous
-    stage each, stages as even as possible (extra layers go to the later stages). Every layer keeps
-    ``n_heads * head_dim == d_model``.  ``n_kv_groups`` optionally gives every layer
-    ``n_heads // n_kv_groups`` key/value heads (grouped-query attention).
+    Head dims are the powers of two from ``max_head_dim`` down to ``min_head_dim``, one contiguous stage each,
+    stages as even as possible (extra layers go to the later stages), every layer neutral.  ``n_kv_groups``
+    gives every layer ``n_heads // n_kv_groups`` key/value heads (grouped-query attention).
 
     >>> prism(12, 768).heads
     (3, 3, 3, 3, 6, 6, 6, 6, 12, 12, 12, 12)
@@ -289,9 +244,8 @@ def prism(
     _check_positive(n_layers=n_layers, d_model=d_model)
     dims = _power_of_two_dims(max_head_dim, min_head_dim)
     if len(dims) > n_layers:
-        raise ScheduleError(
-            f"prism needs at least one layer per head dim ({dims}), but the model has {n_layers} layers"
-        )
+        raise ScheduleError(f"prism needs at least one layer per head dim ({dims}), but the model has "
+                            f"{n_layers} layers")
     layers = []
     for dim, size in zip(dims, _stage_sizes(n_layers, len(dims))):
         if d_model % dim:
@@ -313,10 +267,6 @@ def reverse(n_layers: int, d_model: int, max_head_dim: int = 256, min_head_dim: 
     return replace(p, layers=tuple(layers), name="reverse")
 
 
-def _valid_head_counts(d_model: int, multiple: int = 8) -> list[int]:
-    return [h for h in range(1, d_model + 1) if d_model % h == 0 and (d_model // h) % multiple == 0]
-
-
 def linear(n_layers: int, d_model: int, min_heads: int, max_heads: int) -> HeadSchedule:
     """Head counts growing linearly from ``min_heads`` to ``max_heads``, each rounded to the nearest
     valid divisor of d_model (head_dim a multiple of 8).
@@ -325,7 +275,7 @@ def linear(n_layers: int, d_model: int, min_heads: int, max_heads: int) -> HeadS
     (1, 2, 2, 4)
     """
     _check_positive(n_layers=n_layers, d_model=d_model, min_heads=min_heads, max_heads=max_heads)
-    valid = _valid_head_counts(d_model)
+    valid = [h for h in range(1, d_model + 1) if d_model % h == 0 and (d_model // h) % 8 == 0]
     if not valid:
         raise ScheduleError(f"d_model={d_model} has no head count with head_dim a multiple of 8")
     layers = []

@@ -1,19 +1,11 @@
-"""One CPU thread policy for every command: ``--threads N`` uses N torch threads; without it, the
-cores the machine's load average leaves idle (at least one, shared among DDP ranks).
+"""One CPU thread policy for every command (``headbudget.cli.main`` applies ``--threads``): N torch threads,
+or without it the cores the load average leaves idle (at least one, shared among DDP ranks).  Oversubscribed
+OpenMP threads are the worst case on a shared machine: on 2 cores with another busy job, torch's default of
+2 threads ran evaluation 3x slower than 1 thread and training up to ~8x.
 
-Oversubscribed OpenMP threads are the worst case on a shared machine: on 2 cores with another busy
-job, torch's default of 2 threads ran evaluation 3x slower than 1 thread and training up to ~8x.
-
-    >>> from headbudget.threads import configure_threads, resolve_threads
-    >>> resolve_threads(3)
-    3
-    >>> n = configure_threads(None)       # torch.set_num_threads(idle cores); returns the count
-    >>> n >= 1
+    >>> from headbudget.threads import configure_threads
+    >>> configure_threads(None) >= 1       # torch.set_num_threads(idle cores); returns the count
     True
-
-``headbudget.cli.main`` calls :func:`configure_threads` with every command's ``--threads`` (added by
-:func:`add_threads_flag`), so the flag means the same everywhere; library code that must restore
-the caller's setting uses :func:`torch_threads`.
 """
 
 from __future__ import annotations
@@ -56,8 +48,7 @@ def configure_threads(requested: int | None, world_size: int | None = None) -> i
     """Set torch's intra-op threads by the policy above and return the count."""
     import torch
 
-    n = resolve_threads(requested, world_size)
-    torch.set_num_threads(n)
+    torch.set_num_threads(n := resolve_threads(requested, world_size))
     return n
 
 

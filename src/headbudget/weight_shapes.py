@@ -1,7 +1,4 @@
-"""Do a model folder's saved weights fit its ``config.json``?  Read from the safetensors headers alone.
-
-(Also importable from :mod:`headbudget.loading`, which runs it before every local causal load.)
-"""
+"""Do a model folder's saved weights fit its ``config.json``?  Read from the safetensors headers alone."""
 
 from __future__ import annotations
 
@@ -16,10 +13,9 @@ class WeightsMismatchError(ValueError):
 
 
 def check_weight_shapes(folder: Path, config: Any) -> None:
-    """Read the headers of ``folder``'s ``*.safetensors`` files (no tensor data) and compare each tensor's
-    shape with the model ``config`` builds (on the meta device): a truncated or corrupt file, or a config
-    edited to another layout (e.g. its kv heads), is one ValueError naming the file and the first tensor,
-    instead of transformers' multi-line load report and a RuntimeError.
+    """Compare each tensor's shape in ``folder``'s ``*.safetensors`` headers with the model ``config`` builds
+    on the meta device: a corrupt file, or a config edited to another layout, is one ValueError naming the
+    file and the first tensor (instead of transformers' multi-line load report and a RuntimeError).
 
     >>> check_weight_shapes(Path("runs/prism/model"), AutoConfig.from_pretrained("runs/prism/model"))
     """

@@ -1,28 +1,16 @@
 """Attention analysis: how far each head looks (the paper's local-to-global evidence).
 
-For attention probabilities ``p`` of shape (B, H, T, T) (query i, key j) and every head:
+Per head, averaged over query positions and sequences of attention probabilities ``p`` (B, H, T, T): the
+**distance** (expected ``|i - j|`` under the row ``p[i, :]``), the **entropy** (nats) and the **local_share**
+(mass on keys with ``|i - j| < local_window``, the query's own included).  :func:`attention_summary` returns
+``{"local_window", "n_sequences", "n_tokens", "plain_average_distance", "layers": [{"layer", "n_heads",
+"distance", "entropy", "local_share", "mean_distance", "mean_entropy", "mean_local_share"}, ...],
+"mean_distance", "mean_entropy", "mean_local_share"}`` (JSON-able; layers may have different head counts).
+See docs/evaluation.md ("Attention analysis").
 
-* **distance**: the expected ``|i - j|`` under the head's attention row ``p[i, :]``, averaged over
-  all query positions (and sequences);
-* **entropy**: ``-sum_j p_ij log p_ij`` (nats), averaged the same way;
-* **local_share**: the attention mass on keys with ``|i - j| < local_window`` (the ``local_window``
-  most recent tokens, the query's own included), averaged the same way.
-
-API (all numbers JSON-able; layers may have different head counts)::
-
-    from headbudget.analysis.attention import (attention_stats, attention_summary,
-        attention_summary_from_text, plot_distance, plot_distance_comparison)
-    stats = attention_stats(probs, local_window=8)       # probs (B,H,T,T) -> {"distance": [H], ...}
     s1 = attention_summary(model_uniform, input_ids, local_window=8)   # runs output_attentions=True
     s2 = attention_summary_from_text(model_prism, tokenizer, text, seq_len=128, n_seqs=4)
-    s1["mean_distance"]          # per-layer mean over heads, [n_layers]
-    s1["layers"][0]["distance"]  # per head of layer 0
-    plot_distance(s1, "distance.png")                                   # one model
-    plot_distance_comparison({"uniform": s1, "prism": s2}, "compare.png")  # models side by side
-
-The summary is ``{"local_window", "n_sequences", "n_tokens", "layers": [{"layer", "n_heads",
-"distance", "entropy", "local_share", "mean_distance", "mean_entropy", "mean_local_share"}, ...],
-"mean_distance": [...], "mean_entropy": [...], "mean_local_share": [...]}``.
+    plot_distance_comparison({"uniform": s1, "prism": s2}, "compare.png")
 """
 
 from __future__ import annotations
@@ -33,34 +21,30 @@ from typing import Any
 
 import torch
 
-from headbudget.io import save_figure
+from headbudget.io import atomic_write_json, save_figure
 
 __all__ = ["attention_stats", "attention_summary", "attention_summary_from_text",
            "plot_distance", "plot_distance_comparison", "write_json"]
 
+_STATS = ("distance", "entropy", "local_share")
+
 
 def _per_query(probs: torch.Tensor, local_window: int) -> tuple[torch.Tensor, ...]:
-    """Per-(batch, head, query) distance, entropy and local share of probs (B, H, Tq, Tk).
-
-    Queries are aligned to the *last* Tq keys (Tq == Tk without a cache)."""
+    """Per-(batch, head, query) distance, entropy and local share of probs (B, H, Tq, Tk); queries are aligned
+    to the *last* Tq keys (Tq == Tk without a cache)."""
     p = probs.float()
     tq, tk = p.shape[-2], p.shape[-1]
     qpos = torch.arange(tk - tq, tk, device=p.device, dtype=torch.float32)[:, None]
-    kpos = torch.arange(tk, device=p.device, dtype=torch.float32)[None, :]
-    dist = (qpos - kpos).abs()  # (Tq, Tk)
-    distance = (p * dist).sum(-1)
+    dist = (qpos - torch.arange(tk, device=p.device, dtype=torch.float32)[None, :]).abs()  # (Tq, Tk)
     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
-    local = (p * (dist < local_window)).sum(-1)
-    return distance, entropy, local
+    return (p * dist).sum(-1), entropy, (p * (dist < local_window)).sum(-1)
 
 
 def attention_stats(probs: torch.Tensor, local_window: int = 8,
                     query_mask: torch.Tensor | None = None) -> dict[str, list[float]]:
-    """Per-head mean distance, entropy and local share of ``probs`` (B, H, T, T) or (H, T, T).
+    """Per-head mean distance, entropy and local share of ``probs`` (B, H, T, T) or (H, T, T); ``query_mask``
+    (B, T), 1 for real tokens, drops padded query rows from the averages.
 
-    ``query_mask`` (B, T), 1 for real tokens, drops padded query rows from the averages.
-
-        >>> import torch
         >>> p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])   # one head, 2 tokens
         >>> attention_stats(p, local_window=1)["distance"]
         [0.25]
@@ -71,17 +55,12 @@ def attention_stats(probs: torch.Tensor, local_window: int = 8,
         raise ValueError(f"attention probs must be (B, H, T, T), got shape {tuple(probs.shape)}")
     if local_window < 1:
         raise ValueError(f"local_window must be >= 1, got {local_window}")
-    distance, entropy, local = _per_query(probs, local_window)  # (B, H, Tq)
     if query_mask is None:
         w = torch.ones(probs.shape[0], probs.shape[-2], device=probs.device)
     else:
         w = query_mask[:, -probs.shape[-2]:].float().to(probs.device)
-    wsum = w.sum().clamp_min(1.0)
-
-    def avg(x: torch.Tensor) -> list[float]:
-        return [float(v) for v in (x * w[:, None, :]).sum(dim=(0, 2)) / wsum]
-
-    return {"distance": avg(distance), "entropy": avg(entropy), "local_share": avg(local)}
+    return {k: [float(v) for v in (x * w[:, None, :]).sum(dim=(0, 2)) / w.sum().clamp_min(1.0)]
+            for k, x in zip(_STATS, _per_query(probs, local_window))}  # (B, H, Tq) each
 
 
 def _attentions(model: torch.nn.Module, input_ids: torch.Tensor,
@@ -89,14 +68,11 @@ def _attentions(model: torch.nn.Module, input_ids: torch.Tensor,
     kwargs: dict[str, Any] = {"output_attentions": True, "use_cache": False}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    out = model(input_ids=input_ids, **kwargs)
-    atts = getattr(out, "attentions", None)
-    if not atts or any(a is None for a in atts):
-        # Hugging Face models on SDPA/flash kernels return no probabilities: switch to eager.
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("eager")
-            out = model(input_ids=input_ids, **kwargs)
-            atts = getattr(out, "attentions", None)
+    atts = getattr(model(input_ids=input_ids, **kwargs), "attentions", None)
+    # Hugging Face models on SDPA/flash kernels return no probabilities: switch to eager.
+    if (not atts or any(a is None for a in atts)) and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+        atts = getattr(model(input_ids=input_ids, **kwargs), "attentions", None)
     if not atts or any(a is None for a in atts):
         raise ValueError(f"{type(model).__name__} returned no attention probabilities "
                          "with output_attentions=True")
@@ -105,16 +81,10 @@ def _attentions(model: torch.nn.Module, input_ids: torch.Tensor,
 
 @torch.inference_mode()
 def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_window: int = 8,
-                      attention_mask: torch.Tensor | None = None,
-                      batch_size: int = 1) -> dict[str, Any]:
-    """Per-layer, per-head attention statistics of ``model`` on ``input_ids`` (B, T).
-
-    Runs the model with ``output_attentions=True`` (``batch_size`` sequences at a time) and averages
-    over every query position of every sequence (padded ones excluded via ``attention_mask``).
-    """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids[None]
+                      attention_mask: torch.Tensor | None = None, batch_size: int = 1) -> dict[str, Any]:
+    """Per-layer, per-head attention statistics of ``model`` on ``input_ids`` (B, T), ``batch_size`` sequences
+    at a time, averaged over every query position of every sequence (``attention_mask``: padding left out)."""
+    ids = torch.atleast_2d(torch.as_tensor(input_ids, dtype=torch.long))
     dev = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -126,15 +96,12 @@ def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_win
             mask = attention_mask[b: b + batch_size].to(dev) if attention_mask is not None else None
             w = mask.float() if mask is not None else torch.ones(chunk.shape, device=dev)
             for layer, probs in enumerate(_attentions(model, chunk, mask)):
-                d, e, loc = _per_query(probs, local_window)
                 ww = w[:, None, -probs.shape[-2]:]
-                acc = {"distance": (d * ww).sum((0, 2)), "entropy": (e * ww).sum((0, 2)),
-                       "local_share": (loc * ww).sum((0, 2))}
+                acc = {k: (x * ww).sum((0, 2)) for k, x in zip(_STATS, _per_query(probs, local_window))}
                 if layer == len(sums):
                     sums.append(acc)
                 else:
-                    for k in acc:
-                        sums[layer][k] = sums[layer][k] + acc[k]
+                    sums[layer] = {k: sums[layer][k] + acc[k] for k in acc}
             total_w += float(w.sum())
             # a plain average over the j + 1 real tokens up to a query (its j-th real token) has distance j / 2
             plain_sum += float((w * (w.cumsum(-1) - 1).clamp_min(0) / 2).sum())
@@ -143,18 +110,15 @@ def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_win
     layers = []
     for i, acc in enumerate(sums):
         row: dict[str, Any] = {"layer": i, "n_heads": int(acc["distance"].numel())}
-        for k in ("distance", "entropy", "local_share"):
-            vals = [float(v) for v in acc[k] / max(total_w, 1.0)]
-            row[k] = vals
+        for k in _STATS:
+            row[k] = vals = [float(v) for v in acc[k] / max(total_w, 1.0)]
             row[f"mean_{k}"] = sum(vals) / len(vals) if vals else float("nan")
         layers.append(row)
     return {"local_window": local_window, "n_sequences": int(ids.shape[0]),
             "n_tokens": int(ids.shape[1]), "layers": layers,
             # the mean distance if every head averaged its causal prefix evenly: what "no preference" reads as
             "plain_average_distance": plain_sum / max(total_w, 1.0),
-            "mean_distance": [r["mean_distance"] for r in layers],
-            "mean_entropy": [r["mean_entropy"] for r in layers],
-            "mean_local_share": [r["mean_local_share"] for r in layers]}
+            **{f"mean_{k}": [r[f"mean_{k}"] for r in layers] for k in _STATS}}
 
 
 def _leading_ids(tokenizer: Any, text: str, need: int) -> list[int]:
@@ -174,9 +138,8 @@ def _leading_ids(tokenizer: Any, text: str, need: int) -> list[int]:
     return encode(text)
 
 
-def attention_summary_from_text(model: torch.nn.Module, tokenizer: Any, text: str, *,
-                                seq_len: int = 128, n_seqs: int = 4, local_window: int = 8,
-                                ) -> dict[str, Any]:
+def attention_summary_from_text(model: torch.nn.Module, tokenizer: Any, text: str, *, seq_len: int = 128,
+                                n_seqs: int = 4, local_window: int = 8) -> dict[str, Any]:
     """:func:`attention_summary` on ``n_seqs`` consecutive ``seq_len``-token chunks of ``text``."""
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)
     if n_pos is not None:
@@ -191,37 +154,40 @@ def attention_summary_from_text(model: torch.nn.Module, tokenizer: Any, text: st
 
 def write_json(summary: Mapping[str, Any], path: str | Path) -> Path:
     """Write ``summary`` as JSON atomically (temp file then ``os.replace``; the umask's permissions)."""
-    from headbudget.io import atomic_write_json
-
     return atomic_write_json(path, summary)
+
+
+def _subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
 
 
 def _draw(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
     for row in summary["layers"]:
-        xs = [row["layer"]] * row["n_heads"]
-        ax.scatter(xs, row["distance"], s=12, alpha=0.5, color=color)
-    layers = [r["layer"] for r in summary["layers"]]
-    ax.plot(layers, summary["mean_distance"], "-o", color=color, label=f"{label} (layer mean)")
+        ax.scatter([row["layer"]] * row["n_heads"], row["distance"], s=12, alpha=0.5, color=color)
+    _draw_means(ax, summary, f"{label} (layer mean)", color)
     _draw_plain(ax, summary)
+
+
+def _draw_means(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
+    ax.plot([r["layer"] for r in summary["layers"]], summary["mean_distance"], "-o", color=color, label=label)
     ax.set_xlabel("layer")
     ax.grid(alpha=0.3)
 
 
 def _draw_plain(ax: Any, summary: Mapping[str, Any]) -> None:
-    """The distance a plain average over the prefix gives, as a dashed line (summaries written before the
-    key existed have none)."""
+    """The distance of a plain average over the prefix, dashed (older summaries have none)."""
     if (plain := summary.get("plain_average_distance")) is not None:
         ax.axhline(plain, ls="--", color="gray", lw=1, label="plain average over the prefix")
 
 
 def plot_distance(summary: Mapping[str, Any], path: str | Path, title: str | None = None) -> Path:
     """PNG of mean attention distance per layer: one dot per head, the line is the layer mean."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _subplots(figsize=(6, 4))
     _draw(ax, summary, "heads", "C0")
     ax.set_ylabel("mean attention distance (tokens)")
     ax.set_title(title or f"attention distance ({summary['n_sequences']}x{summary['n_tokens']} tokens)")
@@ -233,15 +199,10 @@ def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: s
                              title: str | None = None) -> Path:
     """PNG with one panel per model (heads as dots, layer means as a line, shared y axis) and a last
     panel overlaying every model's layer means: ``{"uniform": s1, "prism": s2}``."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     if not summaries:
         raise ValueError("plot_distance_comparison needs at least one summary")
     n = len(summaries)
-    fig, axes = plt.subplots(1, n + 1, figsize=(4 * (n + 1), 4), sharey=True)
+    fig, axes = _subplots(1, n + 1, figsize=(4 * (n + 1), 4), sharey=True)
     for k, (name, s) in enumerate(summaries.items()):
         _draw(axes[k], s, name, f"C{k}")
         axes[k].set_title(name)
@@ -253,10 +214,3 @@ def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: s
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
-
-
-def _draw_means(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
-    layers = [r["layer"] for r in summary["layers"]]
-    ax.plot(layers, summary["mean_distance"], "-o", color=color, label=label)
-    ax.set_xlabel("layer")
-    ax.grid(alpha=0.3)

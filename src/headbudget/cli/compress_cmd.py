@@ -25,11 +25,10 @@ from headbudget.io import read_text
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "compress",
-        help="compress attention by per-head SVD or K/V head grouping, with a perplexity report",
+        "compress", help="compress attention by per-head SVD or K/V head grouping, with a perplexity report",
         description="Compress a headbudget or Hugging Face GPT-2 model directory. Writes OUT/model/ "
-        "(loadable with from_pretrained), OUT/report.json, and with --sweep OUT/sweep.json and OUT/sweep.png.",
-    )
+        "(loadable with from_pretrained), OUT/report.json, and with --sweep OUT/sweep.json and "
+        "OUT/sweep.png.")
     add_dataclass_flags(p, CompressJob, positional=("model",))  # every setting, declared on CompressJob
     add_config_flags(p, CompressJob, "the compress job's settings")
     add_overwrite_flag(p)
@@ -38,8 +37,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _validate(args: argparse.Namespace) -> None:
     """The job of the flags, --config and --set, before torch is imported."""
-    args.job = dataclass_from_args(CompressJob, args, positional=("model",))
-    _check_merge_kv_flags(args.job)
+    args.job = _job(args)
+
+
+def _job(args: argparse.Namespace) -> CompressJob:
+    job = dataclass_from_args(CompressJob, args, positional=("model",))
+    _check_merge_kv_flags(job)
+    return job
 
 
 def _check_merge_kv_flags(job: CompressJob) -> None:
@@ -81,71 +85,49 @@ def read_groups(path: str) -> list | dict:
         raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
     if isinstance(data, dict):  # {"layer": groups}: layers not named are allocated
         try:
-            out = {int(k): v for k, v in data.items()}
+            data = {int(k): v for k, v in data.items()}
         except ValueError:
             raise ValueError(f"{path}: keys must be layer indices, got {sorted(data)[:3]}") from None
-        for i, g in out.items():
-            if g is not None and not (isinstance(g, list) and all(isinstance(x, list) for x in g)):
-                raise ValueError(f"{path}: layer {i}: expected a list of head-index lists or null, got {g!r}")
-        return out
-    if not isinstance(data, list):
+    elif not isinstance(data, list):
         raise ValueError(f"{path}: expected a list with one entry per layer")
-    for i, g in enumerate(data):
+    for i, g in data.items() if isinstance(data, dict) else enumerate(data):
         if g is not None and not (isinstance(g, list) and all(isinstance(x, list) for x in g)):
             raise ValueError(f"{path}: layer {i}: expected a list of head-index lists or null, got {g!r}")
     return data
 
 
 def run(args: argparse.Namespace) -> int:
-    job: CompressJob = getattr(args, "job", None) or dataclass_from_args(CompressJob, args, positional=("model",))
+    job: CompressJob = getattr(args, "job", None) or _job(args)
     if args.print_config:
         return print_config(job)
-    if job.method == "merge-kv":
-        return _run_merge_kv(job, args)
-    from headbudget.compression.pipeline import format_report, run_compress
     from headbudget.devices import resolve_device, resolve_dtype
     from headbudget.run_dir import claim_output_dir
 
+    merge = job.method == "merge-kv"  # its own flags were checked with the job
+    if merge:
+        from headbudget.compression.merge_kv_pipeline import format_merge_report as format_report
+        from headbudget.compression.merge_kv_pipeline import run_merge_kv as compress
+    else:
+        from headbudget.compression.pipeline import format_report
+        from headbudget.compression.pipeline import run_compress as compress
     resolve_dtype(job.dtype)
     resolve_device(job.device)
-    _fraction(job.keep_ratio, "--keep-ratio")
-    sweep = list(job.sweep) or None
-    for k in sweep or ():
-        _fraction(k, "--sweep")
+    if not merge:
+        _fraction(job.keep_ratio, "--keep-ratio")
+        for k in job.sweep:
+            _fraction(k, "--sweep")
     if job.context < 2:
         raise ValueError(f"--context must be >= 2, got {job.context}")
-    groups = read_groups(job.groups) if job.groups else None
+    groups = read_groups(job.groups) if job.groups else None  # (merge-kv refuses --groups)
     if groups is not None and job.method != "group":
         raise ValueError("--groups only applies to --method group")
+    inputs = {"MODEL": job.model, "--data": job.data, "--calib-data": job.calib_data,  # what --out may not be
+              "--tokenizer": job.tokenizer, "--groups": job.groups, "--config": getattr(args, "config", None)}
     with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite,
-                          inputs=_inputs(job, args)) as out:
-        report = run_compress(dataclasses.replace(job, out=str(out)), groups=groups, threads=args.threads)
+                          inputs=inputs) as out:
+        report = compress(dataclasses.replace(job, out=str(out)), threads=args.threads,
+                          **({} if merge else {"groups": groups}))
     print(format_report(report))
     print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}"
-          + (f", {Path(job.out) / 'sweep.png'}" if sweep else ""))
-    return 0
-
-
-def _inputs(job: CompressJob, args: argparse.Namespace) -> dict[str, object]:
-    """What a compress run reads, by flag: its --out must be none of them (nor contain or lie in one)."""
-    return {"MODEL": job.model, "--data": job.data, "--calib-data": job.calib_data, "--tokenizer": job.tokenizer,
-            "--groups": job.groups, "--config": getattr(args, "config", None)}
-
-
-def _run_merge_kv(job: CompressJob, args: argparse.Namespace) -> int:
-    """--method merge-kv: the library's run_merge_kv in a claimed --out, then its summary."""
-    from headbudget.compression.merge_kv_pipeline import format_merge_report, run_merge_kv
-    from headbudget.devices import resolve_device, resolve_dtype
-    from headbudget.run_dir import claim_output_dir
-
-    _check_merge_kv_flags(job)
-    resolve_dtype(job.dtype)
-    resolve_device(job.device)
-    if job.context < 2:
-        raise ValueError(f"--context must be >= 2, got {job.context}")
-    with claim_output_dir(job.out, command="headbudget compress", overwrite=args.overwrite,
-                          inputs=_inputs(job, args)) as out:
-        report = run_merge_kv(dataclasses.replace(job, out=str(out)), threads=args.threads)
-    print(format_merge_report(report))
-    print(f"wrote {Path(job.out) / 'model'}, {Path(job.out) / 'report.json'}")
+          + (f", {Path(job.out) / 'sweep.png'}" if job.sweep and not merge else ""))
     return 0

@@ -11,9 +11,9 @@ help, choices, flag spelling), and the dataclass built back from the parsed flag
     >>> job.keep, job.pool_size
     (12, 32)
 
-Precedence: the field's default < ``--config FILE`` < ``--set key=value`` < a flag given on the command line.
-The namespace holds every field (its default when not given, so ``args.keep`` always exists); the generated
-flags' actions record which were given, and only those override the config file.
+Precedence: the field's default < ``--config FILE`` < ``--set key=value`` < a flag given on the command line
+(the namespace holds every field, its default when not given; the generated flags' actions record which were
+given, and only those override the config file).
 """
 
 from __future__ import annotations
@@ -59,9 +59,7 @@ _STORE, _STORE_TRUE, _STORE_FALSE = (_recording(a) for a in (argparse._StoreActi
 def flag_name(f: dataclasses.Field, prefix: str = "") -> str:
     """The flag of field ``f``: its ``flag`` metadata, else ``--name-with-dashes`` (with a section prefix,
     ``--section.name`` as in ``--set section.name=...``)."""
-    if f.metadata.get("flag"):
-        return f.metadata["flag"]
-    return f"--{prefix}{f.name}" if prefix else "--" + f.name.replace("_", "-")
+    return f.metadata.get("flag") or (f"--{prefix}{f.name}" if prefix else "--" + f.name.replace("_", "-"))
 
 
 #: the value placeholder of a --section.key flag by type (a prune flag shows its name: --keep KEEP)
@@ -225,8 +223,7 @@ def missing_flags(cls: type, d: dict[str, Any], positional: Iterable[str] = ()) 
 
 def build(cls: type, d: dict[str, Any], args: argparse.Namespace, positional: Iterable[str] = ()) -> Any:
     """``cls`` from the merged mapping ``d``; a required field it lacks is one error naming its flag."""
-    missing = missing_flags(cls, d, positional)
-    if missing:
+    if missing := missing_flags(cls, d, positional):
         raise ConfigError(f"missing {', '.join(missing)} (give {'it' if len(missing) == 1 else 'them'} on the "
                           "command line or in --config)")
     return from_dict(cls, d, str(getattr(args, "config", None) or "flags"))

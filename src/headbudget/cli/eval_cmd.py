@@ -2,8 +2,6 @@
 
     headbudget eval runs/prism --tasks piqa,hellaswag,arc_easy,winogrande \\
         --data-dir ../shared/data/zeroshot --limit 200 --json results.json
-    headbudget eval /tmp/smol --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --tasks arc_easy \\
-        --data-dir ../shared/data/zeroshot
     headbudget perplexity runs/prism --data ../shared/data/text/wikitext2_valid.tokens \\
         --tokenizer ../shared/data/tokenizers/gpt2 --context 1024 --stride 512
     headbudget attention runs/uniform --data ../shared/data/text/tinyshakespeare.txt \\
@@ -111,13 +109,15 @@ def _check_model_flags(args: argparse.Namespace) -> None:
     resolve_dtype(args.dtype)
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The model and tokenizer of ``args``, its flags already checked by :func:`_check_model_flags`."""
+def _load(args: argparse.Namespace, other: str | None = None) -> tuple[Any, Any]:
+    """The model (MODEL, or ``other`` without --gguf-file) and tokenizer of ``args``, its flags already
+    checked by :func:`_check_model_flags`."""
     from headbudget.devices import resolve_dtype
     from headbudget.loading import load_model_and_tokenizer
 
-    return load_model_and_tokenizer(args.model, tokenizer=args.tokenizer, gguf_file=args.gguf_file,
-                                    device=args.device, dtype=resolve_dtype(args.dtype))
+    return load_model_and_tokenizer(other or args.model, tokenizer=args.tokenizer,
+                                    gguf_file=None if other else args.gguf_file, device=args.device,
+                                    dtype=resolve_dtype(args.dtype))
 
 
 def _inputs(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,28 +145,23 @@ def run_eval(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json", inputs=_inputs(args))
     _check_model_flags(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    suite = {k: getattr(args, k) for k in ("data_dir", "include_path", "num_fewshot", "seed", "limit",
+                                           "log_samples", "allow_code")}  # preparing and scoring take them
     with library_bars(not args.quiet):
-        harness_tasks = prepare_suite(tasks, data_dir=args.data_dir, include_path=args.include_path,
-                                      num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
-                                      log_samples=args.log_samples, allow_code=args.allow_code)
+        harness_tasks = prepare_suite(tasks, **suite)
         model, tok = _load(args)
-        report = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, include_path=args.include_path,
-                                num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit,
-                                batch_size=args.batch_size, strategy=args.strategy, device=args.device,
-                                log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
-                                progress=not args.quiet, harness_tasks=harness_tasks, allow_code=args.allow_code)
+        report = evaluate_suite(model, tok, tasks, batch_size=args.batch_size, strategy=args.strategy,
+                                device=args.device, bootstrap_iters=args.bootstrap_iters,
+                                progress=not args.quiet, harness_tasks=harness_tasks, **suite)
     if not args.quiet:
         _print_report(report, format_report)
     report["details"]["model"] = str(args.model)
     model_args = ",".join(f"{k}={v}" for k, v in (("pretrained", args.model), ("gguf_file", args.gguf_file),
                                                   ("tokenizer", args.tokenizer)) if v)
     written = []
-    if args.output_path:
-        written += write_lm_eval_files(report, model_name=str(args.model), model_args=model_args,
-                                       output_path=args.output_path)
-    if args.json:
-        written += write_lm_eval_files(report, model_name=str(args.model), model_args=model_args,
-                                       json_path=args.json)
+    for where in ({"output_path": args.output_path}, {"json_path": args.json}):
+        if all(where.values()):
+            written += write_lm_eval_files(report, model_name=str(args.model), model_args=model_args, **where)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -201,8 +196,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
         if twice is not None:
             raise ValueError(f"--context-lengths: {twice} is given twice in {args.context_lengths!r}")
         lengths = sorted(lengths)
-    if lengths and max(lengths) >= args.context:
-        raise ValueError(f"--context-lengths: {max(lengths)} is not below --context {args.context}")
+        if lengths[-1] >= args.context:
+            raise ValueError(f"--context-lengths: {lengths[-1]} is not below --context {args.context}")
     _check_model_flags(args)
     text = read_text(args.data, split=args.split)
     model, tok = _load(args)
@@ -212,9 +207,10 @@ def run_perplexity(args: argparse.Namespace) -> int:
     print(f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens_scored']:,} of "
           f"{res['tokens_total']:,} tokens scored, {res['windows']} windows of {res['context']}, "
           f"stride {res['stride']}, {res['seconds']:.1f}s)")
-    if lengths and max(lengths) >= res["context"]:  # the model has fewer positions than --context
-        raise ValueError(f"--context-lengths: {max(lengths)} is not below the model's {res['context']} positions")
     if lengths:
+        if lengths[-1] >= res["context"]:  # the model has fewer positions than --context
+            raise ValueError(f"--context-lengths: {lengths[-1]} is not below the model's {res['context']} "
+                             "positions")
         by = loss_by_context_length(model, ids, lengths=tuple(lengths), every=max(1, len(ids) // 2048))
         res["by_context_length"] = by
         print(f"the same {by['targets']:,} targets with k tokens of left context (gain: loss with "
@@ -235,9 +231,7 @@ def run_attention(args: argparse.Namespace, out: Path | None = None) -> int:
         plot_distance_comparison,
         write_json,
     )
-    from headbudget.devices import resolve_dtype
     from headbudget.io import read_text
-    from headbudget.loading import load_model_and_tokenizer
 
     _check_model_flags(args)
     text = read_text(args.data)
@@ -245,9 +239,7 @@ def run_attention(args: argparse.Namespace, out: Path | None = None) -> int:
     models = [args.model] + ([args.compare] if args.compare else [])
     summaries: dict[str, Any] = {}
     for i, name in enumerate(models):
-        model, tok = load_model_and_tokenizer(
-            name, tokenizer=args.tokenizer, gguf_file=args.gguf_file if i == 0 else None,
-            device=args.device, dtype=resolve_dtype(args.dtype))
+        model, tok = _load(args, name if i else None)
         s = attention_summary_from_text(model, tok, text, seq_len=args.seq_len, n_seqs=args.n_seqs,
                                         local_window=args.local_window)
         label = Path(str(name).rstrip("/")).name or str(name)

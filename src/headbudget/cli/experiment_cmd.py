@@ -50,8 +50,7 @@ def _add_experiment(esub: Any, name: str, cls: type, help: str, description: str
     add_overwrite_flag(p)
 
     def validate(args: argparse.Namespace) -> None:  # the config before any work: a bad value costs nothing
-        base = cls.quick() if args.quick else cls()
-        defaults = dataclasses.asdict(base)
+        defaults = dataclasses.asdict(cls.quick() if args.quick else cls())
         given = settings_mapping(cls, args)  # --config, --set and the flags given
         if name == "ngram" and args.quick and "budget" in given and "head_counts" not in given:
             defaults["head_counts"] = None  # the quick head counts divide only the default budget
@@ -69,11 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     from headbudget.experiments.saturation import SaturationConfig
 
     p = sub.add_parser(
-        "experiment",
-        help="synthetic experiments: head-dim saturation, n-gram extraction at a fixed budget",
+        "experiment", help="synthetic experiments: head-dim saturation, n-gram extraction at a fixed budget",
         description="Synthetic experiments that test the allocation theory. Each writes JSON and a PNG "
-        "and prints what it measured and whether it agrees with the prediction.",
-    )
+        "and prints what it measured and whether it agrees with the prediction.")
     esub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     _add_experiment(esub, "saturation", SaturationConfig,
                     help="students of head dim 1..64 imitate a fixed single-head teacher at L in {16,64,256,1024}",

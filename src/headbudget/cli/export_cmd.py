@@ -38,8 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write a headbudget model (uniform or pruned), a Hugging Face Llama/Mistral/Qwen2 folder or a "
         "GGUF file as an f32/f16 GGUF: llama.cpp's llama architecture when every layer is alike, its deci "
         "architecture (per-layer head counts and MLP widths, one head size) otherwise. Unequal query groups are "
-        "written with duplicated key/value heads (the cost is printed); per-layer head widths are refused.",
-    )
+        "written with duplicated key/value heads (the cost is printed); per-layer head widths are refused.")
     add_settings(p, ExportSettings, "the export's settings", positional=("model",))
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=run)
@@ -51,12 +50,10 @@ def run(args: argparse.Namespace) -> int:
 
 @library_bars(False)  # the result and any warning are the output
 def _export(args: argparse.Namespace) -> int:
-    from headbudget.export import export_model
+    from headbudget.export import export_model, kv_cache_line
 
     result = export_model(args.model, args.out, fmt=args.fmt, outtype=args.outtype, gguf_file=args.gguf_file,
                           tokenizer=args.tokenizer, tokenizer_pre=args.tokenizer_pre, overwrite=args.overwrite)
-    from headbudget.export import kv_cache_line
-
     for warning in (result["warning"], result["kv_warning"]):
         if warning:
             print(f"headbudget export: warning: {warning}", file=sys.stderr)

@@ -1,16 +1,11 @@
 """The ``headbudget`` command line.
 
-Each sub-command lives in its own module under ``headbudget.cli`` and exposes
-``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed
-arguments, returning an exit code).  Modules are imported lazily so ``headbudget schedule``
-does not pay for importing scikit-learn.
-
-Errors a user can fix (bad flag values, malformed files, invalid schedules) are raised as
-``ValueError``/``FileNotFoundError``/``KeyError`` subclasses and printed here as one line with exit code 2.
-So are the anticipated failures of the machine and of files from elsewhere (:func:`anticipated_error`):
-permission denied, a file where a folder should be (or the reverse), disk full, read-only file systems,
-unreadable safetensors files and pickles ``torch.load(weights_only=True)`` refuses.  Anything else is a
-bug and keeps its traceback.
+Each sub-command lives in its own module under ``headbudget.cli`` whose ``register(subparsers)`` adds its
+parser and sets ``func`` (called with the parsed arguments, returning an exit code); modules are imported
+lazily so ``headbudget schedule`` does not pay for importing scikit-learn.  Errors a user can fix
+(``ValueError``/``FileNotFoundError``/``KeyError``) and the anticipated failures of the machine and of files
+from elsewhere (:func:`anticipated_error`) are printed as one line with exit code 2; anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -23,24 +18,12 @@ import pickle
 import sys
 import typing
 
-# command name -> module implementing it (module.register(subparsers))
-COMMANDS: dict[str, str] = {
-    "schedule": "headbudget.cli.schedule_cmd",
-    "train": "headbudget.cli.train_cmd",
-    "compare": "headbudget.cli.train_cmd",
-    "quickstart": "headbudget.cli.quickstart_cmd",
-    "prepare": "headbudget.cli.train_cmd",
-    "distill": "headbudget.cli.train_cmd",
-    "eval": "headbudget.cli.eval_cmd",
-    "perplexity": "headbudget.cli.eval_cmd",
-    "attention": "headbudget.cli.eval_cmd",
-    "finetune": "headbudget.cli.prune_cmd",
-    "prune": "headbudget.cli.prune_cmd",
-    "prune-compare": "headbudget.cli.prune_cmd",
-    "compress": "headbudget.cli.compress_cmd",
-    "experiment": "headbudget.cli.experiment_cmd",
-    "export": "headbudget.cli.export_cmd",
-}
+# command name -> module implementing it (module.register(subparsers)), modules in the order of the help
+COMMANDS: dict[str, str] = {command: f"headbudget.cli.{module}_cmd" for module, commands in (
+    ("schedule", "schedule"), ("train", "train compare prepare distill"), ("quickstart", "quickstart"),
+    ("eval", "eval perplexity attention"), ("prune", "finetune prune prune-compare"),
+    ("compress", "compress"), ("experiment", "experiment"), ("export", "export"),
+) for command in commands.split()}
 
 
 class CLIError(Exception):
@@ -59,8 +42,7 @@ def anticipated_error(exc: BaseException) -> str | None:
     'runs/a/model.safetensors: No space left on device'
     """
     if isinstance(exc, (CLIError, ValueError, FileNotFoundError, KeyError)):
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        return str(msg)
+        return str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
     if isinstance(exc, OSError) and exc.errno in _OS_ERRNOS:
         where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
         return f"{where}: {exc.strerror}" if where else (exc.strerror or str(exc))
@@ -93,24 +75,19 @@ def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, ext
         if chosen is None:
             break
         parser = chosen
-    message = f"unrecognized arguments: {' '.join(extra)}"
     flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     unknown = next((x.split("=", 1)[0] for x in extra if x.startswith("--")), None)
     near = difflib.get_close_matches(unknown.replace("_", "-"), flags, n=1) if unknown else []
-    if near:
-        message += f" (did you mean {near[0]}?)"
-    parser.error(message)
+    parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                 + (f" (did you mean {near[0]}?)" if near else ""))
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` only that command's module is imported (``schedule`` needs no torch),
     without it every command (for ``--help``)."""
-    parser = OneLineParser(
-        prog="headbudget",
-        description="Adaptive head budgeting: schedules, training, evaluation, pruning, compression.",
-    )
+    parser = OneLineParser(prog="headbudget", description="Adaptive head budgeting: schedules, training, "
+                                                          "evaluation, pruning, compression.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    registered: set[str] = set()
     modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
     for module_name in modules:
         try:
@@ -120,7 +97,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
-        registered.update(sub.choices)
     from headbudget.threads import add_threads_flag
 
     for name, cmd in sub.choices.items():  # one --threads on every command (schedule needs none)

@@ -5,15 +5,11 @@
         --method cahp --poly-degree 6 --out runs/cahp
     headbudget prune-compare runs/ft --task sst5 --data-dir ../shared/data/classification/sst5 \\
         --methods cahp@2,cahp@6,michel,fisher,magnitude,random --out runs/compare
+    headbudget prune runs/prism --task lm --data ../shared/data/text/tinyshakespeare.txt \\
+        --method cahp --keep 12 --out runs/cahp-lm   # causal LMs, label-free (held-out perplexity)
 
-    # causal LMs, label-free (metric: held-out perplexity, lower is better)
-    headbudget prune runs/prism --task lm --data ../shared/data/text/tinyshakespeare.txt \
-        --method cahp --keep 12 --out runs/cahp-lm
-
-Flags only: the pipelines are :mod:`headbudget.pruning.pipeline` (prune, prune-compare) and
-:func:`headbudget.pruning.finetune.run_finetune`.  ``prune`` writes ``OUT/model`` (opens with
-:func:`headbudget.loading.load_model`; a pruned decoder is a plain headbudget checkpoint),
-``OUT/report.json``, ``OUT/details.json``, ``OUT/report.md`` and plots.
+Flags only: the pipelines are :mod:`headbudget.pruning.pipeline` and
+:func:`headbudget.pruning.finetune.run_finetune` (their outputs: docs/pruning.md).
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ from headbudget.pruning.job import CAHP, ENTRY_POINT_GROUP, FinetuneJob, PruneJo
 from headbudget.run_dir import claim_output_dir
 from headbudget.typed_config import option
 
-# --------------------------------------------------------------------------- argparse
 #: the signature settings of headbudget's earlier releases (--legacy-signatures)
 LEGACY_SIGNATURES = {"ddof": 0, "var_floor": None, "var_eps": 1e-10, "tsne_dtype": "float64"}
 
@@ -143,13 +138,20 @@ def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy",
           + (f" ({k_text})" if k_text else "")
           + f"; {metric_name} dense {f(m['dense'])}, pruned {f(m['pruned'])}, fine-tuned {f(m['finetuned'])}; "
           f"report in {out}/report.md")
-    cost = rep.get("cost") or {}
-    sizes = [f"{label} {cost[key]['before']:,} -> {cost[key]['after']:,}"
-             for key, label in (("params", "params"), ("flops_per_token", "FLOPs/token"),
-                                ("kv_cache_bytes_per_token", "KV-cache bytes/token"),
-                                ("gguf_kv_cache_bytes_per_token", "as llama.cpp GGUF (f16)")) if key in cost]
-    if sizes:
-        print("  " + "; ".join(sizes))
+    if sizes := _sizes(rep.get("cost") or {}):
+        print("  " + sizes)
+
+
+#: report.json's cost entries as a reader says them
+_COST_NAMES = {"params": "params", "flops_per_token": "FLOPs/token",
+               "kv_cache_bytes_per_token": "KV-cache bytes/token",
+               "gguf_kv_cache_bytes_per_token": "as llama.cpp GGUF (f16)"}
+
+
+def _sizes(cost: dict[str, Any]) -> str:
+    """``params 9,000 -> 7,000; FLOPs/token ...``: the before/after of the costs a report holds."""
+    return "; ".join(f"{label} {cost[key]['before']:,} -> {cost[key]['after']:,}"
+                     for key, label in _COST_NAMES.items() if key in cost)
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
@@ -217,8 +219,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--calibration-seeds {settings.calibration_seeds!r}: repeated seed")
     with claim_output_dir(job.out, command="headbudget prune-compare", resume=args.resume,
                           overwrite=args.overwrite, inputs=prune_inputs(job, args)) as out:
-        summary = run_prune_compare(dataclasses.replace(job, out=str(out)), settings.methods, resume=args.resume, calibration_seeds=seeds,
-                              ranking_rule=settings.ranking_rule, on_stage=_print_stage)
+        summary = run_prune_compare(dataclasses.replace(job, out=str(out)), settings.methods,
+                                    resume=args.resume, calibration_seeds=seeds,
+                                    ranking_rule=settings.ranking_rule, on_stage=_print_stage)
     if seeds is not None:
         for stage, rank in summary["ranking"].items():
             lines = [f"{lbl}: " + ", ".join(f"{t} {format_spread(a, 4)}" for t, a in d.items())
@@ -234,14 +237,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"{r['label']}: {r['heads_kept']} heads; " + ", ".join(
             f"{s} pruned {a['pruned']:.4f} fine-tuned {'-' if a['finetuned'] is None else format(a['finetuned'], '.4f')}"
             for s, a in r["metric"].items()))
-        kv = (r.get("cost") or {}).get("kv_cache_bytes_per_token")
-        if kv:
-            c = r["cost"]
-            print(f"  params {c['params']['before']:,} -> {c['params']['after']:,}; FLOPs/token "
-                  f"{c['flops_per_token']['before']:,} -> {c['flops_per_token']['after']:,}; KV-cache bytes/token "
-                  f"{kv['before']:,} -> {kv['after']:,}" + (
-                      f"; as llama.cpp GGUF (f16) {g['before']:,} -> {g['after']:,}"
-                      if (g := c.get("gguf_kv_cache_bytes_per_token")) else ""))
+        if (r.get("cost") or {}).get("kv_cache_bytes_per_token"):
+            print("  " + _sizes(r["cost"]))
     print(f"table in {job.out}/compare.md")
     return 0
 

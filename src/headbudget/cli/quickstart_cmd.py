@@ -3,10 +3,9 @@
     headbudget quickstart --out runs/quickstart
     headbudget quickstart --set train.steps=300 --print_config     # its run config, as train/compare read it
 
-Stages: prepare the synthetic corpus (tokenizer trained on it), train a uniform and a prism model of
-the ``cpu-tiny`` preset on identical batches, compare their validation loss, and write
-``report.md`` / ``compare.json`` / ``loss_curves.png``; prints where each file is and how long every
-stage took.
+Stages: prepare the synthetic corpus, train a uniform and a prism ``cpu-tiny`` model on identical batches,
+compare their validation loss and write ``report.md`` / ``compare.json`` / ``loss_curves.png``, printing where
+each file is and how long every stage took.
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ def quickstart_config(overrides: list[str] | None = None, tiny: bool = False) ->
 
 
 def _attention_stage(summary: dict[str, Any], data, cfg: RunConfig, out: Path) -> str | None:
-    """Per-layer mean attention distance of the two trained models on fixed validation windows.
-
-    Writes ``attention.json`` and ``attention_distance.png``; returns a markdown section (or None when
+    """Per-layer mean attention distance of the two trained models on fixed validation windows: writes
+    ``attention.json`` and ``attention_distance.png``, returns a markdown section (None when
     ``headbudget.analysis.attention`` is not installed)."""
     try:
         from headbudget.analysis.attention import attention_summary, plot_distance_comparison, write_json
@@ -74,10 +72,8 @@ def _attention_stage(summary: dict[str, Any], data, cfg: RunConfig, out: Path) -
              "| layer | " + " | ".join(f"{n} heads | {n} distance | {n} local share" for n in names) + " |",
              "|---:|" + "---:|---:|---:|" * len(names)]
     for i in range(len(summaries[names[0]]["layers"])):
-        cells = []
-        for n in names:
-            row = summaries[n]["layers"][i]
-            cells += [str(row["n_heads"]), f"{row['mean_distance']:.1f}", f"{row['mean_local_share']:.2f}"]
+        cells = [f"{r['n_heads']} | {r['mean_distance']:.1f} | {r['mean_local_share']:.2f}"
+                 for r in (summaries[n]["layers"][i] for n in names)]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     lines += ["", "![attention distance](attention_distance.png)", ""]
     return "\n".join(lines)
@@ -87,9 +83,8 @@ def _validate(args: argparse.Namespace) -> None:
     """The bundled config, --tiny, then --config, --set and the flags given, read before torch is imported
     (cli.main calls it first)."""
     base = quickstart_config(tiny=args.tiny).to_dict()
-    threads = getattr(args, "threads", None)  # --threads (cli.main) wins over train.threads
-    if threads:
-        base["train"]["threads"] = threads
+    if getattr(args, "threads", None):  # --threads (cli.main) wins over train.threads
+        base["train"]["threads"] = args.threads
     args.cfg = build(RunConfig, settings_mapping(RunConfig, args, base=base), args)
 
 
@@ -152,13 +147,10 @@ def _quickstart(cfg: RunConfig, write_to: Path) -> int:
     better = "prism" if p < u else "uniform"
     print(f"      val loss: uniform {u:.4f}   prism {p:.4f}   (Δ prism-uniform {p - u:+.4f}; lower is "
           f"better: {better}; one seed - use `headbudget compare --seeds 3` to judge noise)")
-    report = out / "report.md"
-    text = report.read_text()
-    if att is not None:
-        text += "\n" + att
+    text = (out / "report.md").read_text() + ("" if att is None else "\n" + att)
     text += "\n## Quickstart stage times\n\n| stage | seconds |\n|---|---:|\n" + "".join(
         f"| {k} | {v:.1f} |\n" for k, v in timings.items())
-    atomic_write_text(report, text)
+    atomic_write_text(out / "report.md", text)
     atomic_write_json(out / "timings.json", timings)
     print("      stage times: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
     print(f"      report: {shown / 'report.md'}\n      curves: {shown / 'loss_curves.png'}\n"

@@ -30,12 +30,9 @@ class ScheduleSettings:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "schedule",
-        help="show a head schedule with parameter and FLOP accounting",
-        description="Print a preset's per-layer schedule (heads, head_dim, kv heads, attention params, "
-        "forward FLOPs per token) and totals.",
-    )
+    p = sub.add_parser("schedule", help="show a head schedule with parameter and FLOP accounting",
+                       description="Print a preset's per-layer schedule (heads, head_dim, kv heads, "
+                                   "attention params, forward FLOPs per token) and totals.")
     add_settings(p, ScheduleSettings, "the schedule's settings")
     p.set_defaults(func=run)
 
@@ -64,12 +61,8 @@ def run(args: argparse.Namespace) -> int:
     flops = flops_per_token(sched, preset.vocab_size, context)
     if args.json:
         print(json.dumps({
-            "preset": preset.name,
-            "kind": sched.name,
-            "d_model": sched.d_model,
-            "context": context,
-            "budget": sched.budget,
-            "layers": [spec.to_dict() for spec in sched],
+            "preset": preset.name, "kind": sched.name, "d_model": sched.d_model, "context": context,
+            "budget": sched.budget, "layers": [spec.to_dict() for spec in sched],
             "params": {"total": params.total, "non_embedding": params.non_embedding, "attention": params.attention},
             "flops_per_token": flops["total"],
         }, indent=2))

@@ -1,26 +1,24 @@
-"""``headbudget train``, ``headbudget compare`` and ``headbudget prepare``.
+"""``headbudget train``, ``headbudget compare``, ``headbudget prepare`` and ``headbudget distill``.
 
-    headbudget train configs/cpu-small.yaml --schedule prism --out runs/prism --set train.lr=3e-4
-    headbudget train configs/cpu-small.yaml --out runs/prism --resume        # continue exactly
+    headbudget train configs/cpu-small.yaml --schedule prism --out runs/prism --set train.lr=3e-4 [--resume]
     torchrun --nproc_per_node 2 -m headbudget.cli.main train configs/cpu-small.yaml   # DDP
-    headbudget compare configs/cpu-small.yaml --schedules uniform,prism,reverse,uniform@128 --seeds 3
-    headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat
-    headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat --resume  # after a crash
-    headbudget compare cpu-small --schedules uniform,prism,uniform@128 --seeds 5 --tokens 1M --margin 0.02
-    headbudget prepare configs/cpu-small.yaml        # tokenize once into the cache
-    headbudget prepare --source "jsonl:corpus.jsonl:text" --tokenizer bpe:4096
+    headbudget compare cpu-small --schedules uniform,prism --seeds 5 --tokens 4M --until-flat [--resume]
+    headbudget prepare --source "jsonl:corpus.jsonl:text" --tokenizer bpe:4096   # tokenize once, cached
     headbudget distill runs/pruned/model --teacher runs/dense/model --data corpus.txt --tokens 1M --out runs/rec
-    headbudget train CONFIG --init runs/pruned/model --teacher runs/dense/model   # the same, from a config
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from headbudget.cli.dataclass_flags import (
     add_dataclass_flags,
@@ -84,28 +82,30 @@ def _load(args: argparse.Namespace, defaults: list[str] | None = None, cls: type
     return cls.from_dict(deep_merge(cfg.to_dict(), given), "flags") if given else cfg
 
 
-def _threads_from(args: argparse.Namespace, cfg: RunConfig) -> None:
-    """cli.main's thread policy (applied before any work) follows the run's ``train.threads``, which --threads
-    sets (0: automatic)."""
-    args.threads = cfg.train.threads or None
+def _validator(config: Callable[[argparse.Namespace], RunConfig]) -> Callable[[argparse.Namespace], None]:
+    """A ``validate`` (cli.main calls it first, before torch is imported) that reads the run config into
+    ``args.cfg``; cli.main's thread policy then follows its ``train.threads``, which --threads sets
+    (0: automatic; prepare has no train section: cli.main's own --threads)."""
+    def validate(args: argparse.Namespace) -> None:
+        args.cfg = config(args)
+        if "train.threads" in vars(args):
+            args.threads = args.cfg.train.threads or None
 
-
-def _validate(args: argparse.Namespace) -> None:
-    """Read the config and its --set overrides before torch is imported (cli.main calls it first)."""
-    args.cfg = _load(args)
-    if "train.threads" in vars(args):  # prepare has no train section: cli.main's own --threads
-        _threads_from(args, args.cfg)
-
-
-def _validate_compare(args: argparse.Namespace) -> None:
-    args.cfg = _load(args, cls=CompareConfig)
-    _threads_from(args, args.cfg)
+    return validate
 
 
 def _is_main() -> bool:
-    import os
-
     return os.environ.get("RANK", "0") == "0"
+
+
+def _claim(out: Path, command: str, args: argparse.Namespace, inputs: dict[str, object]) -> Any:
+    """One writer: rank 0 holds the folder for the whole job (torchrun stops the others if it refuses)."""
+    from headbudget.run_dir import claim_output_dir, write_dir
+
+    if not _is_main():
+        return contextlib.nullcontext(write_dir(out, args.overwrite))
+    return claim_output_dir(out, command=f"headbudget {command}", resume=args.resume,
+                            overwrite=args.overwrite, inputs=inputs)
 
 
 def _given(args: argparse.Namespace, key: str) -> bool:
@@ -132,13 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train_config(args: argparse.Namespace) -> RunConfig:
     """The run config; ``--init`` (model.init) given on the command line also takes the model's tokenizer."""
     cfg = _load(args)
-    return _with_init(cfg, cfg.model.init, args) if cfg.model.init and _given(args, "model.init") \
-        else cfg
-
-
-def _validate_train(args: argparse.Namespace) -> None:
-    args.cfg = _train_config(args)
-    _threads_from(args, args.cfg)
+    return _with_init(cfg, cfg.model.init, args) if cfg.model.init and _given(args, "model.init") else cfg
 
 
 def run_inputs(cfg: RunConfig, args: argparse.Namespace, command: str = "train") -> dict[str, object]:
@@ -157,7 +151,7 @@ def run_inputs(cfg: RunConfig, args: argparse.Namespace, command: str = "train")
 @library_bars(False)  # the trainer draws its own bars: transformers' per-file load/save bars stay off
 def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: str) -> int:
     """Claim ``out`` and train (or distill: ``cfg.distill.teacher``) into it; what train and distill share."""
-    from headbudget.run_dir import check_not_an_input, claim_output_dir, write_dir
+    from headbudget.run_dir import check_not_an_input
     from headbudget.train.loop import TrainingDivergedError
     from headbudget.train.trainer import Trainer
 
@@ -165,12 +159,8 @@ def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: 
     inputs = run_inputs(cfg, args, command)
     if cfg.distill.teacher_cache:  # written too: never into what the run reads, nor into the folder it may replace
         check_not_an_input(cfg.distill.teacher_cache, {**inputs, "--out": out}, flag="--teacher-cache")
-    # one writer: rank 0 holds the folder for the whole job (torchrun stops the others if it refuses)
-    claim = claim_output_dir(out, command=f"headbudget {command}", resume=args.resume, overwrite=args.overwrite,
-                             inputs=inputs) \
-        if _is_main() else contextlib.nullcontext(write_dir(out, args.overwrite))
     try:
-        with claim as write_to:
+        with _claim(out, command, args, inputs) as write_to:
             trainer = Trainer(cfg, write_to, resume=args.resume)
             result = trainer.run()
     except TrainingDivergedError as exc:
@@ -183,8 +173,7 @@ def _run_training(cfg: RunConfig, out: Path, args: argparse.Namespace, command: 
         what = f"from {cfg.model.init}" if cfg.model.init else cfg.model.schedule
         if cfg.distill.teacher:
             what += f" distilling {cfg.distill.teacher} (T={cfg.distill.temperature:g}, alpha={cfg.distill.alpha:g})"
-            cache = (trainer.summary or {}).get("distill", {}).get("cache")
-            if cache:
+            if cache := (trainer.summary or {}).get("distill", {}).get("cache"):
                 what += f" [teacher cache: {cache['hits']} batches read, {cache['misses']} computed]"
         print(f"trained {what} ({result.params:,} params) for {result.steps} steps in "
               f"{time.perf_counter() - t0:.1f}s: val loss {val}, {result.tokens_per_s:,.0f} tokens/s, "
@@ -223,11 +212,6 @@ def _file_sets(args: argparse.Namespace, key: str) -> bool:
     return isinstance(raw, dict) and raw.get(field_name) is not None
 
 
-def _validate_distill(args: argparse.Namespace) -> None:
-    args.cfg = _distill_config(args)
-    _threads_from(args, args.cfg)
-
-
 def cmd_distill(args: argparse.Namespace) -> int:
     cfg = getattr(args, "cfg", None) or _distill_config(args)
     if args.print_config:
@@ -245,7 +229,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 @library_bars(False)  # the trainer draws its own bars
 def _run_compare(settings: CompareConfig, args: argparse.Namespace) -> int:
-    from headbudget.run_dir import claim_output_dir, write_dir
     from headbudget.train.compare import default_reference, parse_schedules, run_compare
 
     cfg, c = settings.run_config(), settings.compare
@@ -261,11 +244,7 @@ def _run_compare(settings: CompareConfig, args: argparse.Namespace) -> int:
         on_run.i += 1
 
     on_run.i = 1
-    # one writer: rank 0 holds the folder for the whole job (under torchrun every run trains on all processes)
-    claim = claim_output_dir(out, command="headbudget compare", resume=args.resume, overwrite=args.overwrite,
-                             inputs=run_inputs(cfg, args)) \
-        if _is_main() else contextlib.nullcontext(write_dir(out, args.overwrite))
-    with claim as write_to:
+    with _claim(out, "compare", args, run_inputs(cfg, args)) as write_to:  # torchrun: every run on all ranks
         summary = run_compare(cfg, schedules, c.seeds, write_to, save_models=c.save_models, on_run=on_run,
                               reference=reference, until_flat=c.until_flat, resume=args.resume,
                               margin=c.margin)
@@ -310,7 +289,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out (none yet: start at step 0 "
                    "with a notice; a finished run is left as it is)")
     add_overwrite_flag(p)
-    p.set_defaults(func=cmd_train, validate=_validate_train)
+    p.set_defaults(func=cmd_train, validate=_validator(_train_config))
 
     p = sub.add_parser("distill", help="recover a pruned/compressed model by logit distillation from a teacher",
                        description="train --init STUDENT --teacher TEACHER: loss alpha*T^2*KL(teacher||student) + "
@@ -326,7 +305,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_set_flags(p, "train.batch_size=8")
     p.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
     add_overwrite_flag(p)
-    p.set_defaults(func=cmd_distill, validate=_validate_distill)
+    p.set_defaults(func=cmd_distill, validate=_validator(_distill_config))
 
     p = sub.add_parser("compare", help="train schedules x seeds on identical data and compare val loss",
                        description="Writes compare.json, report.md, loss_curves.png, paired_curves.png and (2+ seeds) "
@@ -337,7 +316,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="continue an interrupted comparison in --out: finished runs are read back, a run with a "
                         "checkpoint continues from it exactly, the rest are trained")
     add_overwrite_flag(p, "comparison")
-    p.set_defaults(func=cmd_compare, validate=_validate_compare)
+    p.set_defaults(func=cmd_compare, validate=_validator(functools.partial(_load, cls=CompareConfig)))
 
     p = sub.add_parser("prepare", help="tokenize a data source into cached train/val memmaps",
                        description="Prepare (or find in the cache) the data of a config or of --source.")
@@ -345,4 +324,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                 aliases={"data.source": ("--source",), "data.tokenizer": ("--tokenizer",),
                          "data.cache_dir": ("--cache-dir",)})
     p.add_argument("--force", action="store_true", help="rebuild even when a cached copy exists")
-    p.set_defaults(func=cmd_prepare, validate=_validate)
+    p.set_defaults(func=cmd_prepare, validate=_validator(_load))

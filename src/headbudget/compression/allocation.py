@@ -1,14 +1,11 @@
 """Per-layer budgets at a fixed total kept fraction: uniform, later_layers_first, earlier_layers_first.
 
-``later_layers_first`` compresses the later layers first (they keep less), which the allocation theory
-predicts costs least; ``earlier_layers_first`` is its mirror; ``uniform`` keeps the same share in
-every layer.  Keep factors follow a linear profile over depth, ``c * (1 + s)`` down to ``c * (1 - s)``
-(``s = strength``, default 0.5), capped at 1 and floored at the smallest allowed size, with ``c``
-chosen so the total kept size matches ``keep``; the per-layer sizes are then rounded to allowed values
-and fitted to the total (within one step of the smallest layer unit).
+Keep factors fall linearly over depth from ``c * (1 + s)`` to ``c * (1 - s)`` (``s = strength``) for
+``later_layers_first`` (later layers keep less, which the theory predicts costs least;
+``earlier_layers_first`` mirrors it), capped at 1 and floored at the smallest allowed size, ``c`` chosen so
+the total matches ``keep``; sizes are then rounded to allowed values and fitted to the total.  See
+docs/allocation.md.
 
-    >>> allocate([64] * 4, 0.5, "uniform")
-    [32, 32, 32, 32]
     >>> allocate([64] * 4, 0.5, "later_layers_first")
     [48, 37, 27, 16]
     >>> allocate([12] * 6, 0.5, "earlier_layers_first", candidates=[divisors(12)] * 6)
@@ -36,15 +33,9 @@ def keep_profile(n_layers: int, allocation: str, strength: float = 0.5) -> list[
     return ramp if allocation == "later_layers_first" else ramp[::-1]
 
 
-def allocate(
-    full: Sequence[int],
-    keep: float,
-    allocation: str = "uniform",
-    *,
-    candidates: Sequence[Sequence[int]] | None = None,
-    weights: Sequence[float] | None = None,
-    strength: float = 0.5,
-) -> list[int]:
+def allocate(full: Sequence[int], keep: float, allocation: str = "uniform", *,
+             candidates: Sequence[Sequence[int]] | None = None, weights: Sequence[float] | None = None,
+             strength: float = 0.5) -> list[int]:
     """Per-layer kept sizes (ranks, or kv-head counts) with ``sum(size * weight) ~= keep * sum(full * weight)``.
 
     ``candidates[i]`` lists the sizes layer i may take (default ``1..full[i]``); ``weights[i]`` is the
@@ -57,8 +48,7 @@ def allocate(
     cands = [sorted(set(int(c) for c in cs)) for cs in candidates] if candidates is not None else \
         [list(range(1, f + 1)) for f in full]
     prof = keep_profile(n, allocation, strength)
-    total_full = sum(f * wi for f, wi in zip(full, w))
-    target = keep * total_full
+    target = keep * sum(f * wi for f, wi in zip(full, w))
     floor = [cs[0] / f for cs, f in zip(cands, full)]
 
     def shares(c: float) -> list[float]:
@@ -70,33 +60,21 @@ def allocate(
     lo, hi = 0.0, 1.0 / min(prof)
     for _ in range(80):
         mid = (lo + hi) / 2
-        if total(mid) < target:
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if total(mid) < target else (lo, mid)
     cont = [s * f for s, f in zip(shares((lo + hi) / 2), full)]
     # nearest allowed size, then single moves to neighbouring sizes while they bring the total closer
     idx = [min(range(len(cs)), key=lambda j, cs=cs, t=t: (abs(cs[j] - t), cs[j])) for cs, t in zip(cands, cont)]
     cur = sum(cands[i][idx[i]] * w[i] for i in range(n))
     for _ in range(10_000):
         err = target - cur
-        best = None
-        for i in range(n):
-            for delta in (-1, 1):
-                j = idx[i] + delta
-                if not 0 <= j < len(cands[i]):
-                    continue
-                change = (cands[i][j] - cands[i][idx[i]]) * w[i]
-                new_err = abs(err - change)
-                if new_err >= abs(err) - 1e-9:
-                    continue
-                residual = (cont[i] - cands[i][idx[i]]) * (1 if change > 0 else -1)
-                key = (new_err, -residual)
-                if best is None or key < best[0]:
-                    best = (key, i, j, change)
-        if best is None:
+        moves = [(i, j, (cands[i][j] - cands[i][idx[i]]) * w[i]) for i in range(n)
+                 for j in (idx[i] - 1, idx[i] + 1) if 0 <= j < len(cands[i])]
+        # the move that brings the total closest; ties: the one its layer's continuous size leans to most
+        better = [((abs(err - ch), -(cont[i] - cands[i][idx[i]]) * (1 if ch > 0 else -1)), i, j, ch)
+                  for i, j, ch in moves if abs(err - ch) < abs(err) - 1e-9]
+        if not better:
             break
-        _, i, j, change = best
+        _, i, j, change = min(better)
         idx[i] = j
         cur += change
     return [cands[i][idx[i]] for i in range(n)]

@@ -1,14 +1,9 @@
 """Head grouping: merge heads into groups that share one key/value head (MHA -> GQA).
 
-Within a group the key and value projections (weights and biases) of the member heads are replaced by
-their mean; query and output projections are untouched.  The model stores query heads contiguously by
-group, so the query heads are permuted to make every
-group contiguous (the matching output-projection columns are permuted too, which is exact); the
-permutation is returned so head indices can be mapped back.
-
-Groups come from adjacency (``adjacent_groups``: heads 0..g-1, g..2g-1, ...) or from an explicit list,
-e.g. CAHP's clusters of similar heads (``groups=[[0, 3], [1, 2]]``); groups may differ in size (the model
-keeps a query-head -> kv-head index for unequal groups).
+A group's key and value projections (weights and biases) become the mean of its members'; queries and
+outputs are untouched, except that query heads (and the matching output columns: exact) are permuted to make
+every group contiguous, as the model stores them; the permutation is returned.  Groups are adjacent
+(``adjacent_groups``) or explicit, e.g. CAHP's clusters (``[[0, 3], [1, 2]]``), and may differ in size.
 
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
@@ -37,7 +32,7 @@ def adjacent_groups(n_heads: int, n_groups: int) -> list[list[int]]:
 
 
 def check_groups(groups: Sequence[Sequence[int]], n_heads: int, layer: int) -> list[list[int]]:
-    """Validate a partition of ``range(n_heads)`` into equal-size groups; returns it as lists."""
+    """Validate a partition of ``range(n_heads)`` into non-empty groups; returns it as lists."""
     gs = [[int(h) for h in g] for g in groups]
     flat = [h for g in gs for h in g]
     if not gs or any(not g for g in gs):
@@ -55,10 +50,8 @@ def check_groups(groups: Sequence[Sequence[int]], n_heads: int, layer: int) -> l
 
 def groups_from_labels(labels: Sequence[int]) -> list[list[int]]:
     """Cluster labels per head (e.g. CAHP's) -> groups: ``[0, 1, 0, 1] -> [[0, 2], [1, 3]]``."""
-    out: dict[int, list[int]] = {}
-    for h, lab in enumerate(labels):
-        out.setdefault(int(lab), []).append(h)
-    return [out[k] for k in sorted(out)]
+    labels = [int(lab) for lab in labels]
+    return [[h for h, lab in enumerate(labels) if lab == k] for k in sorted(set(labels))]
 
 
 @torch.no_grad()
@@ -83,27 +76,24 @@ def group_layer(attn: nn.Module, groups: Sequence[Sequence[int]], layer: int = 0
         b = None if b is None else torch.cat([b[rows(g, width)].view(len(g), width).mean(0) for g in gs])
         return w, b
 
-    qi = rows(order, dq)
-    q = (p["q"][0][qi], None if p["q"][1] is None else p["q"][1][qi])
     sizes = [len(g) for g in gs]
     spec = dict(attn.spec, n_kv_heads=len(gs), kv_groups=sizes if len(set(sizes)) > 1 else None)
-    attn.set_projections(spec, q, pooled(p["k"], dq), pooled(p["v"], dv), (p["o"][0][:, rows(order, dv)], p["o"][1]))
+    qi = rows(order, dq)
+    attn.set_projections(spec, (p["q"][0][qi], None if p["q"][1] is None else p["q"][1][qi]),
+                         pooled(p["k"], dq), pooled(p["v"], dv), (p["o"][0][:, rows(order, dv)], p["o"][1]))
     return {"groups": gs, "head_order": order}
 
 
 def group_heads(model: nn.Module, groups: Sequence[Sequence[Sequence[int]] | None]) -> dict[str, Any]:
-    """Group every layer's heads (``groups[i]`` for layer i; None leaves a layer as it is), in place.
-
-    All layers are checked before any is changed; the config's schedule gets the new ``n_kv_heads``.
-    """
+    """Group every layer's heads (``groups[i]`` for layer i; None leaves a layer as it is), in place; all
+    layers are checked before any is changed; the config's schedule gets the new ``n_kv_heads``."""
     blocks = model.transformer.h
     if len(groups) != len(blocks):
         raise CompressionError(f"need one group list per layer ({len(blocks)}), got {len(groups)}")
     for i, (block, g) in enumerate(zip(blocks, groups)):
         if g is not None:
             check_groups(g, block.attn.n_heads, i)
-    per_layer = []
-    for i, (block, g) in enumerate(zip(blocks, groups)):
-        per_layer.append(None if g is None else group_layer(block.attn, g, i))
+    per_layer = [None if g is None else group_layer(b.attn, g, i)
+                 for i, (b, g) in enumerate(zip(blocks, groups))]
     model.sync_schedule()
     return {"per_layer": per_layer}

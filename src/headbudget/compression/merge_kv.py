@@ -1,49 +1,36 @@
 """Merge key/value heads instead of cutting them: every query head is kept and reads a shared, fitted K/V head.
 
-A layer with ``KV`` key/value heads becomes one with ``m`` (``m`` divides the query heads, so the model runs
-it as plain grouped-query attention, no head copies).  Query heads are taken in their stored order (grouped
-by their original key/value head) in ``m`` contiguous chunks; chunk ``i`` reads merged head ``i``, which
-replaces the original heads its queries read (its *members*).
-
+A layer with ``KV`` key/value heads becomes one with ``m`` (``m`` divides the query heads: plain
+grouped-query attention, no head copies).  Query heads, in stored (kv-grouped) order, form ``m`` chunks;
+chunk ``i`` reads merged head ``i``, replacing the original heads its queries read (its *members*).
 Two rules (:data:`MERGE_RULES`):
 
-``mean``
-    the plain mean of the members' K and V projections (weights and biases); queries and outputs untouched.
-    Queries trained against their own keys do not read another head's keys, so this costs a lot
-    (SmolLM2-135M at one kv head per layer: hundreds of times the dense perplexity).
+``mean``: the plain mean of the members' K and V projections; queries and outputs untouched.  Queries do not
+read another head's keys, so this costs a lot (SmolLM2-135M at one kv head per layer: hundreds of times the
+dense perplexity).
 
-``fitted``
-    the shared keys/values are chosen from calibration statistics and the queries and output projection are
-    re-fitted to them.  Everything is computed from one matrix per layer, the second moment
-    ``C = E[x~ x~^T]`` of the layer's attention input ``x~ = [x; 1]`` (the constant carries the biases), so
-    every projection ``P x~`` has covariance ``P C P^T`` without storing activations.
+``fitted``: shared keys/values fitted, queries and output projection re-fitted, all from one matrix per
+layer, ``C = E[x~ x~^T]`` of the attention input ``x~ = [x; 1]`` (the constant carries the biases): every
+projection ``P x~`` has covariance ``P C P^T``.  Identical members make both fits exact.
 
-    *Values.*  The members' values, each weighted by the output projection of the queries that read it
-    (``W_g = (mean_h W_o,h^T W_o,h)^1/2``: errors are measured where they land, in the residual stream), are
-    stacked, ``[V_1 W_1 .. V_G W_G]``; the shared value ``V' = X~ A^T`` spans their top-``d_h`` principal
-    subspace (``A`` is a linear combination of the members' ``[W_v | b_v]`` rows, so it is a projection of
-    the input).  Each member is then least-squares fitted, ``V_g ~= V' B_g``, and ``B_g`` folds into the
-    output projection of every query head that read ``g``: ``W_o,h <- W_o,h B_g^T``.
+*Values*: the members' values, each weighted by its readers' output projections,
+``W_g = (mean_h W_o,h^T W_o,h)^1/2`` (errors count where they land, in the residual stream), are stacked,
+``[V_1 W_1 .. V_G W_G]``; the shared value ``V' = X~ A^T`` spans their top-``d_h`` principal subspace
+(``A`` combines the members' ``[W_v | b_v]`` rows); each member is least-squares fitted, ``V_g ~= V' B_g``,
+and ``B_g`` folds into its readers' outputs: ``W_o,h <- W_o,h B_g^T``.
 
-    *Keys without rotary (GPT-2).*  The same, with each member weighted by ``(mean_h E[q_h q_h^T])^1/2`` of
-    its reading queries (the logit error ``q.(k - k^)`` is what matters) and the map folded into the
-    queries: ``k_g ~= T_g^T k'`` so ``q.k_g ~= (T_g q).k'``: ``[W_q | b_q] <- T_g [W_q | b_q]``.
+*Keys without rotary (GPT-2)*: the same, members weighted by ``(mean_h E[q_h q_h^T])^1/2`` (the logit error
+``q.(k - k^)`` is what matters), the map folded into the queries: ``k_g ~= T_g^T k'``, so
+``[W_q | b_q] <- T_g [W_q | b_q]``.
 
-    *Keys with rotary (Llama, Mistral, Qwen2).*  q and k are rotated by position, ``R(m)``; only maps that
-    commute with every ``R(m)`` may be folded into the queries, or the fold would change with the distance
-    ``m - n`` between query and key.  HF's "rotate half" rotates dims ``j`` and ``j + d_h/2`` together by
-    the angle ``m theta_j``; reading that pair as a complex number ``z``, the rotation is ``z -> z e^{i m
-    theta_j}``.  The maps that commute with all such rotations of one plane are the complex scalars ``c``
-    (a 2x2 rotation-scale block ``[[a, -b], [b, a]]``); maps mixing two planes, or not of that form within
-    one, do not commute with rotations at different or equal frequencies.  So per plane ``j`` each member's
-    plane output is fitted as ``z_g ~= c_g z'`` with one shared ``z'``: a weighted rank-1 complex fit
-    (member ``g``'s column weighted by the square root of its reading queries' mean energy in that plane,
-    which makes the fit minimise their logit error), ``z' = sum_g alpha_g z_g`` a complex combination of the
-    members' plane projections (new key rows: 2x2 rotation-scale blocks times the members' rows).  Then
-    ``Re(conj(R(m) q) R(n) c z') = Re(conj(R(m) conj(c) q) R(n) z')`` for every ``m, n``, so ``conj(c)``
-    (the block's transpose) folds into each reading query's plane rows exactly.
-
-    Identical members make both fits exact (the merged model computes what the original did).
+*Keys with rotary (Llama, Mistral, Qwen2)*: only maps that commute with every position's rotation ``R(m)``
+fold into the queries independently of ``m - n``.  HF's "rotate half" turns dims ``j`` and ``j + d_h/2``
+together by ``m theta_j``; as a complex number, ``z -> z e^{i m theta_j}``, and the maps commuting with all
+such rotations are per-plane complex scalars ``c`` (2x2 blocks ``[[a, -b], [b, a]]``).  So per plane each
+member is fitted as ``z_g ~= c_g z'`` with one shared ``z' = sum_g alpha_g z_g``: a rank-1 complex fit,
+member ``g`` weighted by the square root of its readers' mean energy in that plane (which minimises their
+logit error).  As ``Re(conj(R(m) q) R(n) c z') = Re(conj(R(m) conj(c) q) R(n) z')`` for every ``m, n``,
+``conj(c)`` (the block's transpose) folds into each reader's plane rows exactly.
 
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> m = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
@@ -58,7 +45,8 @@ Two rules (:data:`MERGE_RULES`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,19 +54,18 @@ import torch
 from torch import nn
 
 from headbudget.compression.svd import CompressionError
+from headbudget.progress import ProgressBar
 
 MERGE_RULES = ("fitted", "mean")
 KV_ALLOCATIONS = ("sensitivity", "uniform")
 
 
-# ----------------------------------------------------------------------------- layouts and counts
 def allowed_counts(attn: nn.Module) -> list[int]:
     """Key/value head counts a layer may be merged to, largest first: divisors of its query heads that are at
-    most its key/value heads (so the runtime serves equal groups without copies), and its own count.
-
-    SmolLM2 (9 query, 3 kv heads): ``[3, 1]``; GPT-2 (12 heads, multi-head): ``[12, 6, 4, 3, 2, 1]``."""
-    H, KV = attn.n_heads, attn.n_kv_heads
-    return sorted({g for g in range(1, KV + 1) if H % g == 0} | {KV}, reverse=True)
+    most its key/value heads (equal groups, no copies), and its own count: SmolLM2 (9 query, 3 kv heads)
+    ``[3, 1]``; GPT-2 (12 heads, multi-head) ``[12, 6, 4, 3, 2, 1]``."""
+    kv = attn.n_kv_heads
+    return sorted({g for g in range(1, kv + 1) if attn.n_heads % g == 0} | {kv}, reverse=True)
 
 
 def check_counts(model: nn.Module, counts: Sequence[int], flag: str = "--kv-heads") -> list[int]:
@@ -112,47 +99,38 @@ def measured_kv_bytes_per_token(model: nn.Module, tokens: int = 4) -> int:
     """Bytes per token of the key/value cache tensors after one forward of ``tokens`` tokens (any decoder whose
     cache is a transformers ``Cache``: headbudget's or a plain Llama's)."""
     dev = next(model.parameters()).device
-    ids = torch.zeros(1, tokens, dtype=torch.long, device=dev)
-    out = model(ids, use_cache=True)
+    out = model(torch.zeros(1, tokens, dtype=torch.long, device=dev), use_cache=True)
     cache = out["cache"] if "cache" in out else out["past_key_values"]  # transformers 5 renamed the field
-    if hasattr(cache, "layers"):
-        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    else:  # older transformers
-        tensors = [*cache.key_cache, *cache.value_cache]
+    tensors = ([t for layer in cache.layers for t in (layer.keys, layer.values)] if hasattr(cache, "layers")
+               else [*cache.key_cache, *cache.value_cache])  # older transformers: no .layers
     return sum(t.numel() * t.element_size() for t in tensors) // tokens
 
 
-# ----------------------------------------------------------------------------- calibration statistics
 @torch.no_grad()
 def collect_grams(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
     """Per layer, ``E[x~ x~^T]`` (float64, ``(d+1, d+1)``) of the attention input ``x~ = [x; 1]`` (the output
     of the block's first norm) over every token of ``windows`` (``(n, T)`` token ids)."""
-    blocks = model.transformer.h
-    d = model.config.n_embd
+    blocks, d = model.transformer.h, model.config.n_embd
     grams = [torch.zeros(d + 1, d + 1, dtype=torch.float64) for _ in blocks]
-    count = [0]
 
-    def hook(i: int) -> Callable:
-        def fn(_module: nn.Module, args: tuple) -> None:
-            x = args[0].reshape(-1, d).to("cpu", torch.float64)
-            xt = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], 1)
-            grams[i].add_(xt.T @ xt)
-        return fn
+    def hook(i: int, args: tuple) -> None:
+        x = args[0].reshape(-1, d).to("cpu", torch.float64)
+        xt = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], 1)
+        grams[i].add_(xt.T @ xt)
 
-    handles = [b.attn.register_forward_pre_hook(hook(i)) for i, b in enumerate(blocks)]
-    dev = next(model.parameters()).device
+    handles = [b.attn.register_forward_pre_hook(lambda _m, a, i=i: hook(i, a)) for i, b in enumerate(blocks)]
+    dev, count = next(model.parameters()).device, 0
     try:
         for s in range(0, len(windows), batch_size):
             batch = windows[s:s + batch_size].to(dev)
             model.transformer(batch)  # hidden states only: the LM head is not needed
-            count[0] += batch.numel()
+            count += batch.numel()
     finally:
         for h in handles:
             h.remove()
-    return [g / max(count[0], 1) for g in grams]
+    return [g / max(count, 1) for g in grams]
 
 
-# ----------------------------------------------------------------------------- fitting
 def _sqrtm(s: torch.Tensor) -> torch.Tensor:
     """Square root of a symmetric PSD matrix, with a tiny ridge so a zero direction keeps some weight."""
     s = (s + s.T) / 2
@@ -199,12 +177,11 @@ class GroupFit:
 def _augmented(attn: nn.Module) -> dict[str, torch.Tensor]:
     """``[W | b]`` of q, k and v (float64, zero bias column when the layer has none) and W_o (float64)."""
     p = attn.projections()
-    out = {}
+    out = {"o": p["o"][0].detach().to("cpu", torch.float64)}
     for name in ("q", "k", "v"):
         w, b = p[name]
         b = torch.zeros(len(w), dtype=w.dtype, device=w.device) if b is None else b
         out[name] = torch.cat([w, b[:, None]], 1).detach().to("cpu", torch.float64)
-    out["o"] = p["o"][0].detach().to("cpu", torch.float64)
     return out
 
 
@@ -214,9 +191,8 @@ def fit_layer(attn: nn.Module, count: int, rule: str, gram: torch.Tensor | None,
         raise CompressionError(f"unknown merge rule {rule!r}; choose from {', '.join(MERGE_RULES)}")
     if rule == "fitted" and gram is None:
         raise CompressionError("the fitted merge needs calibration statistics (collect_grams)")
-    W = _augmented(attn)
+    W, kv_index = _augmented(attn), attn.kv_index
     dq, dv = attn.qk_head_dim, attn.v_head_dim
-    kv_index = attn.kv_index
 
     def rows(t: torch.Tensor, i: int, width: int) -> torch.Tensor:
         return t[i * width:(i + 1) * width]
@@ -226,10 +202,7 @@ def fit_layer(attn: nn.Module, count: int, rule: str, gram: torch.Tensor | None,
         members = list(dict.fromkeys(kv_index[h] for h in queries))
         ks = [rows(W["k"], g, dq) for g in members]
         vs = [rows(W["v"], g, dv) for g in members]
-        if len(members) == 1:  # one original head: kept as it is (exact, no refit needed)
-            fits.append(GroupFit(queries, members, ks[0].clone(), vs[0].clone(), rotary))
-            continue
-        if rule == "mean":
+        if len(members) == 1 or rule == "mean":  # one original head is kept as it is (exact, no refit)
             fits.append(GroupFit(queries, members, torch.stack(ks).mean(0), torch.stack(vs).mean(0), rotary))
             continue
         readers = {g: [h for h in queries if kv_index[h] == g] for g in members}
@@ -255,8 +228,7 @@ def _fit_rotary_keys(ks: Sequence[torch.Tensor], members: Sequence[int], q_cov: 
     """Per frequency plane ``j`` (dims ``j``, ``j + dq/2``): weighted rank-1 complex fit ``z_g ~= c_g z'``."""
     half = dq // 2
     key = torch.empty(dq, gram.shape[0], dtype=torch.float64)
-    coeffs = {g: torch.empty(half, dtype=torch.complex128) for g in members}
-    maps = {g: torch.empty(half, dtype=torch.complex128) for g in members}
+    coeffs, maps = ({g: torch.empty(half, dtype=torch.complex128) for g in members} for _ in range(2))
     cgram = gram.to(torch.complex128)
     for j in range(half):
         planes = torch.stack([torch.complex(k[j], k[j + half]) for k in ks])  # (G, d+1): z_g = planes[g] . x~
@@ -283,9 +255,8 @@ def _fold_query(q_rows: torch.Tensor, fit: GroupFit, g: int) -> torch.Tensor:
     if not fit.rotary:
         return fit.key_maps[g] @ q_rows  # q.k_g ~= q.(T_g^T k') = (T_g q).k'
     c = fit.key_maps[g]
-    half = len(c)
     a, b = c.real[:, None], c.imag[:, None]
-    top, bottom = q_rows[:half], q_rows[half:]
+    top, bottom = q_rows[:len(c)], q_rows[len(c):]
     # conj(c) z_q with z_q = top + i bottom: (a top + b bottom) + i (a bottom - b top)
     return torch.cat([a * top + b * bottom, a * bottom - b * top])
 
@@ -303,26 +274,22 @@ def merge_layer(attn: nn.Module, count: int, rule: str, gram: torch.Tensor | Non
     fits = fit_layer(attn, count, rule, gram, rotary)
     W = _augmented(attn)
     dq, dv, d = attn.qk_head_dim, attn.v_head_dim, W["q"].shape[1] - 1
-    q_new = W["q"].clone()
-    o_new = W["o"].clone()
+    q_new, o_new = W["q"].clone(), W["o"].clone()
     for fit in fits:
         for h in fit.queries:
             g = attn.kv_index[h]
             q_new[h * dq:(h + 1) * dq] = _fold_query(W["q"][h * dq:(h + 1) * dq], fit, g)
             if g in fit.value_maps:  # P_h V_g W_o,h^T ~= P_h V' (W_o,h B_g^T)^T
                 o_new[:, h * dv:(h + 1) * dv] = W["o"][:, h * dv:(h + 1) * dv] @ fit.value_maps[g].T
-    k_new = torch.cat([f.key for f in fits])
-    v_new = torch.cat([f.value for f in fits])
-    ref = attn.qkv_proj.weight
-    has_bias = attn.qkv_proj.bias is not None
+    ref, has_bias = attn.qkv_proj.weight, attn.qkv_proj.bias is not None
 
     def pair(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = t.to(ref)
         return t[:, :d].contiguous(), (t[:, d].contiguous() if has_bias else None)
 
-    o_bias = attn.o_proj.bias
-    spec = dict(attn.spec, n_kv_heads=count, kv_groups=None)
-    attn.set_projections(spec, pair(q_new), pair(k_new), pair(v_new), (o_new.to(ref), o_bias))
+    attn.set_projections(dict(attn.spec, n_kv_heads=count, kv_groups=None), pair(q_new),
+                         pair(torch.cat([f.key for f in fits])), pair(torch.cat([f.value for f in fits])),
+                         (o_new.to(ref), attn.o_proj.bias))
     return fits
 
 
@@ -339,9 +306,7 @@ def merge_kv_model(model: nn.Module, counts: Sequence[int], rule: str = "fitted"
     counts = check_counts(model, counts)
     if rule == "fitted" and (grams is None or len(grams) != len(blocks)):
         raise CompressionError("the fitted merge needs one calibration Gram matrix per layer (collect_grams)")
-    before = [b.attn.n_kv_heads for b in blocks]
-    per_layer = []
-    rotary = is_rotary(model)
+    before, per_layer, rotary = [b.attn.n_kv_heads for b in blocks], [], is_rotary(model)
     for i, (b, c) in enumerate(zip(blocks, counts)):
         fits = merge_layer(b.attn, c, rule, None if grams is None else grams[i], rotary, i)
         per_layer.append([{"queries": f.queries, "members": f.members} for f in fits])
@@ -350,7 +315,6 @@ def merge_kv_model(model: nn.Module, counts: Sequence[int], rule: str = "fitted"
             "kv_values_per_token": kv_values_per_token(model)}
 
 
-# ----------------------------------------------------------------------------- sensitivity and allocation
 @torch.no_grad()
 def calibration_loss(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
     """Mean next-token loss over ``windows`` (``(n, T)`` ids)."""
@@ -369,28 +333,17 @@ def layer_sensitivity(model: nn.Module, rule: str, grams: Sequence[torch.Tensor]
                       progress: bool = False) -> list[dict[int, float]]:
     """Per layer, the calibration-loss increase when that layer alone is merged to each allowed count
     (its own count: 0).  The model is left as it was."""
-    import copy
-
-    from headbudget.progress import ProgressBar
-
-    base = calibration_loss(model, windows)
-    rotary = is_rotary(model)
-    out: list[dict[int, float]] = []
-    jobs = [(i, c) for i, b in enumerate(model.transformer.h) for c in allowed_counts(b.attn)
-            if c != b.attn.n_kv_heads]
-    result: dict[tuple[int, int], float] = {}
+    blocks, base, rotary = model.transformer.h, calibration_loss(model, windows), is_rotary(model)
+    out: list[dict[int, float]] = [{b.attn.n_kv_heads: 0.0} for b in blocks]
+    jobs = [(i, c) for i, b in enumerate(blocks) for c in allowed_counts(b.attn) if c != b.attn.n_kv_heads]
     for i, c in ProgressBar(jobs, desc="layer sensitivity", disable=not progress):
-        block = model.transformer.h[i]
-        original = block.attn
-        block.attn = copy.deepcopy(original)
+        original = blocks[i].attn
+        blocks[i].attn = copy.deepcopy(original)
         try:
-            merge_layer(block.attn, c, rule, None if grams is None else grams[i], rotary, i)
-            result[(i, c)] = calibration_loss(model, windows) - base
+            merge_layer(blocks[i].attn, c, rule, None if grams is None else grams[i], rotary, i)
+            out[i][c] = calibration_loss(model, windows) - base
         finally:
-            block.attn = original
-    for i, b in enumerate(model.transformer.h):
-        out.append({b.attn.n_kv_heads: 0.0, **{c: result[(i, c)] for c in allowed_counts(b.attn)
-                                                if c != b.attn.n_kv_heads}})
+            blocks[i].attn = original
     return out
 
 
@@ -403,10 +356,9 @@ def allocate_kv(allowed: Sequence[Sequence[int]], unit: Sequence[int], budget: f
                 sensitivity: Sequence[dict[int, float]] | None = None) -> list[int]:
     """Per-layer key/value head counts whose cache (``sum count_l * unit_l``, ``unit_l`` the values one kv head
     caches per token) is at most ``budget`` of today's (``allowed[l][0]``, the largest, is today's count).
-
-    Greedy from today's counts: each step lowers one layer to its next allowed count, the step with the least
-    sensitivity increase per cache value saved (``sensitivity[l][count]``); without sensitivities (uniform),
-    the layer keeping the largest share of its heads, ties spread over depth.
+    Greedy: each step lowers the layer whose next allowed count adds the least sensitivity per cache value
+    saved (``sensitivity[l][count]``); without sensitivities (uniform), the one keeping the largest share of
+    its heads, ties spread over depth.
 
     >>> allocate_kv([[3, 1]] * 4, [128] * 4, 2 / 3, [{3: 0, 1: 0.3}, {3: 0, 1: 0.1}, {3: 0, 1: 0.2}, {3: 0, 1: 0.4}])
     [3, 1, 1, 3]
@@ -414,22 +366,18 @@ def allocate_kv(allowed: Sequence[Sequence[int]], unit: Sequence[int], budget: f
     if not 0 < budget <= 1:
         raise CompressionError(f"--kv-budget must be in (0, 1], got {budget}")
     allowed = [sorted(set(a), reverse=True) for a in allowed]
-    full = sum(a[0] * u for a, u in zip(allowed, unit))
-    target = budget * full
+    full = total = sum(a[0] * u for a, u in zip(allowed, unit))
     idx = [0] * len(allowed)
     order = {layer: r for r, layer in enumerate(_spread_order(len(allowed)))}
-    total = full
-    while total > target + 1e-9:
+    while total > budget * full + 1e-9:
         best = None
         for i, a in enumerate(allowed):
             if idx[i] + 1 >= len(a):
                 continue
             cur, nxt = a[idx[i]], a[idx[i] + 1]
             saved = (cur - nxt) * unit[i]
-            if sensitivity is not None:
-                key = ((sensitivity[i][nxt] - sensitivity[i][cur]) / saved, order[i])
-            else:
-                key = (-cur / a[0], order[i])
+            cost = -cur / a[0] if sensitivity is None else (sensitivity[i][nxt] - sensitivity[i][cur]) / saved
+            key = (cost, order[i])
             if best is None or key < best[0]:
                 best = (key, i, saved)
         if best is None:

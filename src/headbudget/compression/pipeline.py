@@ -7,9 +7,8 @@
     >>> info["qk_ranks"], info["kept_fraction"]
     ([24, 19, 13, 8], 0.5)
 
-``compress_model`` never changes its input (it works on a deep copy).  ``run_compress`` is the
-``headbudget compress`` command's engine: load, compress, perplexity before/after, parameters, optional
-sweep over kept fractions for all three allocations, plot, atomic writes.
+``compress_model`` never changes its input (it works on a deep copy); ``run_compress`` is the engine of
+``headbudget compress`` (see docs/allocation.md).
 """
 
 from __future__ import annotations
@@ -29,63 +28,47 @@ from headbudget.compression.allocation import ALLOCATIONS, allocate, divisors
 from headbudget.compression.grouping import adjacent_groups, check_groups, group_heads
 from headbudget.compression.job import CompressJob
 from headbudget.compression.svd import CompressionError, rotary_reason, svd_compress
-from headbudget.io import atomic_write_dir, atomic_write_json
-from headbudget.progress import quiet_unless_progress
+from headbudget.devices import resolve_device, resolve_dtype
+from headbudget.io import atomic_write_dir, atomic_write_json, new_figure, read_text, save_figure
+from headbudget.progress import ProgressBar, quiet_unless_progress
+from headbudget.threads import torch_threads
 
 METHODS = ("svd", "group", "merge-kv")  # merge-kv: headbudget.compression.merge_kv (needs calibration)
 HELDOUT_SEED = 1_000_003  # synthetic evaluation text: a seed no training config uses
 
 
-# ---------------------------------------------------------------------- accounting
 def attention_parameters(model: nn.Module) -> list[int]:
     """Parameters of q/k/v/o (weights and biases) per layer, counted from the modules."""
-    out = []
-    for block in model.transformer.h:
-        a = block.attn
-        out.append(sum(p.numel() for lin in (a.qkv_proj, a.o_proj) for p in lin.parameters()))
-    return out
+    return [sum(p.numel() for lin in (b.attn.qkv_proj, b.attn.o_proj) for p in lin.parameters())
+            for b in model.transformer.h]
 
 
 def layer_table(model: nn.Module) -> list[dict[str, int]]:
     """Per-layer layout: heads, kv heads, head_dim, qk/v widths, attention params."""
-    params = attention_parameters(model)
-    rows = []
-    for i, block in enumerate(model.transformer.h):
-        a = block.attn
-        rows.append({"layer": i, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim,
-                     "qk_head_dim": a.qk_head_dim, "v_head_dim": a.v_head_dim, "attention_params": params[i]})
-    return rows
+    attns = [b.attn for b in model.transformer.h]
+    return [{"layer": i, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim,
+             "qk_head_dim": a.qk_head_dim, "v_head_dim": a.v_head_dim, "attention_params": n}
+            for i, (a, n) in enumerate(zip(attns, attention_parameters(model)))]
 
 
-# ---------------------------------------------------------------------- compression
 def _require_headbudget(model: nn.Module) -> None:
     if not hasattr(model, "transformer") or not hasattr(model.transformer, "h") or \
             not all(hasattr(b.attn, "qkv_proj") for b in model.transformer.h):
-        raise CompressionError(
-            f"{type(model).__name__} is not a headbudget model; open it with "
-            "headbudget.loading.load_model(path, as_headbudget=True)"
-        )
+        raise CompressionError(f"{type(model).__name__} is not a headbudget model; open it with "
+                               "headbudget.loading.load_model(path, as_headbudget=True)")
 
 
 def compress_model(
-    model: nn.Module,
-    method: str,
-    keep_ratio: float = 0.5,
-    allocation: str = "uniform",
-    *,
+    model: nn.Module, method: str, keep_ratio: float = 0.5, allocation: str = "uniform", *,
     groups: Sequence[Sequence[Sequence[int]] | None] | dict[int, Sequence[Sequence[int]]] | None = None,
-    strength: float = 0.5,
-    progress: bool = False,
+    strength: float = 0.5, progress: bool = False,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """A compressed deep copy of ``model`` and a description of what was kept.
-
-    ``svd``: per-layer ranks (same for q/k and v/o) allocated so that ``sum_l n_heads_l * rank_l`` is
-    ``keep_ratio`` of ``sum_l n_heads_l * head_dim_l``.  ``group``: per-layer kv-head counts (divisors of the
-    head count) with ``keep_ratio`` of the heads' K/V kept, adjacent heads grouped; an explicit ``groups``
-    (one list of head groups per layer, None = allocate that layer; or a dict {layer: groups}) overrides the
-    allocation in those layers (the kept fraction is then reported, not enforced), e.g. CAHP's
-    clusters via :func:`headbudget.compression.grouping.groups_from_labels`.
-    """
+    """A compressed deep copy of ``model`` and a description of what was kept.  ``svd`` allocates per-layer
+    ranks with ``sum_l n_heads_l * rank_l = keep_ratio * sum_l n_heads_l * head_dim_l``; ``group`` keeps
+    ``keep_ratio`` of the K/V heads (divisors per layer, adjacent heads grouped) except where explicit
+    ``groups`` (a list, None = allocate that layer, or a dict {layer: groups}; e.g. CAHP clusters via
+    :func:`headbudget.compression.grouping.groups_from_labels`) say otherwise (the kept fraction is then
+    reported, not enforced)."""
     _require_headbudget(model)
     if method not in METHODS:
         raise CompressionError(f"unknown compression method {method!r}; choose from {', '.join(METHODS)}")
@@ -138,7 +121,6 @@ def compress_model(
     return out, info
 
 
-# ---------------------------------------------------------------------- data
 def read_eval_text(data: str) -> str:
     """Text to score: a file or Hugging Face dataset (:func:`headbudget.io.read_text`), or
     ``synthetic[:N_WORDS]``: the built-in grammar's text drawn with a seed training never uses (held out)."""
@@ -146,8 +128,6 @@ def read_eval_text(data: str) -> str:
         from headbudget.data.sources import read_source
 
         return "\n\n".join(read_source(data, seed=HELDOUT_SEED).documents)
-    from headbudget.io import read_text
-
     return read_text(data)
 
 
@@ -172,7 +152,6 @@ def evaluate_perplexity(model: nn.Module, ids: torch.Tensor, context: int, strid
                       progress=progress)
 
 
-# ---------------------------------------------------------------------- atomic outputs
 def save_model_atomic(model: nn.Module, out_dir: Path, tokenizer: Any = None) -> Path:
     """``save_pretrained`` of the model (and the tokenizer, at the folder root) in a temporary sibling
     folder, then moved into place."""
@@ -187,8 +166,6 @@ def save_model_atomic(model: nn.Module, out_dir: Path, tokenizer: Any = None) ->
 
 def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
     """Perplexity vs kept fraction, one line per allocation, the uncompressed model dashed."""
-    from headbudget.io import new_figure, save_figure
-
     fig, ax = new_figure(figsize=(6.4, 4.4))
     for alloc in ALLOCATIONS:
         pts = sorted((r["keep"], r["ppl"]) for r in sweep["runs"] if r["allocation"] == alloc)
@@ -208,21 +185,13 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
 def run_compress(job: CompressJob, *, groups: Sequence[Sequence[Sequence[int]] | None] | None = None,
                  threads: int | None = None) -> dict[str, Any]:
     """Load ``job.model``, compress, evaluate and write ``job.out/model/``, ``job.out/report.json`` (and the sweep).
-
-    ``groups`` are explicit head groups for ``group`` (read from ``job.groups`` by the command).  ``threads`` sets
-    torch's intra-op threads for the duration (restored afterwards; None: the idle cores, as
-    :func:`headbudget.threads.torch_threads`); 1 is much faster for small models on a busy CPU.  The compression
-    itself is computed in float32 on the CPU; ``job.dtype`` (auto: float32) is the float type perplexity is
-    measured in and the compressed model is saved in, ``job.device`` (default: cuda when available) where
-    perplexity is measured.
+    ``groups``: explicit head groups for ``group`` (from ``job.groups``); ``threads``: torch's threads
+    meanwhile (None: the idle cores).  Compression runs in float32 on the CPU; perplexity is measured in
+    ``job.dtype`` (auto: float32; also the saved type) on ``job.device`` (default: cuda when available).
 
         >>> run_compress(CompressJob("runs/prism/model", "runs/svd50", keep_ratio=0.5, data="wikitext2"))
     """
-    from headbudget.devices import resolve_device, resolve_dtype
-    from headbudget.threads import torch_threads
-
-    dtype = resolve_dtype(job.dtype) or torch.float32
-    device = resolve_device(job.device)
+    dtype, device = resolve_dtype(job.dtype) or torch.float32, resolve_device(job.device)
     with torch_threads(threads):
         return _run_compress(job, groups, dtype, device)
 
@@ -236,7 +205,6 @@ def _run_compress(job: CompressJob, groups: Sequence[Sequence[Sequence[int]] | N
         raise ValueError("a sweep needs text data (it plots perplexity)")
     src = resolve_model(job.model)
     model, tok = _load_model_and_tokenizer(job.model, job.tokenizer, need_tokenizer=bool(job.data or job.tokenizer))
-    out_dir = Path(job.out)
     ids = _token_ids(tok, job.data, job.max_tokens) if job.data else None
     stride = job.stride or max(1, context // 2)
     if ids is not None and progress:  # say up front how much scoring is ahead (a sweep repeats it)
@@ -255,6 +223,7 @@ def _run_compress(job: CompressJob, groups: Sequence[Sequence[Sequence[int]] | N
                                       strength=job.strength, progress=progress)
     report = _compress_report(str(job.model), _source_family(src), job.data, model, compressed, info, before,
                               ppl(compressed))
+    out_dir = Path(job.out)
     save_model_atomic(compressed.to(dtype), out_dir / "model", tok)
     if sweep:
         report["sweep"] = _sweep(model, job.method, sweep, groups, job.strength, ppl, before, progress)
@@ -294,8 +263,7 @@ def _announce_scoring(n_tokens: int, n_positions: int, context: int, stride: int
                       passes: int) -> None:
     from headbudget.evaluation.perplexity import window_plan
 
-    n_win = len(window_plan(n_tokens, min(context, n_positions), stride))
-    n_win = min(n_win, max_windows) if max_windows else n_win
+    n_win = min(len(window_plan(n_tokens, min(context, n_positions), stride)), max_windows or math.inf)
     print(f"scoring {n_tokens:,} tokens ({n_win} windows of {context}) x {passes} models; "
           "--max-tokens/--max-windows make it shorter", file=sys.stderr, flush=True)
 
@@ -303,39 +271,31 @@ def _announce_scoring(n_tokens: int, n_positions: int, context: int, stride: int
 def _compress_report(name: str, kind: str, data: str | None, model: nn.Module, compressed: nn.Module,
                      info: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any] | None
                      ) -> dict[str, Any]:
-    """``report.json``: the source model, what was kept, attention parameters, total parameters and FLOPs per
-    token before and after, and perplexity before and after."""
+    """``report.json``: the source, what was kept, before/after parameters, FLOPs per token and perplexity."""
     from headbudget.evaluation.cost import model_cost
 
-    p_before, p_after = attention_parameters(model), attention_parameters(compressed)
+    p_before, p_after = sum(attention_parameters(model)), sum(attention_parameters(compressed))
     cost_before, cost_after = model_cost(model), model_cost(compressed)
-    return {
-        "model": name, "model_kind": kind, **info,
-        "attention_params_before": sum(p_before), "attention_params_after": sum(p_after),
-        "attention_params_ratio": sum(p_after) / sum(p_before),
-        "layers_before": layer_table(model), "layers_after": layer_table(compressed),
-        "params_before": cost_before["params"], "params_after": cost_after["params"],
-        "flops_per_token_before": cost_before["flops_per_token"],
-        "flops_per_token_after": cost_after["flops_per_token"], "flops_context": cost_before["context"],
-        "perplexity_before": before, "perplexity_after": after, "data": data,
-        "schedule_after": compressed.config.schedule,
-    }
+    return {"model": name, "model_kind": kind, **info,
+            "attention_params_before": p_before, "attention_params_after": p_after,
+            "attention_params_ratio": p_after / p_before,
+            "layers_before": layer_table(model), "layers_after": layer_table(compressed),
+            "params_before": cost_before["params"], "params_after": cost_after["params"],
+            "flops_per_token_before": cost_before["flops_per_token"],
+            "flops_per_token_after": cost_after["flops_per_token"], "flops_context": cost_before["context"],
+            "perplexity_before": before, "perplexity_after": after, "data": data,
+            "schedule_after": compressed.config.schedule}
 
 
 def _sweep(model: nn.Module, method: str, sweep: Sequence[float], groups: Any, strength: float,
            ppl: Any, before: dict[str, Any], progress: bool) -> dict[str, Any]:
-    """Perplexity of ``model`` compressed at every kept fraction of ``sweep`` by every allocation, and the best
-    allocation per fraction (``sweep.json``)."""
-    from headbudget.progress import ProgressBar
-
+    """``sweep.json``: perplexity at every kept fraction by every allocation, the best one per fraction."""
     runs = []
-    jobs = [(k, a) for k in sweep for a in ALLOCATIONS]
-    for k, a in ProgressBar(jobs, desc="sweep", disable=not progress):
+    for k, a in ProgressBar([(k, a) for k in sweep for a in ALLOCATIONS], desc="sweep", disable=not progress):
         m, inf = compress_model(model, method, k, a, groups=groups, strength=strength)
         r = ppl(m)
         runs.append({"keep": k, "allocation": a, "ppl": r["ppl"], "loss": r["loss"],
-                     "kept_fraction": inf["kept_fraction"],
-                     "attention_params": sum(attention_parameters(m)),
+                     "kept_fraction": inf["kept_fraction"], "attention_params": sum(attention_parameters(m)),
                      "per_layer": inf.get("qk_ranks", inf.get("n_kv_heads"))})
     return {"method": method, "baseline_ppl": before["ppl"], "runs": runs,
             "best_by_keep": {str(k): min((r for r in runs if r["keep"] == k), key=lambda r: r["ppl"])["allocation"]

@@ -1,19 +1,10 @@
 """Sentence(-pair) classification tasks for fine-tuning and head pruning: SST-5 and MNLI.
 
-Each task reads either its original distribution format or the Hugging Face datasets schema from a
-local directory (nothing is downloaded):
-
-* ``sst5``: ``{train,dev,test}.txt`` with one Stanford PTB tree a line (the root's label 0..4 is the
-  sentence label, the sentence is the leaves joined by spaces, PTB escapes such as ``-LRB-`` and
-  ``\\/`` turned back into ``(`` and ``/``), or ``SetFit/sst5`` JSON lines ``{train,validation,test}.jsonl``
-  with ``text``/``label``.  ``validation`` is read as ``dev``.
-* ``mnli``: GLUE TSV ``train.tsv``, ``dev_matched.tsv``, ``dev_mismatched.tsv`` (columns ``sentence1``,
-  ``sentence2``, ``gold_label``; rows whose gold label is ``-`` (no annotator consensus) are skipped, as in
-  GLUE), or the ``nyu-mll/glue`` ``mnli`` schema ``{train,validation_matched,validation_mismatched}.jsonl``
-  with ``premise``/``hypothesis``/``label``.  Labels: 0 entailment, 1 neutral, 2 contradiction.
-
-Malformed input raises :class:`TaskDataError` (a ``ValueError``) naming the file and line; a file that
-is not UTF-8 a :class:`headbudget.io.NotUTF8Error` naming the file, byte offset and line.
+Each task reads its original distribution format (SST-5 PTB trees, GLUE MNLI TSV) or the Hugging Face
+datasets schema as JSONL from a local directory (nothing is downloaded); the files and fields are listed
+in docs/pruning-models.md.  Malformed input raises :class:`TaskDataError` (a ``ValueError``) naming the
+file and line; a file that is not UTF-8 a :class:`headbudget.io.NotUTF8Error` naming the file, byte offset
+and line.
 
     >>> from headbudget.data.classification import load_task, make_loader
     >>> data = load_task("sst5", "../shared/data/classification/sst5")
@@ -29,6 +20,7 @@ import random
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +73,6 @@ class ClassificationTask:
 
 # --------------------------------------------------------------------------- PTB trees (SST)
 _PTB_UNESCAPE = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": "{", "-RCB-": "}"}
-
-
 _PTB_TOKEN = re.compile(r"\(|\)|[^\s()]+")
 
 
@@ -91,26 +81,20 @@ def _unescape(word: str) -> str:
 
 
 def parse_ptb_tree(line: str, where: str = "<tree>", num_labels: int = 5, unescape: bool = True) -> Example:
-    """Parse one PTB tree ``(3 (2 It) (4 ...))``: the root label and the leaves joined by spaces.
-
-    ``where`` (``file:line``) prefixes any error.
-    """
+    """Parse one PTB tree ``(3 (2 It) (4 ...))``: the root label and the leaves joined by spaces; ``where``
+    (``file:line``) prefixes any error."""
     tokens = _PTB_TOKEN.findall(line)
     if not tokens:
         raise TaskDataError(f"{where}: empty line (expected a PTB tree)")
     leaves: list[str] = []
-    # stack of [label, n_children, has_leaf] for the open nodes
-    stack: list[list[int]] = []
-    root = -1
-    n = len(tokens)
-    pos = 0
+    stack: list[list[int]] = []  # [label, n_children, has_leaf] of the open nodes
+    root, n, pos = -1, len(tokens), 0
     while pos < n:
         tok = tokens[pos]
         if tok == "(":
             if root >= 0:
-                raise TaskDataError(
-                    f"{where}: malformed PTB tree: trailing text after the root: {' '.join(tokens[pos:])!r}"
-                )
+                raise TaskDataError(f"{where}: malformed PTB tree: trailing text after the root: "
+                                    f"{' '.join(tokens[pos:])!r}")
             if stack and stack[-1][2]:
                 raise TaskDataError(f"{where}: malformed PTB tree: a node mixes words and subtrees")
             if pos + 1 >= n or tokens[pos + 1] in ("(", ")"):
@@ -169,9 +153,8 @@ def read_ptb_file(path: Path, num_labels: int = 5) -> list[Example]:
             for lineno, line in _universal_lines(path) if line.strip()]
 
 
-def _read_jsonl(
-    path: Path, fields: Sequence[str], num_labels: int, skip_negative: bool = False
-) -> list[dict]:
+def _read_jsonl(path: Path, fields: Sequence[str], num_labels: int,
+                skip_negative: bool = False) -> list[dict]:
     rows = []
     for lineno, row in iter_jsonl(path, error=TaskDataError):
         where = f"{path}:{lineno}"
@@ -196,30 +179,7 @@ def _resolve_dir(data_dir: Path, task: str) -> Path:
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: data directory not found for task {task!r}")
-    sub = data_dir / task
-    if sub.is_dir():
-        return sub
-    return data_dir
-
-
-def _load_sst5(data_dir: Path, splits: Sequence[str]) -> tuple[dict[str, list[Example]], str]:
-    d = _resolve_dir(data_dir, "sst5")
-    hf_names = {"train": "train", "dev": "validation", "test": "test"}
-    out: dict[str, list[Example]] = {}
-    sources = set()
-    for split in splits:
-        ptb = d / f"{split}.txt"
-        jl = [d / f"{hf_names[split]}.jsonl", d / f"{split}.jsonl"]
-        if ptb.exists():
-            out[split] = read_ptb_file(ptb, 5)
-            sources.add("ptb")
-        elif any(p.exists() for p in jl):
-            path = next(p for p in jl if p.exists())
-            out[split] = [Example(r["text"], r["label"]) for r in _read_jsonl(path, ["text"], 5)]
-            sources.add("setfit-jsonl")
-        else:
-            raise FileNotFoundError(f"{d}: no {split} split for sst5 (looked for {ptb.name} or {jl[0].name})")
-    return out, "+".join(sorted(sources))
+    return data_dir / task if (data_dir / task).is_dir() else data_dir
 
 
 _MNLI_LABELS = ("entailment", "neutral", "contradiction")
@@ -242,63 +202,65 @@ def read_glue_mnli_tsv(path: Path) -> list[Example]:
         if not row or (len(row) == 1 and not row[0].strip()):
             continue
         if len(row) != len(header):
-            raise TaskDataError(
-                f"{path}:{lineno}: expected {len(header)} tab-separated columns, got {len(row)}"
-            )
+            raise TaskDataError(f"{path}:{lineno}: expected {len(header)} tab-separated columns, "
+                                f"got {len(row)}")
         gold = row[il].strip()
         if gold == "-":
             continue
         if gold not in _MNLI_LABELS:
-            raise TaskDataError(
-                f"{path}:{lineno}: gold_label {gold!r} is not one of {', '.join(_MNLI_LABELS)}"
-            )
+            raise TaskDataError(f"{path}:{lineno}: gold_label {gold!r} is not one of "
+                                f"{', '.join(_MNLI_LABELS)}")
         out.append(Example(row[i1], _MNLI_LABELS.index(gold), row[i2]))
     return out
 
 
-def _load_mnli(data_dir: Path, splits: Sequence[str]) -> tuple[dict[str, list[Example]], str]:
-    d = _resolve_dir(data_dir, "mnli")
-    hf_names = {
-        "train": "train",
-        "dev_matched": "validation_matched",
-        "dev_mismatched": "validation_mismatched",
-    }
+def _sst5_jsonl(path: Path) -> list[Example]:
+    return [Example(r["text"], r["label"]) for r in _read_jsonl(path, ["text"], 5)]
+
+
+def _mnli_jsonl(path: Path) -> list[Example]:
+    rows = _read_jsonl(path, ["premise", "hypothesis"], 3, skip_negative=True)
+    return [Example(r["premise"], r["label"], r["hypothesis"]) for r in rows]
+
+
+#: task -> (original file suffix, reader, format name), (JSONL reader, format name), HF names of its splits
+_FORMATS: dict[str, tuple[Any, ...]] = {
+    "sst5": ((".txt", read_ptb_file, "ptb"), (_sst5_jsonl, "setfit-jsonl"), {"dev": "validation"}),
+    "mnli": ((".tsv", read_glue_mnli_tsv, "glue-tsv"), (_mnli_jsonl, "hf-glue-jsonl"),
+             {"dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"}),
+}
+
+
+def _load_splits(task: str, data_dir: Path, splits: Sequence[str]) -> tuple[dict[str, list[Example]], str]:
+    """Each split from its original file, else from its HF JSONL (``<HF split name>.jsonl`` or
+    ``<split>.jsonl``); and the formats read, e.g. ``"glue-tsv+hf-glue-jsonl"``."""
+    d = _resolve_dir(data_dir, task)
+    (suffix, read_native, native_kind), (read_jsonl, jsonl_kind), hf_names = _FORMATS[task]
     out: dict[str, list[Example]] = {}
     sources = set()
     for split in splits:
-        tsv = d / f"{split}.tsv"
-        jl = [d / f"{hf_names[split]}.jsonl", d / f"{split}.jsonl"]
-        if tsv.exists():
-            out[split] = read_glue_mnli_tsv(tsv)
-            sources.add("glue-tsv")
-        elif any(p.exists() for p in jl):
-            path = next(p for p in jl if p.exists())
-            rows = _read_jsonl(path, ["premise", "hypothesis"], 3, skip_negative=True)
-            out[split] = [Example(r["premise"], r["label"], r["hypothesis"]) for r in rows]
-            sources.add("hf-glue-jsonl")
+        native, jl = d / f"{split}{suffix}", [d / f"{hf_names.get(split, split)}.jsonl", d / f"{split}.jsonl"]
+        found = next((p for p in jl if p.exists()), None)
+        if native.exists():
+            out[split], kind = read_native(native), native_kind
+        elif found is not None:
+            out[split], kind = read_jsonl(found), jsonl_kind
         else:
-            raise FileNotFoundError(f"{d}: no {split} split for mnli (looked for {tsv.name} or {jl[0].name})")
+            raise FileNotFoundError(f"{d}: no {split} split for {task} "
+                                    f"(looked for {native.name} or {jl[0].name})")
+        sources.add(kind)
     return out, "+".join(sorted(sources))
 
 
 TASKS: dict[str, ClassificationTask] = {
     "sst5": ClassificationTask(
-        name="sst5",
-        num_labels=5,
+        name="sst5", num_labels=5,
         label_names=("very negative", "negative", "neutral", "positive", "very positive"),
-        splits=("train", "dev", "test"),
-        eval_splits=("dev", "test"),
-        loader=_load_sst5,
-    ),
+        splits=("train", "dev", "test"), eval_splits=("dev", "test"), loader=partial(_load_splits, "sst5")),
     "mnli": ClassificationTask(
-        name="mnli",
-        num_labels=3,
-        label_names=_MNLI_LABELS,
+        name="mnli", num_labels=3, label_names=_MNLI_LABELS, sentence_pair=True,
         splits=("train", "dev_matched", "dev_mismatched"),
-        eval_splits=("dev_matched", "dev_mismatched"),
-        loader=_load_mnli,
-        sentence_pair=True,
-    ),
+        eval_splits=("dev_matched", "dev_mismatched"), loader=partial(_load_splits, "mnli")),
 }
 
 
@@ -316,77 +278,51 @@ def load_task(name: str, data_dir: str | Path, splits: Sequence[str] | None = No
     wanted = tuple(splits) if splits is not None else spec.splits
     bad = [s for s in wanted if s not in spec.splits]
     if bad:
-        raise ValueError(
-            f"task {name}: unknown split(s) {', '.join(bad)}; splits are {', '.join(spec.splits)}"
-        )
+        raise ValueError(f"task {name}: unknown split(s) {', '.join(bad)}; "
+                         f"splits are {', '.join(spec.splits)}")
     data, source = spec.loader(Path(data_dir), wanted)
     for split, rows in data.items():
         if not rows:
             raise TaskDataError(f"task {name}: split {split!r} in {data_dir} has no examples")
-    return TaskData(
-        name=spec.name,
-        num_labels=spec.num_labels,
-        label_names=spec.label_names,
-        splits=data,
-        eval_splits=tuple(s for s in spec.eval_splits if s in data),
-        source=source,
-    )
+    return TaskData(name=spec.name, num_labels=spec.num_labels, label_names=spec.label_names, splits=data,
+                    eval_splits=tuple(s for s in spec.eval_splits if s in data), source=source)
 
 
 # --------------------------------------------------------------------------- batching
 class ClassificationCollator:
-    """Tokenizes a list of :class:`Example` with dynamic padding (to the longest in the batch).
-
-    Returns ``input_ids``, ``attention_mask`` (+ ``token_type_ids`` when the tokenizer makes them)
-    and ``labels``; sequences are truncated to ``max_length`` tokens.
-    """
+    """Tokenizes a list of :class:`Example` with dynamic padding (to the longest in the batch): ``input_ids``,
+    ``attention_mask`` (+ ``token_type_ids`` when the tokenizer makes them) and ``labels``; sequences are
+    truncated to ``max_length`` tokens."""
 
     def __init__(self, tokenizer: Any, max_length: int = 128) -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
 
     def __call__(self, batch: Sequence[Example]) -> dict[str, torch.Tensor]:
-        texts = [ex.text for ex in batch]
-        pairs = [ex.text_pair for ex in batch]
-        kwargs: dict[str, Any] = dict(
-            padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        )
-        if any(p is not None for p in pairs):
-            enc = self.tokenizer(texts, [p or "" for p in pairs], **kwargs)
-        else:
-            enc = self.tokenizer(texts, **kwargs)
+        texts = [[ex.text for ex in batch]]
+        if any(ex.text_pair is not None for ex in batch):
+            texts.append([ex.text_pair or "" for ex in batch])
+        enc = self.tokenizer(*texts, padding=True, truncation=True, max_length=self.max_length,
+                             return_tensors="pt")
         out = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         out["labels"] = torch.tensor([ex.label for ex in batch], dtype=torch.long)
         return out
 
 
-def make_loader(
-    examples: Sequence[Example],
-    tokenizer: Any,
-    batch_size: int = 32,
-    shuffle: bool = False,
-    seed: int = 0,
-    max_length: int = 128,
-) -> torch.utils.data.DataLoader:
+def make_loader(examples: Sequence[Example], tokenizer: Any, batch_size: int = 32, shuffle: bool = False,
+                seed: int = 0, max_length: int = 128) -> torch.utils.data.DataLoader:
     """A ``DataLoader`` over ``examples`` with :class:`ClassificationCollator` (seeded shuffling)."""
-    gen = torch.Generator()
-    gen.manual_seed(seed)
-    return torch.utils.data.DataLoader(
-        list(examples),
-        batch_size=batch_size,
-        shuffle=shuffle,
-        generator=gen if shuffle else None,
-        collate_fn=ClassificationCollator(tokenizer, max_length),
-    )
+    gen = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(list(examples), batch_size=batch_size, shuffle=shuffle,
+                                       generator=gen if shuffle else None,
+                                       collate_fn=ClassificationCollator(tokenizer, max_length))
 
 
 def subsample(examples: Sequence[Example], n: int | None, seed: int = 0) -> list[Example]:
     """A seeded random subset of ``n`` examples (all of them when ``n`` is None or larger)."""
     if n is None or n >= len(examples):
         return list(examples)
-    rng = random.Random(seed)
-    idx = sorted(rng.sample(range(len(examples)), n))
-    return [examples[i] for i in idx]
+    return [examples[i] for i in sorted(random.Random(seed).sample(range(len(examples)), n))]
 
 
 def iter_batches(examples: Sequence[Example], batch_size: int) -> Iterator[list[Example]]:
@@ -395,19 +331,6 @@ def iter_batches(examples: Sequence[Example], batch_size: int) -> Iterator[list[
         yield list(examples[i : i + batch_size])
 
 
-__all__ = [
-    "TASKS",
-    "ClassificationCollator",
-    "Example",
-    "TaskData",
-    "TaskDataError",
-    "ClassificationTask",
-    "get_task",
-    "iter_batches",
-    "load_task",
-    "make_loader",
-    "parse_ptb_tree",
-    "read_glue_mnli_tsv",
-    "read_ptb_file",
-    "subsample",
-]
+__all__ = ["TASKS", "ClassificationCollator", "Example", "TaskData", "TaskDataError", "ClassificationTask",
+           "get_task", "iter_batches", "load_task", "make_loader", "parse_ptb_tree", "read_glue_mnli_tsv",
+           "read_ptb_file", "subsample"]

@@ -1,11 +1,8 @@
 """Prepare a source for training: tokenize once into train/val memmaps, cached by content.
 
-The prepared directory holds ``train.bin`` and ``val.bin`` (flat token ids, ``uint16`` when the
-vocabulary fits in 65,535 ids, else ``uint32``; every document followed by the tokenizer's end-of-text
-id), ``tokenizer/`` (the exact tokenizer, trained on the training split for ``bpe:N``) and ``meta.json``
-(source, tokenizer, counts, content hash, key).  ``meta.json`` is written last and every file is written
-to a temporary name first, so a directory with a meta file is complete; an unchanged source + tokenizer
-+ split reuses it.
+A prepared directory holds ``train.bin``/``val.bin`` (flat ids, each document followed by the end-of-text id),
+``tokenizer/`` and ``meta.json``, written last (every file goes to a temporary name first), so a directory
+with a meta file is complete; an unchanged source + tokenizer + split reuses it.  See docs/training.md.
 
     >>> import tempfile
     >>> d = prepare_data("synthetic:2000", "byte", tempfile.mkdtemp(), progress=False)
@@ -112,8 +109,7 @@ class _TokenWriter:
         self.path, self.tok, self.dtype, self.bar = path, tok, dtype, bar
         self.tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         self.f = open(self.tmp, "wb")
-        self.n = 0
-        self.n_docs = 0
+        self.n = self.n_docs = 0
         self.batch: list[str] = []
         self.ends: list[bool] = []  # whether the piece closes a document (then EOS follows)
         self.limit = np.iinfo(dtype).max
@@ -153,7 +149,7 @@ def _write_tokens(path: Path, docs: list[str], tok: Tokenizer, dtype: np.dtype, 
     from headbudget.progress import ProgressBar
 
     with ProgressBar(total=sum(len(d) for d in docs), unit="char", unit_scale=True, desc=desc,
-              disable=not progress, leave=False) as bar:
+                     disable=not progress, leave=False) as bar:
         w = _TokenWriter(path, tok, dtype, bar)
         for doc in docs:
             w.add(doc)
@@ -175,19 +171,17 @@ def _prepare_streamed(source: str, tokenizer: str, directory: Path, *, val_fract
     k = max(2, round(1 / val_fraction))
     train_texts = None
     if tokenizer.strip().startswith("bpe:"):
-        sample, total = [], 0
+        train_texts, total = [], 0
         for i, doc in enumerate(iter_hf_documents(source, max_chars, progress=False)):
             if i % k != k - 1:
-                sample.append(doc)
+                train_texts.append(doc)
                 total += len(doc)
             if total >= BPE_TRAIN_CHARS:
                 break
-        train_texts = sample
     tok = make_tokenizer(tokenizer, train_texts=train_texts)
     dtype = token_dtype(tok.vocab_size)
     h = hashlib.sha256()
-    train_w = _TokenWriter(directory / "train.bin", tok, dtype)
-    val_w = _TokenWriter(directory / "val.bin", tok, dtype)
+    train_w, val_w = (_TokenWriter(directory / f"{s}.bin", tok, dtype) for s in ("train", "val"))
     chars = [0, 0]
     for i, doc in enumerate(iter_hf_documents(source, max_chars, progress=progress)):
         h.update(doc.encode())
@@ -203,41 +197,27 @@ def _prepare_streamed(source: str, tokenizer: str, directory: Path, *, val_fract
     return meta, tok
 
 
-def prepare_data(
-    source: str,
-    tokenizer: str = "byte",
-    cache_dir: str | os.PathLike | None = None,
-    *,
-    seed: int = 0,
-    val_fraction: float = 0.05,
-    max_chars: int | None = None,
-    split_blank_lines: bool = False,
-    progress: bool = True,
-    force: bool = False,
-) -> PreparedData:
-    """Tokenize ``source`` with ``tokenizer`` into ``cache_dir/<slug>-<key>/``, or reuse it.
-
-    ``seed`` only matters for the synthetic source.  ``force`` rebuilds even when cached.
-    """
+def prepare_data(source: str, tokenizer: str = "byte", cache_dir: str | os.PathLike | None = None, *,
+                 seed: int = 0, val_fraction: float = 0.05, max_chars: int | None = None,
+                 split_blank_lines: bool = False, progress: bool = True, force: bool = False) -> PreparedData:
+    """Tokenize ``source`` with ``tokenizer`` into ``cache_dir/<slug>-<key>/``, or reuse it.  ``seed`` only
+    matters for the synthetic source; ``force`` rebuilds even when cached."""
     cache = Path(os.path.expanduser(str(cache_dir))) if cache_dir is not None else default_cache_dir()
     key_src = source_key(source, seed, max_chars)
     tok_key = tokenizer.strip()
     if tok_key.startswith("gpt2"):
         tok_key = "gpt2"  # the folder holding the files does not change the ids
-    key = hashlib.sha256(
-        f"v{PREP_VERSION}|{key_src}|{tok_key}|{val_fraction}|{split_blank_lines}".encode()
-    ).hexdigest()
+    key = f"v{PREP_VERSION}|{key_src}|{tok_key}|{val_fraction}|{split_blank_lines}"
+    key = hashlib.sha256(key.encode()).hexdigest()
     directory = cache / f"{_slug(source)}-{_slug(tok_key)}-{key[:12]}"
     meta_path = directory / "meta.json"
     if meta_path.is_file() and not force:
         meta = json.loads(meta_path.read_text())
         dtype = np.dtype(meta.get("dtype", "uint16"))
-        ok = meta.get("key") == key and all(
-            (directory / f"{s}.bin").is_file()
-            and (directory / f"{s}.bin").stat().st_size == meta[f"{s}_tokens"] * dtype.itemsize
-            for s in ("train", "val")
-        )
-        if ok:
+        if meta.get("key") == key and all(
+                (directory / f"{s}.bin").is_file()
+                and (directory / f"{s}.bin").stat().st_size == meta[f"{s}_tokens"] * dtype.itemsize
+                for s in ("train", "val")):
             return PreparedData(directory, meta, read_tokenizer(directory / "tokenizer"), reused=True)
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -251,27 +231,17 @@ def prepare_data(
         train_docs, val_docs = split_documents(src.documents, val_fraction)
         tok = make_tokenizer(tokenizer, train_texts=train_docs)
         dtype = token_dtype(tok.vocab_size)
-        counts = {
-            "source_kind": src.kind, "source_files": src.files, "content_hash": src.content_hash,
-            "train_documents": len(train_docs), "val_documents": len(val_docs),
-            "train_chars": sum(len(d) for d in train_docs), "val_chars": sum(len(d) for d in val_docs),
-            "train_tokens": _write_tokens(directory / "train.bin", train_docs, tok, dtype, "tokenizing train",
-                                          progress),
-            "val_tokens": _write_tokens(directory / "val.bin", val_docs, tok, dtype, "tokenizing val", progress),
-        }
+        counts = {"source_kind": src.kind, "source_files": src.files, "content_hash": src.content_hash,
+                  "train_documents": len(train_docs), "val_documents": len(val_docs),
+                  "train_chars": sum(len(d) for d in train_docs), "val_chars": sum(len(d) for d in val_docs),
+                  "train_tokens": _write_tokens(directory / "train.bin", train_docs, tok, dtype,
+                                                "tokenizing train", progress),
+                  "val_tokens": _write_tokens(directory / "val.bin", val_docs, tok, dtype, "tokenizing val",
+                                              progress)}
     tok.save(directory / "tokenizer")
-    meta = {
-        "key": key,
-        "prep_version": PREP_VERSION,
-        "source": source,
-        "seed": seed if counts["source_kind"] == "synthetic" else None,
-        "max_chars": max_chars,
-        "tokenizer": tok.spec,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "dtype": token_dtype(tok.vocab_size).name,
-        "val_fraction": val_fraction,
-        **counts,
-    }
+    meta = {"key": key, "prep_version": PREP_VERSION, "source": source,
+            "seed": seed if counts["source_kind"] == "synthetic" else None, "max_chars": max_chars,
+            "tokenizer": tok.spec, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "dtype": token_dtype(tok.vocab_size).name, "val_fraction": val_fraction, **counts}
     atomic_write_json(meta_path, meta)
     return PreparedData(directory, meta, tok, reused=False)

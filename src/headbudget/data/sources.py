@@ -1,10 +1,6 @@
-"""Text sources by spec string.
-
-* a path or glob of text files: ``../shared/data/text/tinyshakespeare.txt``, ``corpus/*.txt``
-  (each file is one document, unless ``split_blank_lines`` splits it at blank lines);
-* JSONL with a text field: ``jsonl:PATH[:FIELD]`` (FIELD defaults to ``text``; PATH may be a glob);
-* a Hugging Face dataset: ``hf:NAME[:CONFIG]`` (streamed; its ``train`` split, ``text`` field);
-* the built-in corpus: ``synthetic[:N_WORDS]`` (default 1,000,000 words; seed from the data config).
+"""Text sources by spec string: a path or glob of text files (a document each, unless ``split_blank_lines``),
+``jsonl:PATH[:FIELD]`` (FIELD defaults to ``text``), ``hf:NAME[:CONFIG]`` (streamed) and the built-in
+``synthetic[:N_WORDS]``; docs/training.md tables them.
 
     >>> from headbudget.data.sources import read_source
     >>> src = read_source("synthetic:300", seed=1)
@@ -70,11 +66,8 @@ def source_key(spec: str, seed: int = 0, max_chars: int | None = None) -> str:
     kind, _, rest = spec.partition(":")
     if kind == "synthetic":
         h.update(f"|grammar{synthetic.GRAMMAR_VERSION}|seed{seed}".encode())
-    elif kind == "hf":
-        pass  # remote: identified by name/config/max_chars
-    else:
-        path = jsonl_parts(rest)[0] if kind == "jsonl" else spec
-        for f in _resolve_files(path):
+    elif kind != "hf":  # hf: remote, identified by name/config/max_chars
+        for f in _resolve_files(jsonl_parts(rest)[0] if kind == "jsonl" else spec):
             h.update(f.encode())
             with open(f, "rb") as fh:
                 for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
@@ -99,17 +92,23 @@ def read_source(spec: str, *, seed: int = 0, max_chars: int | None = None,
     """Read all documents of a source (see the module docstring for the spec forms)."""
     spec = spec.strip()
     kind, _, rest = spec.partition(":")
+    if kind == "hf":
+        docs = list(iter_hf_documents(spec, max_chars))
+        h = hashlib.sha256()
+        for d in docs:
+            h.update(d.encode())
+        return TextSource(spec, "hf", docs, h.hexdigest())
+    files: list[str] = []
+    docs = []
     if kind == "synthetic":
         try:
             n = int(rest.replace("_", "")) if rest else DEFAULT_SYNTHETIC_WORDS
         except ValueError:
             raise SourceError(f"bad data source {spec!r}: expected synthetic[:N_WORDS], e.g. synthetic:500000") from None
-        docs = _truncate(synthetic.generate_documents(n, seed), max_chars)
-        return TextSource(spec, "synthetic", docs, source_key(spec, seed, max_chars))
-    if kind == "jsonl":
+        docs = synthetic.generate_documents(n, seed)
+    elif kind == "jsonl":
         path, fieldname = jsonl_parts(rest)
         files = _resolve_files(path)
-        docs: list[str] = []
         for f in files:
             for lineno, row in iter_jsonl(f, error=SourceError):
                 if fieldname not in row:
@@ -117,17 +116,12 @@ def read_source(spec: str, *, seed: int = 0, max_chars: int | None = None,
                 if not isinstance(row[fieldname], str):
                     raise SourceError(f"{f}:{lineno}: field {fieldname!r} is not a string")
                 docs.append(row[fieldname])
-        docs = _truncate(docs, max_chars)
-        return TextSource(spec, "jsonl", docs, source_key(spec, seed, max_chars), files)
-    if kind == "hf":
-        return _read_hf(spec, rest, max_chars)
-    files = _resolve_files(spec)
-    docs = []
-    for f in files:
-        text = read_text(f)  # not UTF-8: one line naming the file and the byte offset
-        docs += [p for p in text.split("\n\n") if p.strip()] if split_blank_lines else [text]
-    docs = _truncate(docs, max_chars)
-    return TextSource(spec, "text", docs, source_key(spec, seed, max_chars), files)
+    else:
+        kind, files = "text", _resolve_files(spec)
+        for f in files:
+            text = read_text(f)  # not UTF-8: one line naming the file and the byte offset
+            docs += [p for p in text.split("\n\n") if p.strip()] if split_blank_lines else [text]
+    return TextSource(spec, kind, _truncate(docs, max_chars), source_key(spec, seed, max_chars), files)
 
 
 def iter_hf_documents(spec: str, max_chars: int | None, progress: bool = True) -> Iterator[str]:
@@ -158,10 +152,3 @@ def iter_hf_documents(spec: str, max_chars: int | None, progress: bool = True) -
             if total >= max_chars:
                 return
 
-
-def _read_hf(spec: str, rest: str, max_chars: int | None) -> TextSource:
-    docs = list(iter_hf_documents(spec, max_chars))
-    h = hashlib.sha256()
-    for d in docs:
-        h.update(d.encode())
-    return TextSource(spec, "hf", docs, h.hexdigest())

@@ -1,20 +1,10 @@
 """The built-in synthetic corpus: a small generated language with hierarchical structure.
 
-Deterministic from a seed, any size, no download.  Its design (see ``docs/training.md``) gives a
-language model three kinds of dependency to learn, at three distances:
-
-* **local agreement** - determiner/noun number (``a dog``, ``some dogs``) and regular/irregular plural
-  morphology (``dog``/``dogs``, ``mouse``/``mice``);
-* **clause-level agreement across nested clauses** - a subject agrees in number with its verb even when
-  a relative clause (itself with its own subject and verb) sits in between:
-  ``the dogs that the cat chases run .``; clausal complements (``says that ...``) nest sentences;
-* **long-range matching** - clauses can be wrapped in typed markers ``<k ... k>`` (eight types) which
-  nest and must close in last-opened-first-closed order with the matching type (a Dyck language with
-  types, spanning clauses), and every document opens with ``= NAME =`` and closes with
-  ``= end NAME =``, so the closing name must be copied from the start of the document.
-
-The process is a probabilistic context-free grammar with depth-damped recursion, so nothing in it is
-predictable from the previous word alone: a model needs attention over increasing distances.
+Deterministic from a seed, any size, no download.  A probabilistic context-free grammar with depth-damped
+recursion gives a model three kinds of dependency at three distances: local agreement (determiner/noun,
+irregular plurals), subject-verb agreement across nested relative clauses, and long-range matching (typed
+``<k ... k>`` markers closed last-opened-first-closed, and ``= end NAME =`` copying the document's opening
+name).  Grammar and measurements: docs/training.md.
 
     >>> from headbudget.data.synthetic import generate_documents
     >>> docs = generate_documents(200, seed=0)
@@ -60,9 +50,8 @@ SAYING: tuple[tuple[str, str], ...] = (
 DET_SING: tuple[str, ...] = ("the", "a", "every", "this")
 DET_PLUR: tuple[str, ...] = ("the", "some", "many", "these")
 NAMES: tuple[str, ...] = (
-    "alice", "bruno", "chloe", "dmitri", "elena", "farid", "greta", "hiro", "ines", "jonas", "kofi",
-    "lena", "marco", "nadia", "oscar", "priya", "quinn", "rosa", "sami", "tomas", "ulla", "victor",
-    "wen", "yara",
+    "alice", "bruno", "chloe", "dmitri", "elena", "farid", "greta", "hiro", "ines", "jonas", "kofi", "lena",
+    "marco", "nadia", "oscar", "priya", "quinn", "rosa", "sami", "tomas", "ulla", "victor", "wen", "yara",
 )
 MARKERS: tuple[str, ...] = ("a", "b", "c", "d", "e", "f", "g", "h")
 
@@ -95,8 +84,7 @@ class _Gen:
         self.out.append("that")
         if self.p(0.5):
             # subject relative: "that chase the cat" - the verb agrees with the head noun
-            verb = self.pick(TRANSITIVE)
-            self.out.append(verb[1 if head_plural else 0])
+            self.out.append(self.pick(TRANSITIVE)[1 if head_plural else 0])
             self.noun_phrase(self.p(0.5), depth, nouns=OBJECT_NOUNS + NOUNS, allow_rel=False)
         else:
             # object relative: "that the cat chases" - the verb agrees with the inner subject
@@ -106,16 +94,14 @@ class _Gen:
 
     # VP -> Vi | Vt NP | Vs that S   (agreeing with the subject's number)
     def verb_phrase(self, plural: bool, depth: int, name: str) -> None:
-        r = self.rng.random()
-        k = 1 if plural else 0
+        r, k = self.rng.random(), 1 if plural else 0
         if r < 0.35:
             self.out.append(self.pick(INTRANSITIVE)[k])
         elif r < 0.8 or depth >= MAX_DEPTH:
             self.out.append(self.pick(TRANSITIVE)[k])
             self.noun_phrase(self.p(0.5), depth + 1, nouns=OBJECT_NOUNS + NOUNS)
         else:
-            self.out.append(self.pick(SAYING)[k])
-            self.out.append("that")
+            self.out += [self.pick(SAYING)[k], "that"]
             self.clause(depth + 1, name)
 
     # S -> [<k] Subject VP [k>] [and S]
@@ -140,9 +126,8 @@ class _Gen:
             self.clause(depth + 1, name, stack)
 
     def document(self, n_sentences: int) -> str:
-        self.out = []
         name = self.pick(NAMES)
-        self.out += ["=", name, "="]
+        self.out = ["=", name, "="]
         for _ in range(n_sentences):
             self.clause(0, name)
             self.out.append(".")

@@ -1,14 +1,11 @@
 """What a model costs: real parameter count and forward FLOPs per token, for any supported family.
 
-    >>> from headbudget.evaluation.cost import model_cost
     >>> model_cost(model)                    # doctest: +SKIP
     {'params': 6887040, 'flops_per_token': 20447232, 'context': 256}
 
-Conventions are :mod:`headbudget.accounting`'s: parameters count every weight and bias once (tied
-embeddings once); forward FLOPs per token are 2 x the multiply-adds of every linear layer (output head
-included) plus the attention score and value products at the full context length (no causal discount).
-headbudget models are counted from their config by :mod:`headbudget.accounting`; other models (BERT
-family, GPT-2, Llama-style) from their modules.
+Conventions are :mod:`headbudget.accounting`'s (tied embeddings once; FLOPs 2 x every linear layer's
+multiply-adds plus the attention products at the full context); other models than headbudget's are counted
+from their modules (BERT, GPT-2, Llama-style).
 """
 
 from __future__ import annotations
@@ -31,32 +28,25 @@ def _attention_widths(model: nn.Module) -> list[tuple[int, int]]:
     widths = []
     for mod in model.modules():
         q, o = getattr(mod, "q_proj", None), getattr(mod, "o_proj", None)
+        sa, dense = getattr(mod, "self", None), getattr(getattr(mod, "output", None), "dense", None)
+        c_attn, c_proj = getattr(mod, "c_attn", None), getattr(mod, "c_proj", None)
         if isinstance(q, nn.Linear) and isinstance(o, nn.Linear):  # Llama/Mistral/Qwen2
             widths.append((q.out_features, o.in_features))
-            continue
-        if isinstance(getattr(mod, "qkv_proj", None), nn.Linear) and isinstance(o, nn.Linear) \
+        elif isinstance(getattr(mod, "qkv_proj", None), nn.Linear) and isinstance(o, nn.Linear) \
                 and hasattr(mod, "qk_head_dim"):  # headbudget: one fused q|k|v projection
             widths.append((mod.n_heads * mod.qk_head_dim, o.in_features))
-            continue
-        sa, out = getattr(mod, "self", None), getattr(mod, "output", None)
-        if isinstance(getattr(sa, "query", None), nn.Linear) and isinstance(getattr(out, "dense", None), nn.Linear):
-            widths.append((sa.query.out_features, out.dense.in_features))  # BERT family
-            continue
-        c_attn, c_proj = getattr(mod, "c_attn", None), getattr(mod, "c_proj", None)
-        if c_attn is not None and c_proj is not None and hasattr(c_attn, "nf"):  # GPT-2 (Conv1D: weight in x out)
+        elif isinstance(getattr(sa, "query", None), nn.Linear) and isinstance(dense, nn.Linear):  # BERT
+            widths.append((sa.query.out_features, dense.in_features))
+        elif c_attn is not None and c_proj is not None and hasattr(c_attn, "nf"):  # GPT-2 (Conv1D: in x out)
             widths.append((int(c_attn.weight.shape[1]) // 3, int(c_proj.weight.shape[0])))
     return widths
 
 
 def module_flops_per_token(model: nn.Module, context: int) -> int:
-    """Forward FLOPs per token counted from the modules: every ``nn.Linear`` / GPT-2 ``Conv1D`` plus the
-    attention products of every attention layer found."""
-    linear = 0
-    for mod in model.modules():
-        if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D":
-            linear += 2 * mod.weight.numel()
-    attention = sum(2 * context * (q + v) for q, v in _attention_widths(model))
-    return linear + attention
+    """Forward FLOPs per token of every ``nn.Linear`` / GPT-2 ``Conv1D`` and attention layer."""
+    linear = sum(2 * mod.weight.numel() for mod in model.modules()
+                 if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D")
+    return linear + sum(2 * context * (q + v) for q, v in _attention_widths(model))
 
 
 def model_cost(model: nn.Module, context: int | None = None) -> dict[str, int]:
@@ -74,10 +64,8 @@ def model_cost(model: nn.Module, context: int | None = None) -> dict[str, int]:
 
 
 def model_kv_cache_bytes(model: nn.Module) -> int | None:
-    """Bytes one token adds to the model's KV cache at its parameters' dtype, or None for an encoder.
-
-    headbudget decoders by :func:`headbudget.accounting.kv_cache_bytes_per_token`; Llama-style and GPT-2
-    decoders from their k/v projections (each key and value row is one cached element per token).
+    """Bytes one token adds to the model's KV cache at its parameters' dtype, or None for an encoder:
+    headbudget decoders by :mod:`headbudget.accounting`, Llama-style and GPT-2 from their k/v projections.
 
         >>> model_kv_cache_bytes(model)          # doctest: +SKIP
         92160

@@ -17,23 +17,18 @@ DEFAULT_MAX_LENGTH = 2048  # the harness's default when neither config nor token
 def model_max_length(model: Any, tokenizer: Any = None, default: int = DEFAULT_MAX_LENGTH) -> int:
     """Context length as the harness resolves it: config n_positions / max_position_embeddings /
     n_ctx, then the tokenizer's ``model_max_length`` (unless unset), then ``default``."""
-    cfg = getattr(model, "config", None)
-    cfg = getattr(cfg, "text_config", None) or cfg
+    cfg = getattr(getattr(model, "config", None), "text_config", None) or getattr(model, "config", None)
     for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
         value = getattr(cfg, attr, None)
         if value is not None:
             return int(value)
     mml = getattr(tokenizer, "model_max_length", None)
-    if mml is not None and mml < 10**20:
-        return int(mml)
-    return default
+    return int(mml) if mml is not None and mml < 10**20 else default  # 1e30: the tokenizer's "unset"
 
 
 class HarnessEncoder:
-    """Encodes ``(context, continuation)`` pairs the way the harness's ``hf`` backend does.
-
-    ``add_bos_token=None`` uses the tokenizer's own default for special tokens (the harness's default).
-    """
+    """Encodes ``(context, continuation)`` pairs as the harness's ``hf`` backend does; ``add_bos_token=None``
+    keeps the tokenizer's own default for special tokens (the harness's default)."""
 
     def __init__(self, tokenizer: Any, add_bos_token: bool | None = None) -> None:
         self.tokenizer = tokenizer
@@ -45,16 +40,12 @@ class HarnessEncoder:
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         key = text if add_special_tokens is None else f"{add_special_tokens}\0{text}"
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        kwargs: dict[str, bool] = {}
-        if add_special_tokens is not None:
-            kwargs["add_special_tokens"] = add_special_tokens
-        elif self.add_bos_token is not None:
-            kwargs["add_special_tokens"] = self.add_bos_token
-        if add_special_tokens is None and self._prefix_str and text.startswith(self._prefix_str):
-            kwargs["add_special_tokens"] = False
+        if key in self._cache:
+            return self._cache[key]
+        special = add_special_tokens
+        if special is None:  # no second BOS when the text starts with its string
+            special = False if self._prefix_str and text.startswith(self._prefix_str) else self.add_bos_token
+        kwargs = {} if special is None else {"add_special_tokens": special}
         ids = list(self.tokenizer.encode(text, **kwargs))
         if len(self._cache) < 200_000:
             self._cache[key] = ids
@@ -71,8 +62,6 @@ class HarnessEncoder:
             return [self.prefix_token_id], cont
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces:
-            continuation = context[-n_spaces:] + continuation
-            context = context[:-n_spaces]
-        whole = self.encode(context + continuation)
-        ctx = self.encode(context)
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        whole, ctx = self.encode(context + continuation), self.encode(context)
         return ctx, whole[len(ctx):]

@@ -1,29 +1,12 @@
 """lm-evaluation-harness's task library, scored by headbudget's shared-prefix engine.
 
-lm-eval (the optional extra, ``pip install "headbudget[lmeval]"``) builds the requests -- its task
-names, groups, headbudget's built-in tasks (the YAML files in ``lm_eval_tasks/``, local data through
-:func:`builtin_task_spec`), YAML files of the user's own (``include_path``), few-shot contexts and seeds -- and
-computes the metrics; :class:`HeadBudgetLM` answers its ``loglikelihood`` and
-``loglikelihood_rolling`` requests with :class:`headbudget.evaluation.zeroshot.Scorer`: the
-requests of one document (its choices) become one token trie, and documents whose prompts share a
-long prefix (a fixed few-shot context, as MMLU's first-n sampler gives) share rows, so shared tokens
-run once per pass instead of once per choice and per document.
+lm-eval (the optional ``lmeval`` extra) builds the requests -- task names, groups, headbudget's built-in
+task files (``lm_eval_tasks/``), the user's YAML (``include_path``), few-shot contexts, seeds -- and computes
+the metrics; :class:`HeadBudgetLM` answers them with :class:`~headbudget.evaluation.scorer.Scorer`
+(log-likelihoods equal the ``hf`` backend's; generation tasks are refused) and is registered as lm-eval's
+model ``headbudget`` by ``import headbudget``.  See docs/evaluation.md.
 
-    >>> from headbudget.evaluation.harness import evaluate_harness
-    >>> out = evaluate_harness(model, tok, ["arc_easy_local"], include_path="my_tasks/",
-    ...                        num_fewshot=5, limit=100)                    # doctest: +SKIP
-    >>> out["results"]["arc_easy_local"]["acc,none"], out["n-shot"]         # doctest: +SKIP
-
-From lm-eval's side the class is registered as ``headbudget`` by ``import headbudget`` (or
-``import headbudget.evaluation``, see :func:`headbudget.evaluation.register_lm_eval_model`)::
-
-    import headbudget, lm_eval
-    lm_eval.simple_evaluate(model="headbudget", model_args="pretrained=runs/prism/model",
-                            tasks=["arc_easy"], batch_size=16)
-
-Generation tasks (``generate_until``) are refused with one line naming them: the engine scores text,
-it does not generate.  Log-likelihoods equal the ``hf`` backend's (same tokenization, same
-truncation, same rolling windows) and do not depend on the batch size beyond float rounding.
+    >>> out = evaluate_harness(model, tok, ["arc_easy"], num_fewshot=5, limit=100)        # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -56,6 +39,7 @@ except ImportError:  # the optional extra: parse_seed and the checks work withou
 SUPPORTED_OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_SEEDS = (0, 1234, 1234, 1234)  # lm-eval's --seed default: python, numpy, torch, few-shot
+SEED_KEYS = ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")  # their names in lm-eval's config
 
 
 def parse_seed(value: str | int | Sequence[int | None] | None) -> tuple[int | None, ...]:
@@ -69,15 +53,11 @@ def parse_seed(value: str | int | Sequence[int | None] | None) -> tuple[int | No
         return DEFAULT_SEEDS
     if isinstance(value, int):
         return (value,) * 4
-    items = value.split(",") if isinstance(value, str) else list(value)
     out: list[int | None] = []
-    for item in items:
+    for item in value.split(",") if isinstance(value, str) else value:
         text = str(item).strip()
-        if text.lower() == "none":
-            out.append(None)
-            continue
         try:
-            out.append(int(text))
+            out.append(None if text.lower() == "none" else int(text))
         except ValueError:
             raise ValueError(f"--seed: {text!r} is not an integer or None (e.g. --seed 42 or "
                              "--seed 0,1234,1234,1234)") from None
@@ -90,7 +70,7 @@ def parse_seed(value: str | int | Sequence[int | None] | None) -> tuple[int | No
 
 def _batch_size(value: Any) -> int:
     """lm-eval passes ``batch_size`` as given on its command line: None, an int, "8" or "auto"."""
-    if value is None or value == "auto" or (isinstance(value, str) and value.startswith("auto")):
+    if value is None or (isinstance(value, str) and value.startswith("auto")):
         return DEFAULT_BATCH_SIZE  # no memory probing on CPU: the scorer bounds rows per pass
     try:
         n = int(value)
@@ -102,18 +82,12 @@ def _batch_size(value: Any) -> int:
 
 
 class HeadBudgetLM(LM):
-    """An lm-eval model whose log-likelihoods come from headbudget's shared-prefix scorer.
+    """An lm-eval model whose log-likelihoods come from headbudget's shared-prefix scorer.  ``pretrained``:
+    a model directory/hub name (headbudget's loader; ``gguf_file=`` inside a directory) or a loaded
+    ``torch.nn.Module`` (then ``tokenizer`` is the tokenizer object, and the model is cast to ``dtype`` but
+    stays on its device).  ``dtype``/``device`` as lm-eval's hf backend.
 
-    ``pretrained``: a model directory/hub name (loaded with headbudget's loader: headbudget
-    checkpoints, Hugging Face models, ``gguf_file=`` inside a directory) or a loaded
-    ``torch.nn.Module`` (then ``tokenizer`` must be the tokenizer object).  ``dtype``: auto (the
-    checkpoint's own), float32, bfloat16 or float16, as lm-eval's hf backend (a loaded model is cast
-    to it); ``device``: cpu, cuda or cuda:N, by default cuda when available (a loaded model stays
-    where it is).
-
-        >>> lm = HeadBudgetLM(pretrained="runs/prism/model", batch_size=16)   # doctest: +SKIP
-        >>> lm = HeadBudgetLM(pretrained="runs/prism/model", dtype="bfloat16")  # doctest: +SKIP
-        >>> lm_eval.simple_evaluate(model=lm, tasks=["piqa"])                 # doctest: +SKIP
+        >>> lm_eval.simple_evaluate(model=HeadBudgetLM(pretrained="runs/prism/model"), tasks=["piqa"])
     """
 
     def __init__(self, pretrained: Any = None, tokenizer: Any = None, gguf_file: str | None = None,
@@ -134,7 +108,7 @@ class HeadBudgetLM(LM):
         if isinstance(pretrained, torch.nn.Module):
             if tokenizer is None or isinstance(tokenizer, (str, Path)):
                 raise ValueError("a loaded model needs its tokenizer object (tokenizer=...)")
-            model, tok = pretrained, tokenizer
+            model, tok, self.model_name = pretrained, tokenizer, type(pretrained).__name__
             if torch_dtype is not None:
                 model.to(torch_dtype)
         else:
@@ -143,22 +117,17 @@ class HeadBudgetLM(LM):
             device = str(resolve_device(device, flag="model_args device"))
             model, tok = load_model_and_tokenizer(pretrained, tokenizer=tokenizer, gguf_file=gguf_file,
                                                   device=device, dtype=torch_dtype)
-        self.model_name = str(pretrained) if not isinstance(pretrained, torch.nn.Module) \
-            else type(pretrained).__name__
+            self.model_name = str(pretrained)
         self.tokenizer = tok
         self.scorer = Scorer(model, tok, batch_size=_batch_size(batch_size), strategy=strategy,
                              max_length=int(max_length) if max_length else None,
                              add_bos_token=_bool_or_none(add_bos_token), device=device,
                              progress=bool(_bool_or_none(progress) is not False))
-        #: (task name, doc id, request idx) -> (log-likelihood, is_greedy): the predictions
-        self.records: dict[tuple[str, Any, int], tuple[float, bool]] = {}
-        #: seconds spent scoring (model time), summed over calls
-        self.seconds = 0.0
+        self.records: dict[tuple[str, Any, int], tuple[float, bool]] = {}  # (task, doc, idx) -> prediction
+        self.seconds = 0.0  # seconds spent scoring (model time), summed over calls
 
-    # -- lm-eval's model interface ------------------------------------------------------------------
     def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """``(log P(continuation | context), is_greedy)`` per request; the requests of one document
-        (its choices) form one item of the scorer, which runs their shared prefix once."""
+        """``(log P(continuation | context), is_greedy)`` per request, one scorer item per document."""
         t0 = time.perf_counter()
         groups: dict[tuple[Any, Any], list[int]] = {}
         for i, req in enumerate(requests):
@@ -177,8 +146,7 @@ class HeadBudgetLM(LM):
         for key, item in zip(keys, scored, strict=True):
             for i, res in zip(groups[key], item, strict=True):
                 out[i] = res
-                req = requests[i]
-                self.records[(str(key[0]), key[1], getattr(req, "idx", 0))] = res
+                self.records[(str(key[0]), key[1], getattr(requests[i], "idx", 0))] = res
         self.seconds += time.perf_counter() - t0
         return out
 
@@ -193,9 +161,8 @@ class HeadBudgetLM(LM):
         owner: list[int] = []
         for i, req in enumerate(requests):
             (string,) = req.args
-            windows = get_rolling_token_windows(token_list=enc.encode(string),
-                                                prefix_token=enc.prefix_token_id,
-                                                max_seq_len=max_len, context_len=1)
+            windows = get_rolling_token_windows(token_list=enc.encode(string), max_seq_len=max_len,
+                                                prefix_token=enc.prefix_token_id, context_len=1)
             for ctx, cont in map(make_disjoint_window, windows):
                 rows.append(((ctx + cont)[-(max_len + 1):], len(cont)))
                 owner.append(i)
@@ -227,8 +194,7 @@ class HeadBudgetLM(LM):
 
 
 def _failing_item(scorer: Scorer, keys: list[tuple[Any, Any]], items: list[list[tuple[str, str]]]) -> str:
-    """``task piqa, document 3``: the first item whose requests cannot be scored (tokenization only,
-    no model work: the scorer refuses such items before it runs the model)."""
+    """``task piqa, document 3``: the first item whose requests cannot be scored (tokenization only)."""
     for (task, doc), pairs in zip(keys, items, strict=True):
         try:
             scorer._sequences(pairs)
@@ -241,28 +207,20 @@ def _bool_or_none(value: Any) -> bool | None:
     """model_args arrive as strings from lm-eval's ``key=value`` parser."""
     if value is None or isinstance(value, bool):
         return value
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False,
+             "none": None, "": None}
     text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    if text in ("none", ""):
-        return None
-    raise ValueError(f"expected true/false, got {value!r}")
+    if text not in words:
+        raise ValueError(f"expected true/false, got {value!r}")
+    return words[text]
 
 
-# --------------------------------------------------------------------------------------------
-# Evaluation (what lm_eval.simple_evaluate does, minus model loading and environment probing)
-
-
-#: headbudget's built-in tasks (piqa, hellaswag, ...) as lm-eval YAML files, shipped with the package
+# Evaluation: what lm_eval.simple_evaluate does, minus model loading and environment probing
 
 
 def task_manager(tasks: Sequence[str], include_path: str | Sequence[str] | None = None) -> Any:
-    """An lm-eval ``TaskManager`` that knows ``tasks``: headbudget's built-in task files, then
-    ``include_path`` (a name defined there wins), then lm-eval's library -- indexed only when a name
-    is not found before it: indexing its thousands of YAML files takes ~10 s, more than scoring a
-    few hundred documents."""
+    """An lm-eval ``TaskManager`` that knows ``tasks``: built-in task files, then ``include_path`` (which
+    wins), then lm-eval's library -- only when a name is not found before it (indexing it takes ~10 s)."""
     from lm_eval.tasks import TaskManager
 
     paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
@@ -278,11 +236,8 @@ def task_manager(tasks: Sequence[str], include_path: str | Sequence[str] | None 
 
 def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None,
                       limit: int | float | None = None) -> str | dict[str, Any]:
-    """What ``tm.load`` takes for task ``name``: the name itself, or -- for a built-in task file read
-    from ``data_dir`` -- its config with the data at ``data_dir/<metadata.local_file>`` (JSON lines,
-    the hub's schema); its rows are checked first (:func:`~headbudget.evaluation.tasks.load_examples`:
-    a bad row is a DataError naming file, line and field, before any model work; the first ``limit``
-    rows when ``limit`` is a count).
+    """What ``tm.load`` takes for task ``name``: the name, or for a built-in task read from ``data_dir`` its
+    config with the data at ``data_dir/<metadata.local_file>``, whose rows are checked first (DataError).
 
         >>> builtin_task_spec(task_manager(["piqa"]), "piqa", "tests/fixtures/zeroshot")["dataset_kwargs"]
         {'data_files': {'validation': 'tests/fixtures/zeroshot/piqa_validation.jsonl'}}
@@ -305,8 +260,7 @@ def builtin_task_spec(tm: Any, name: str, data_dir: str | Path | None,
 
 
 def _builtin_task_file(tm: Any, name: str) -> str | None:
-    """The YAML file of ``name`` when it is one of headbudget's built-in task files (not a user's
-    ``include_path`` file of the same name), else None."""
+    """The YAML file of ``name`` if a built-in task file (not a user's of the same name), else None."""
     yaml_path = getattr(tm.task_index.get(name), "yaml_path", None)
     return yaml_path if yaml_path is not None and Path(yaml_path).resolve().parent == BUILTIN_TASKS_DIR else None
 
@@ -316,9 +270,7 @@ def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
     parse (the one mentioning ``name`` first), with the YAML error; None when every file parses."""
     import yaml
 
-    class _AnyTag(yaml.SafeLoader):  # lm-eval's !function tags parse; only the syntax is checked
-        pass
-
+    _AnyTag = type("_AnyTag", (yaml.SafeLoader,), {})  # lm-eval's !function tags parse: syntax only
     _AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
     paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
     bad: list[tuple[bool, str]] = []  # (mentions the task, "file[:line:col]: what is wrong")
@@ -326,13 +278,11 @@ def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
         for f in sorted(Path(root).rglob("*.yaml")):
             try:
                 text = read_text(f)
+                yaml.load(text, Loader=_AnyTag)  # noqa: S506 (a SafeLoader subclass)
             except NotUTF8Error as exc:  # names the file, byte, offset and line
                 bad.append((name.encode() in f.read_bytes(), str(exc)))
-                continue
             except OSError:
-                continue
-            try:
-                yaml.load(text, Loader=_AnyTag)  # noqa: S506 (a SafeLoader subclass)
+                pass
             except yaml.YAMLError as exc:
                 mark = getattr(exc, "problem_mark", None)
                 where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
@@ -358,10 +308,9 @@ def _unknown_task(name: str, tm: Any, include_path: Any) -> ValueError:
 
 def load_harness_tasks(tasks: Sequence[str], include_path: Any = None, data_dir: str | Path | None = None,
                        limit: int | float | None = None, allow_code: bool = False) -> tuple[Any, dict[str, Any]]:
-    """``(TaskManager, loaded)`` for lm-eval task names, groups, tags or YAML paths, the built-in
-    tasks' data read from ``data_dir`` when given; unknown names and generation tasks are ValueErrors
-    naming them (before any model work), and so is a user's task YAML naming Python without
-    ``allow_code`` (:func:`check_task_code`)."""
+    """``(TaskManager, loaded)`` for lm-eval task names, groups, tags or YAML paths (built-in tasks' data
+    from ``data_dir`` when given); unknown names, generation tasks and a user's task YAML naming Python
+    without ``allow_code`` (:func:`check_task_code`) are ValueErrors naming them, before any model work."""
     tm = task_manager(tasks, include_path)
     for name in tasks:
         if name not in tm.all_tasks and not Path(name).is_file():
@@ -392,8 +341,7 @@ def load_harness_tasks(tasks: Sequence[str], include_path: Any = None, data_dir:
 
 @contextlib.contextmanager
 def lm_eval_bars(enabled: bool) -> Iterator[None]:
-    """lm-eval's own progress bars (building each task's requests, bootstrapping stderrs) off unless ``enabled``:
-    lm-eval has no switch for them, so its ``tqdm`` is a silent one inside the block."""
+    """lm-eval's own progress bars off unless ``enabled`` (it has no switch: its ``tqdm`` is a silent one)."""
     if enabled:
         yield
         return
@@ -421,17 +369,10 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
                      bootstrap_iters: int = 100000, progress: bool = True,
                      lm: HeadBudgetLM | None = None, loaded: dict[str, Any] | None = None,
                      allow_code: bool = False) -> dict[str, Any]:
-    """Evaluate ``model`` on lm-eval tasks as ``lm_eval.simple_evaluate`` does (same seeds, same
-    ``num_fewshot`` override rule, same ``evaluate``), scoring with :class:`HeadBudgetLM`.
-
-    Returns lm-eval's result dict (``results``, ``groups``, ``configs``, ``versions``, ``n-shot``,
-    ``higher_is_better``, ``n-samples``, ``samples`` when ``log_samples``, ``config``) plus
-    ``predictions`` (per multiple-choice task, the argmax choice of each document, by doc id),
-    ``seconds`` and ``model_seconds``.  ``loaded``: the tasks as :func:`load_harness_tasks` returned
-    them (to fail on a task before loading a model), else they are loaded here; ``data_dir``: where
-    the built-in tasks' files are (:func:`builtin_task_spec`), the hub otherwise; ``allow_code``: run the
-    Python a task YAML of the user's names (:func:`check_task_code`).
-    """
+    """Evaluate ``model`` on lm-eval tasks as ``lm_eval.simple_evaluate`` does (same seeds, ``num_fewshot``
+    rule and ``evaluate``), scoring with :class:`HeadBudgetLM`: lm-eval's result dict (``samples`` only with
+    ``log_samples``) plus ``predictions`` (:func:`harness_predictions`), ``seconds``, ``model_seconds`` and
+    ``forward_passes``.  ``loaded``: :func:`load_harness_tasks`'s tasks (else loaded here)."""
     from lm_eval import evaluator
     from lm_eval.utils import set_torch_seed
 
@@ -444,12 +385,9 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     if lm is None:
         lm = HeadBudgetLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                           strategy=strategy, device=device, progress=progress)
-    if seeds[0] is not None:
-        random.seed(seeds[0])
-    if seeds[1] is not None:
-        np.random.seed(seeds[1])
-    if seeds[2] is not None:
-        set_torch_seed(seeds[2])
+    for set_seed, value in zip((random.seed, np.random.seed, set_torch_seed), seeds):
+        if value is not None:
+            set_seed(value)
     for task in loaded["tasks"].values():
         # simple_evaluate's rule: --num-fewshot overrides a task's default unless the task fixes 0
         if num_fewshot is not None:
@@ -463,12 +401,9 @@ def evaluate_harness(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     with lm_eval_bars(progress), sandboxed_templates(allow_code):
         res = evaluator.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters,
                                  log_samples=log_samples, fewshot_as_multiturn=True)
-    out = dict(res)
-    if not log_samples:
-        out.pop("samples", None)
+    out = {k: v for k, v in res.items() if log_samples or k != "samples"}
     out["config"] = {"model": "headbudget", "model_args": lm.model_name, **lm.get_model_info(),
-                     "limit": limit, "bootstrap_iters": bootstrap_iters, "random_seed": seeds[0],
-                     "numpy_seed": seeds[1], "torch_seed": seeds[2], "fewshot_seed": seeds[3]}
+                     "limit": limit, "bootstrap_iters": bootstrap_iters, **dict(zip(SEED_KEYS, seeds))}
     out["predictions"] = harness_predictions(lm, loaded["tasks"])
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out["model_seconds"] = round(lm.seconds - model_s0, 3)
@@ -481,10 +416,6 @@ def harness_predictions(lm: HeadBudgetLM, tasks: dict[str, Any]) -> dict[str, li
     by_doc: dict[str, dict[Any, dict[int, float]]] = {}
     for (task, doc, idx), (ll, _) in lm.records.items():
         by_doc.setdefault(task, {}).setdefault(doc, {})[idx] = ll
-    out: dict[str, list[int]] = {}
-    for name, task in tasks.items():
-        if task.OUTPUT_TYPE != "multiple_choice" or name not in by_doc:
-            continue
-        docs = by_doc[name]
-        out[name] = [int(np.argmax([docs[d][i] for i in sorted(docs[d])])) for d in sorted(docs)]
-    return out
+    return {name: [int(np.argmax([docs[d][i] for i in sorted(docs[d])])) for d in sorted(docs)]
+            for name, task in tasks.items()
+            if task.OUTPUT_TYPE == "multiple_choice" and (docs := by_doc.get(name))}

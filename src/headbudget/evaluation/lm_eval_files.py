@@ -1,23 +1,7 @@
 """lm-evaluation-harness's result files, written from a :func:`~headbudget.evaluation.suite.evaluate_suite`
-report: what ``lm_eval --output_path DIR --log_samples`` writes, byte for byte in layout.
+report as ``lm_eval --output_path DIR --log_samples`` writes them (headbudget's own fields under the one key
+``"headbudget"``), without importing lm-eval.  See docs/evaluation.md.
 
-* ``DIR/<model name, sanitized>/results_<datetime>.json``: lm-eval's results dict (``results``,
-  ``groups``, ``group_subtasks``, ``configs``, ``versions``, ``n-shot``, ``higher_is_better``,
-  ``n-samples``, ``config``, ``task_hashes``, ``model_name``, ...) with headbudget's own fields
-  (predictions, wall time, forward passes) under the one key ``"headbudget"``, so that
-  ``lm_eval.utils.make_table`` prints each metric once;
-* ``DIR/<model>/samples_<task>_<datetime>.jsonl`` per task with ``log_samples``: one document per
-  line, serialized as lm-eval's ``EvaluationTracker.save_results_samples`` does (``arguments`` as
-  ``{"gen_args_0": {"arg_0": context, "arg_1": continuation}, ...}``, ``resps``/``filtered_resps``
-  as strings, ``target`` as a string, ``doc_hash``/``prompt_hash``/``target_hash``).
-
-An output path ending in ``.json`` follows lm-eval's other rule: ``<stem>_<datetime>.json`` and the
-samples files in its folder.  No lm-eval import: without lm-eval the built-in tasks' results file is
-written the same way (samples files hold lm-eval's own per-document records, so they need it).
-
-    >>> from headbudget.evaluation.lm_eval_files import write_lm_eval_files
-    >>> rep = evaluate_suite(model, tok, ["piqa"], data_dir="../shared/data/zeroshot",
-    ...                      log_samples=True)                                        # doctest: +SKIP
     >>> write_lm_eval_files(rep, output_path="out", model_name="runs/prism")          # doctest: +SKIP
     [PosixPath('out/runs__prism/samples_piqa_2026-12-02T05-40-00.123456.jsonl'),
      PosixPath('out/runs__prism/results_2026-12-02T05-40-00.123456.json')]
@@ -50,14 +34,9 @@ def handle_non_serializable(o: Any) -> Any:
     """lm_eval.utils.handle_non_serializable: numpy scalars as Python numbers, sets as lists, else str."""
     import numpy as np
 
-    if isinstance(o, np.bool_):
-        return bool(o)
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, set):
-        return list(o)
+    for kind, cast in ((np.bool_, bool), (np.integer, int), (np.floating, float), (set, list)):
+        if isinstance(o, kind):
+            return cast(o)
     return str(o)
 
 
@@ -68,21 +47,18 @@ def sanitize_model_name(name: str) -> str:
 
 def _strings(sub: Any) -> Any:
     """lm_eval.utils.sanitize_list: every leaf of nested lists/tuples as a string."""
-    if isinstance(sub, list):
-        return [_strings(x) for x in sub]
-    if isinstance(sub, tuple):
-        return tuple(_strings(x) for x in sub)
+    if isinstance(sub, (list, tuple)):
+        out = [_strings(x) for x in sub]
+        return out if isinstance(sub, list) else tuple(out)
     return str(sub)
 
 
 def sample_line(sample: dict[str, Any]) -> str:
-    """One in-memory sample record (lm-eval's evaluator form, as ``report["samples"][task]`` holds
-    them) as the JSONL line ``save_results_samples`` writes."""
+    """One of ``report["samples"][task]`` as the JSONL line lm-eval's ``save_results_samples`` writes."""
     rec = dict(sample)  # key order kept: lm-eval rewrites its records in place
     rec["arguments"] = {f"gen_args_{i}": {f"arg_{j}": a for j, a in enumerate(args)}
                         for i, args in enumerate(sample["arguments"])}
-    rec["resps"] = _strings(sample["resps"])
-    rec["filtered_resps"] = _strings(sample["filtered_resps"])
+    rec["resps"], rec["filtered_resps"] = _strings(sample["resps"]), _strings(sample["filtered_resps"])
     rec["target"] = str(sample["target"])
     return json.dumps(rec, default=handle_non_serializable, ensure_ascii=False) + "\n"
 
@@ -114,33 +90,26 @@ def _package_version(name: str) -> str | None:
 def results_document(report: dict[str, Any], *, model_name: str, model_args: str | None = None,
                      date: float | None = None) -> dict[str, Any]:
     """The results file's content: lm-eval's keys in lm-eval's order, then ``"headbudget"``.
-
-    ``model_name``: what lm-eval calls the model (the ``pretrained=`` path), ``model_args``: the
-    config's ``model_args`` (default ``pretrained=<model_name>``).
-    """
+    ``model_name``: the ``pretrained=`` path; ``model_args``: default ``pretrained=<model_name>``."""
     out: dict[str, Any] = {"results": report["results"]}
     if report.get("groups"):
         out["groups"] = report["groups"]
-    out["group_subtasks"] = report.get("group_subtasks", {})
-    for key in ("configs", "versions", "n-shot", "higher_is_better", "n-samples"):
+    for key in ("group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples"):
         out[key] = report.get(key, {})
     config = dict(report.get("config") or {})
     if not config.get("model_args") or model_args:
         config["model_args"] = model_args or f"pretrained={model_name}"
-    out["config"] = config
-    out["date"] = date if date is not None else datetime.now().timestamp()
-    out["transformers_version"] = _package_version("transformers")
-    out["lm_eval_version"] = _package_version("lm_eval")
-    for key in ("tokenizer_pad_token", "tokenizer_eos_token", "tokenizer_bos_token", "eot_token_id",
-                "max_length"):  # lm-eval's add_tokenizer_info, when the report has them
-        if key in report:
-            out[key] = report[key]
+    out.update({"config": config, "date": date if date is not None else datetime.now().timestamp(),
+                "transformers_version": _package_version("transformers"),
+                "lm_eval_version": _package_version("lm_eval")})
+    tokenizer_keys = ("tokenizer_pad_token", "tokenizer_eos_token", "tokenizer_bos_token", "eot_token_id",
+                      "max_length")  # lm-eval's add_tokenizer_info, when the report has them
+    out.update({key: report[key] for key in tokenizer_keys if key in report})
     out["task_hashes"] = task_hashes(report["samples"]) if report.get("samples") else {}
     out.update({"model_source": "headbudget", "model_name": model_name,
                 "model_name_sanitized": sanitize_model_name(model_name), "system_instruction": None,
                 "system_instruction_sha": None, "fewshot_as_multiturn": True, "chat_template": None,
-                "chat_template_sha": None,
-                "total_evaluation_time_seconds": str(report.get("seconds", ""))})
+                "chat_template_sha": None, "total_evaluation_time_seconds": str(report.get("seconds", ""))})
     out[HEADBUDGET_KEY] = {k: report[k] for k in HEADBUDGET_FIELDS if k in report}
     return _nan_to_none(out)
 
@@ -159,10 +128,9 @@ def output_paths(output_path: str | Path, model_name: str, tasks: list[str],
 
 def check_output_args(*, output_path: str | None = None, json_path: str | None = None,
                       log_samples: bool = False, model_name: str | None = None) -> None:
-    """The cheap checks of ``--output-path``/``--log-samples``, before any evaluation (one-line
-    ValueErrors naming the flag); ``--json``, one file, is :func:`headbudget.run_dir.check_output_file`'s.
-    With ``model_name`` also a real write probe where ``--output-path``'s results file would go (a
-    read-only folder), so that it fails now and not after the evaluation."""
+    """The cheap checks of ``--output-path``/``--log-samples`` before any evaluation (one-line ValueErrors
+    naming the flag; ``--json`` is :func:`headbudget.run_dir.check_output_file`'s), with ``model_name`` also
+    a write probe where the results file would go, so that a read-only folder fails now, not after."""
     if log_samples and not (output_path or json_path):
         raise ValueError("--log-samples writes lm-eval's samples_<task>_<datetime>.jsonl files: give "
                          "--output-path DIR (or --json FILE: written next to it)")
@@ -187,12 +155,8 @@ def write_lm_eval_files(report: dict[str, Any], *, model_name: str, output_path:
                         json_path: str | Path | None = None, model_args: str | None = None,
                         date_id: str | None = None) -> list[Path]:
     """Write the report as lm-eval does and return the files written (samples files first).
-
-    ``output_path``: lm-eval's ``--output_path`` (a folder, or a name ending in ``.json``);
-    ``json_path``: the results dict at exactly this file, the samples files (if any) in its folder.
-    Each file is written atomically; if one fails, the files of this call already written are
-    removed.
-    """
+    ``output_path``: lm-eval's ``--output_path``; ``json_path``: the results dict at exactly this file,
+    samples files beside it.  Atomic per file; if one fails, the files this call wrote are removed."""
     if (output_path is None) == (json_path is None):
         raise ValueError("give exactly one of output_path and json_path")
     date_id = date_id or datetime.now().isoformat().replace(":", "-")

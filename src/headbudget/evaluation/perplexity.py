@@ -1,15 +1,8 @@
-"""Sliding-window perplexity of a causal LM (the Hugging Face perplexity guide's strided method).
+"""Sliding-window perplexity of a causal LM (the Hugging Face perplexity guide's strided method): the
+text tokenized once (no special tokens), windows of ``context`` tokens every ``stride`` tokens, each
+scoring only the tokens the previous one did not, so every token after the first is scored once.
 
-The text is tokenized once (no special tokens).  Windows of ``context`` tokens start every
-``stride`` tokens; each window scores only the tokens that the previous window did not (the first
-window scores all but its first token), so every token after the first is scored exactly once, with
-up to ``context - stride`` tokens of left context.  The result is the token-level mean negative
-log-likelihood (``loss``, nats) and ``ppl = exp(loss)``.
-
-    >>> from headbudget.io import read_text
-    >>> from headbudget.evaluation.perplexity import perplexity
-    >>> r = perplexity(model, tokenizer, read_text("../shared/data/text/wikitext2_valid.tokens"),
-    ...                context=1024, stride=512)                               # doctest: +SKIP
+    >>> r = perplexity(model, tokenizer, text, context=1024, stride=512)   # doctest: +SKIP
     >>> r["ppl"], r["tokens_scored"]                                        # doctest: +SKIP
 """
 
@@ -53,26 +46,21 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
                input_ids: torch.Tensor | list[int] | None = None, context: int = 1024,
                stride: int | None = None, max_windows: int | None = None, device: str | None = None,
                progress: bool = True) -> dict[str, Any]:
-    """Token-level loss and perplexity of ``text`` (or of ``input_ids``) with a sliding window.
-
-    ``max_windows`` scores only the first windows (quick looks); the result says how many tokens
-    were scored.  ``context`` is capped at the model's positions; ``stride`` defaults to half of it.
-    """
+    """Token-level mean negative log-likelihood (``loss``, nats) and ``ppl = exp(loss)`` of ``text`` (or
+    ``input_ids``) with a sliding window.  ``max_windows`` scores only the first windows; ``context`` is
+    capped at the model's positions; ``stride`` defaults to half of it."""
     if input_ids is None:
         if text is None:
             raise ValueError("perplexity needs text or input_ids")
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        input_ids = torch.tensor(ids, dtype=torch.long)
+        input_ids = tokenizer.encode(text, add_special_tokens=False)
     ids_t = torch.as_tensor(input_ids, dtype=torch.long).flatten()
-    n_pos = getattr(getattr(model, "config", None), "n_positions", None) or \
-        getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    cfg = getattr(model, "config", None)
+    n_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
     if n_pos is not None and context > int(n_pos):
         context = int(n_pos)
         stride = None if stride is None else min(stride, context)
     stride = max(1, context // 2) if stride is None else stride
-    plan = window_plan(len(ids_t), context, stride)
-    if max_windows is not None:
-        plan = plan[:max_windows]
+    plan = window_plan(len(ids_t), context, stride)[:max_windows]
     if not plan:
         raise ValueError(f"text too short: {len(ids_t)} tokens, need at least 2")
     dev = torch.device(device) if device else next(model.parameters()).device
@@ -83,8 +71,7 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
         for begin, end, trg in ProgressBar(plan, desc="perplexity", disable=not progress, leave=False):
             window = ids_t[begin:end].to(dev)[None]
             logits = model(input_ids=window, use_cache=False).logits[0, -trg - 1: -1].float()
-            targets = window[0, -trg:]
-            nll_sum += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+            nll_sum += float(torch.nn.functional.cross_entropy(logits, window[0, -trg:], reduction="sum"))
             n_scored += trg
     finally:
         model.train(was_training)
@@ -98,14 +85,10 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
 def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | list[int], *,
                            lengths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 127), every: int = 16,
                            max_targets: int | None = 2048, batch_size: int = 64) -> dict[str, Any]:
-    """How much a model gains from more left context: the same target tokens scored with ``k`` tokens of
-    context for each ``k`` in ``lengths``.
-
-    Targets are the tokens at positions ``max(lengths), + every, ...`` (at most ``max_targets``); for each
-    length the model sees only the ``k`` tokens before each target. Because every length scores the same
-    targets, differences between lengths are paired: ``gain_vs_shortest[k]`` is the mean of
-    (loss with the shortest context - loss with ``k``) over targets, with its standard error. A model that
-    ignores its context gains nothing.
+    """How much a model gains from more left context: the same targets (positions ``max(lengths)``,
+    ``+ every``, ..., at most ``max_targets``) scored with only the ``k`` tokens before each, per ``k`` in
+    ``lengths``; ``gain_vs_shortest[k]``: mean paired (loss at the shortest context - loss at ``k``),
+    ``gain_sem`` its standard error.
 
         >>> r = loss_by_context_length(model, ids, lengths=(1, 4, 127))     # doctest: +SKIP
         >>> r["loss"], r["gain_vs_shortest"]                                # doctest: +SKIP
@@ -134,7 +117,6 @@ def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | lis
         model.train(was_training)
     gain = nll[0][None] - nll  # paired by target
     n = len(targets)
-    return {"lengths": list(lengths), "targets": n, "every": every,
-            "loss": nll.mean(1).tolist(),
+    return {"lengths": list(lengths), "targets": n, "every": every, "loss": nll.mean(1).tolist(),
             "gain_vs_shortest": gain.mean(1).tolist(),
             "gain_sem": (gain.std(1, unbiased=True) / n ** 0.5).tolist()}

@@ -1,18 +1,12 @@
 """Rankings that hold: per-seed values -> mean and spread, and a "best method" only where it is best on every text.
 
-A comparison of methods is scored on several texts (or tasks) over several seeds.  :func:`spread` summarises
-one method's per-seed values on one text; :func:`rank_methods` applies the rule
-
-    method X is *best* on a metric only if, on every text, X's mean is better than every other
-    method's mean (``rule="mean"``), or -- stricter -- X's worst seed is better than every other
-    method's best seed (``rule="range"``: the min-max ranges do not overlap).  Otherwise no method
-    is best, and tables print "no method best".
+:func:`spread` summarises one method's per-seed values on one text (or task); :func:`rank_methods` names a
+method best only if it beats every other on every text, by mean (``rule="mean"``) or -- stricter -- with
+non-overlapping min-max ranges (``rule="range"``; :data:`RULES`).  Otherwise tables print "no method best".
 
     >>> values = {"cahp": {"wiki": [51.0, 53.0], "movies": [90.0, 86.0]},
     ...           "fisher": {"wiki": [60.0, 62.0], "movies": [67.0, 68.0]}}
-    >>> rank_methods(values, lower_is_better=True)["best"] is None      # cahp wins wiki, fisher movies
-    True
-    >>> rank_methods(values, lower_is_better=True)["per_text"]
+    >>> rank_methods(values, lower_is_better=True)["per_text"]      # so no method is best
     {'wiki': 'cahp', 'movies': 'fisher'}
 """
 
@@ -33,8 +27,7 @@ RULES = {
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
-    """``{"n", "mean", "std", "min", "max", "values"}`` of one method's per-seed values (``std``: sample
-    standard deviation, ddof 1; 0.0 for a single value).
+    """``{"n", "mean", "std" (sample, ddof 1; 0.0 for one value), "min", "max", "values"}`` of the values.
 
         >>> spread([1.0, 2.0, 3.0])["std"], spread([1.0, 2.0, 3.0])["mean"]
         (1.0, 2.0)
@@ -67,12 +60,9 @@ def _better(a: float, b: float, lower_is_better: bool) -> bool:
 
 def rank_methods(values: Mapping[str, Mapping[str, Sequence[float]]], *, lower_is_better: bool,
                  rule: str = "mean") -> dict[str, Any]:
-    """Apply the ranking rule (module docstring) to ``values[method][text] = [per-seed values]``.
-
-    Returns ``{"best": method or None, "label": method or "no method best", "per_text": {text: method or
-    None}, "rule": rule, "rule_text": ..., "lower_is_better": ...}``; ``per_text`` names the method that
-    beats every other on that text alone (None on a tie or overlapping ranges).  Every method must have
-    values on the same texts."""
+    """Apply the ranking rule (module docstring) to ``values[method][text] = [per-seed values]`` (the
+    same texts for every method): ``{"best", "label", "per_text", "rule", "rule_text", "lower_is_better"}``,
+    ``per_text`` naming each text's own winner (None on a tie or overlapping ranges)."""
     if rule not in RULES:
         raise ValueError(f"ranking rule must be one of {', '.join(RULES)}, got {rule!r}")
     methods = list(values)
@@ -92,10 +82,8 @@ def rank_methods(values: Mapping[str, Mapping[str, Sequence[float]]], *, lower_i
         best_y = sy["min"] if lower_is_better else sy["max"]
         return _better(worst_x, best_y, lower_is_better)
 
-    per_text: dict[str, str | None] = {}
-    for t in texts:
-        winners = [x for x in methods if all(beats(x, y, t) for y in methods if y != x)]
-        per_text[t] = winners[0] if winners else None
+    per_text = {t: next((x for x in methods if all(beats(x, y, t) for y in methods if y != x)), None)
+                for t in texts}
     first = per_text[texts[0]] if texts else None
     best = first if first is not None and all(per_text[t] == first for t in texts) else None
     return {"best": best, "label": best if best is not None else NO_BEST, "per_text": per_text, "rule": rule,
@@ -111,10 +99,8 @@ def ranking_markdown(values: Mapping[str, Mapping[str, Sequence[float]]], *, low
     texts = list(values[methods[0]])
     lines = ["| method | " + " | ".join(texts) + " |", "|---|" + "---:|" * len(texts)]
     for m in methods:
-        cells = []
-        for t in texts:
-            c = format_spread(spread(values[m][t]), digits, brackets=True)
-            cells.append(f"**{c}**" if rank["per_text"][t] == m else c)
+        cells = [format_spread(spread(values[m][t]), digits, brackets=True) for t in texts]
+        cells = [f"**{c}**" if rank["per_text"][t] == m else c for c, t in zip(cells, texts)]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     n = max(len(values[m][t]) for m in methods for t in texts)
     over = f"mean ± sample std [min–max] over {n} seeds" if n > 1 else "one seed, no spread"

@@ -1,26 +1,10 @@
 """The log-likelihood engine behind ``headbudget eval``: continuations scored through token tries.
 
-``strategy="prefix"`` (the default): the choices of one document share a token prefix (the
-context; for winogrande the sentence up to the blank), and documents given the same few-shot
-context share a longer one.  Their sequences are merged into a token trie laid out depth-first in
-one row (:func:`headbudget.evaluation.token_trie.trie_layout`); token ``a`` attends to token ``b`` iff ``b`` is ``a`` or one of its
-ancestors, passed as a 4-D attention mask with every token's own position, so each choice sees
-exactly the keys of its plain sequence and every shared token runs once.  Short tries share rows,
-neighbouring documents with a long common prefix share rows under one copy of it, and the output
-projection and log-softmax run only where a continuation token is scored (a small model spends about
-a fifth of its per-token work there; lm-eval's hf backend computes it at every position).
-
-The fast path is checked, not trusted: the first unit of every kind it builds (a branched trie, an
-unbranched row with or without a mask, a unit sharing its row with another document's, each for
-log-likelihood requests and for rolling windows) is compared with the plain computation, token by
-token, for every model dtype and device the scorer meets, whatever order the requests come in
-(:meth:`Scorer._verify`, the check in :mod:`headbudget.evaluation.scorer_check`).  A model that
-ignores 4-D masks or positions, or whose fast path raises, falls back to ``strategy="full"`` (every
-choice's whole sequence, batched by length) with one warning naming the model and the reason.
-
-    >>> scorer = Scorer(model, tokenizer, batch_size=16)                   # doctest: +SKIP
-    >>> scorer.score_pairs([[("Q: 2+2\\nA:", " 4"), ("Q: 2+2\\nA:", " 5")]])   # doctest: +SKIP
-    [[(-3.1, True), (-7.4, False)]]
+``strategy="prefix"`` (the default) merges one document's choices (and documents sharing a few-shot
+context) into a token trie in one row, seen through a 4-D mask and per-token positions, so each choice
+sees exactly the keys of its plain sequence while shared tokens run once.  The first unit of every kind
+is checked against the plain computation (:mod:`headbudget.evaluation.scorer_check`); a model that fails
+falls back to ``strategy="full"`` with one warning.  See docs/evaluation.md and :meth:`Scorer.score_pairs`.
 """
 
 from __future__ import annotations
@@ -39,17 +23,13 @@ from headbudget.evaluation.token_trie import common_prefix_len as _common_prefix
 from headbudget.evaluation.token_trie import trie_layout
 from headbudget.progress import ProgressBar
 
-# Rows of (scored positions, vocab) logits computed at once (bounds memory: 512 x 50k floats = 100 MB).
-HEAD_ROWS = 512
-# Shortest row of a tree pass: short trees share rows, so a pass is not mostly fixed cost.
-MIN_ROW_TOKENS = 64
-# Neighbouring items (in token order) sharing this many leading tokens (a fixed few-shot context, a
-# long instruction) share rows, each up to its first item's trie plus SHARED_ROW_EXTRA_TOKENS (long
-# rows cost attention work on masked keys: at 1k tokens about a third more per token).
+HEAD_ROWS = 512  # rows of (scored positions, vocab) logits at once: 512 x 50k floats = 100 MB
+MIN_ROW_TOKENS = 64  # shortest row of a tree pass: short trees share rows, so a pass is not mostly fixed cost
+# Neighbouring items sharing this many leading tokens (a fixed few-shot context) share rows, each up to its
+# first item's trie plus SHARED_ROW_EXTRA_TOKENS (long rows cost masked attention: at 1k tokens ~1/3 more).
 SHARE_MIN_TOKENS = 32
 SHARED_ROW_EXTRA_TOKENS = 512
-# Largest attention mask of one pass (rows x L x L entries; 2**27 floats = 512 MB).
-MASK_ELEMENTS = 2**27
+MASK_ELEMENTS = 2**27  # largest attention mask of one pass (rows x L x L entries; 2**27 floats = 512 MB)
 
 
 @dataclass
@@ -61,12 +41,7 @@ class ScoreStats:
     padded_tokens: int = 0
     strategy: str = "prefix"
     fallbacks: list[str] = field(default_factory=list)
-    #: the unit kinds checked against the plain computation, as "kind (dtype, device)"
-    checked: list[str] = field(default_factory=list)
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+    checked: list[str] = field(default_factory=list)  # unit kinds self-checked, as "kind (dtype, device)"
 
 
 # Config fields of models whose logits are more than ``lm_head(decoder(x))`` (soft-capping, scaling).
@@ -74,16 +49,14 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 def _split_output_head(model: torch.nn.Module) -> tuple[Any, torch.nn.Module | None]:
-    """``(decoder, output projection)`` when ``model``'s logits are ``head(decoder(...)[0])``, so
-    that the projection (a fifth of a small model's work per token, and the (tokens, vocab)
-    log-softmax) can run at the scored positions only; ``(None, None)`` otherwise."""
+    """``(decoder, output projection)`` when ``model``'s logits are ``head(decoder(...)[0])``, so that the
+    projection and log-softmax run at the scored positions only; ``(None, None)`` otherwise."""
     try:
         head = model.get_output_embeddings()
         decoder = model.get_decoder()
     except (AttributeError, NotImplementedError, TypeError):
         return None, None
-    cfg = getattr(model, "config", None)
-    cfg = getattr(cfg, "text_config", None) or cfg
+    cfg = getattr(getattr(model, "config", None), "text_config", None) or getattr(model, "config", None)
     if (type(head) is not torch.nn.Linear or decoder is None or decoder is model
             or any(getattr(cfg, a, None) not in (None, 1, 1.0) for a in _LOGIT_TRANSFORMS)):
         return None, None
@@ -91,29 +64,19 @@ def _split_output_head(model: torch.nn.Module) -> tuple[Any, torch.nn.Module | N
 
 
 def _attention_window(model: torch.nn.Module) -> int | None:
-    """The sliding-window width that every attention layer applies, None for full attention.  A
-    model mixing windowed and full layers (Gemma 2/3 ``layer_types``) gets 0: one tree mask cannot
-    describe both, so such a model is scored with ``strategy="full"``."""
-    cfg = getattr(model, "config", None)
-    cfg = getattr(cfg, "text_config", None) or cfg
+    """The sliding-window width of every attention layer, None for full attention, 0 for a model mixing
+    both (Gemma 2/3 ``layer_types``: one tree mask cannot describe both, so it is scored in full)."""
+    cfg = getattr(getattr(model, "config", None), "text_config", None) or getattr(model, "config", None)
     window = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_window", None)
     if getattr(cfg, "use_sliding_window", True) is False or not isinstance(window, int):
         return None
-    kinds = set(getattr(cfg, "layer_types", None) or [])
-    return 0 if len(kinds) > 1 else window
+    return 0 if len(set(getattr(cfg, "layer_types", None) or [])) > 1 else window
 
 
 class Scorer:
-    """Log-likelihood of continuations for a causal LM.
-
-    ``strategy``: ``"prefix"`` (each item -- an example's choices -- as one token tree, its shared
-    prefix once; trees packed into ``batch_size`` rows per forward pass; see :meth:`_score_trees`)
-    or ``"full"`` (every choice's whole sequence, ``batch_size`` sequences per pass, sorted by
-    length; the plain computation that ``"prefix"`` is checked against).
-
-        >>> scorer = Scorer(model, tokenizer, batch_size=16)                 # doctest: +SKIP
-        >>> scorer.score_pairs([[("Q: 2+2\\nA:", " 4"), ("Q: 2+2\\nA:", " 5")]])  # doctest: +SKIP
-    """
+    """Log-likelihood of continuations for a causal LM.  ``strategy``: ``"prefix"`` (each item -- an
+    example's choices -- as one token tree, trees packed into ``batch_size`` rows per pass) or ``"full"``
+    (every choice's whole sequence, ``batch_size`` per pass: the plain computation)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, batch_size: int = 16,
                  strategy: str = "prefix", max_length: int | None = None,
@@ -131,24 +94,20 @@ class Scorer:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.progress = progress
         self.stats = ScoreStats(strategy=strategy)
-        #: compare the first unit of each kind with the plain computation (tests turn it off to
-        #: count the fast path's own passes)
-        self._check = True
+        self._check = True  # self-check each unit kind (tests turn it off to count the fast path's passes)
         self._checked: set[tuple[str, torch.dtype, str, bool]] = set()  # (kind, dtype, device, head split)
         self._dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self._decoder, self._head = _split_output_head(model)
         self._window = _attention_window(model)
 
-    # -- model calls ----------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, **kwargs: Any) -> Any:
+    def _forward(self, ids: torch.Tensor, module: Any = None, **kwargs: Any) -> Any:
+        """``module`` (default: the model) on ``ids``, counted in :attr:`stats`."""
         self.stats.forward_passes += 1
         self.stats.padded_tokens += ids.numel()
-        return self.model(input_ids=ids.to(self.device), **kwargs)
+        return (self.model if module is None else module)(input_ids=ids.to(self.device), **kwargs)
 
-    # -- request building -----------------------------------------------------------------------
     def _sequences(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], int]]:
-        """(input ids = (ctx + cont)[-(max_len+1):][:-1], number of continuation tokens) per
-        ``(context, continuation)`` pair."""
+        """``((ctx + cont)[-(max_length + 1):], number of continuation tokens)`` per pair."""
         out = []
         for ctx_text, cont_text in pairs:
             ctx, cont = self.encoder.pair(ctx_text, cont_text)
@@ -157,11 +116,9 @@ class Scorer:
             if len(cont) > self.max_length:
                 raise ValueError(f"continuation of {len(cont)} tokens exceeds the model's "
                                  f"max length {self.max_length}")
-            whole = (ctx + cont)[-(self.max_length + 1):]
-            out.append((whole, len(cont)))
+            out.append(((ctx + cont)[-(self.max_length + 1):], len(cont)))
         return out
 
-    # -- one pass per batch of item trees ----------------------------------------------------------
     #: an item's sequences as one depth-first row (:func:`headbudget.evaluation.token_trie.trie_layout`)
     _layout = staticmethod(trie_layout)
 
@@ -184,12 +141,8 @@ class Scorer:
 
     def _score_trees(self, items: list[list[tuple[list[int], int]]], desc: str = "scoring",
                      source: str = "loglikelihood") -> list[list[tuple[float, bool]]]:
-        """Scores of many items through token tries (see :meth:`_layout`): each row of a pass is the
-        trie of a few items' choices (see :meth:`_passes`), so a prefix shared by an item's choices, or
-        by several items (a fixed few-shot context), runs once, in the same pass as what follows it.
-        The output projection runs only at the scored positions.  The first unit of each kind (see
-        :func:`_unit_kind`) not yet checked at the model's dtype and device is compared with the plain
-        computation (:meth:`_verify`, which raises :class:`_TreeMismatch` on a difference)."""
+        """Scores of many items through token tries (rows: :meth:`_passes`); the first unit of each kind
+        (:func:`_unit_kind`) not yet checked at this dtype and device is checked (:meth:`_verify`)."""
         units = [(i, part) for i, item in enumerate(items) for part in self._units(item)]
         scores: list[list[tuple[float, bool]]] = [[(0.0, False)] * len(item) for item in items]
         with ProgressBar(total=len(items), desc=desc, disable=not self.progress, leave=False) as bar:
@@ -202,8 +155,7 @@ class Scorer:
                     for position, (i, part) in enumerate(row):
                         for j, v in zip(part, got[k], strict=True):
                             scores[i][j] = v
-                        # a shared row is checked at its last unit, the one behind the most tokens
-                        # that are not its own
+                        # a shared row is checked at its last unit (behind the most tokens not its own)
                         if self._check and (position == 0 or position == len(row) - 1):
                             kind = _unit_kind(source, position, len(part), masked)
                             if self._check_key(kind) not in self._checked and kind not in unchecked:
@@ -218,8 +170,7 @@ class Scorer:
         return kind, self._dtype, str(self.device), self._head is not None
 
     def _verify(self, units: dict[str, tuple[list[tuple[list[int], int]], list[torch.Tensor]]]) -> None:
-        """:func:`verify_units` of one unit per kind; then the kinds count as checked at this dtype,
-        device and output-head split."""
+        """:func:`verify_units`; then the kinds count as checked at this dtype, device and head split."""
         verify_units(units, self._plain_token_logprobs, self._dtype)
         dtype = str(self._dtype).removeprefix("torch.")
         for kind in units:
@@ -228,11 +179,10 @@ class Scorer:
 
     def _passes(self, items: list[list[tuple[list[int], int]]],
                 units: list[tuple[int, list[int]]]) -> Iterator[list[list[tuple[int, list[int]]]]]:
-        """Units per row per pass.  Units in token order; runs of neighbours that share at least
-        :data:`SHARE_MIN_TOKENS` leading tokens become rows of up to their first unit's tokens plus
-        :data:`SHARED_ROW_EXTRA_TOKENS`; then, longest first, a pass takes at most ``batch_size``
-        rows (fewer when their (L, L) masks would exceed :data:`MASK_ELEMENTS`) of ``L`` = max(its
-        longest row, :data:`MIN_ROW_TOKENS`) tokens, each topped up with the shortest rows that fit."""
+        """Units per row per pass.  Units in token order; runs of neighbours sharing at least
+        :data:`SHARE_MIN_TOKENS` leading tokens become rows (up to :data:`SHARED_ROW_EXTRA_TOKENS` past
+        their first unit); then, longest first, a pass takes up to ``batch_size`` rows (masks within
+        :data:`MASK_ELEMENTS`) of ``L`` = max(longest, :data:`MIN_ROW_TOKENS`) tokens, plus short rows."""
         def size(u: tuple[int, list[int]]) -> int:  # trie tokens: sorted lengths minus shared prefixes
             seqs = sorted(items[u[0]][j][0][:-1] for j in u[1])
             return len(seqs[0]) + sum(len(b) - _common_prefix_len([a, b]) for a, b in zip(seqs, seqs[1:]))
@@ -271,31 +221,25 @@ class Scorer:
 
     def _tree_pass(self, rows: list[list[tuple[list[tuple[list[int], int]], list[int]]]]
                    ) -> tuple[list[list[tuple[float, bool]]], list[list[torch.Tensor]], bool]:
-        """One forward pass; a row is the trie of its units' choices, a unit ``(item, choices)``.
-        Returns (log-likelihood, is_greedy) per choice of each unit, units in row order; the
-        log-probability of each continuation token, in the same layout; whether a mask was used."""
-        layouts = [self._layout([item[j][0][:-1] for item, part in row for j in part]) for row in rows]
+        """One forward pass, a row the trie of its units ``(item, choices)``: (log-likelihood, is_greedy) per
+        choice of each unit in row order, each continuation token's log-probability alike, whether masked."""
+        row_seqs = [[item[j] for item, part in row for j in part] for row in rows]
+        layouts = [self._layout([s[:-1] for s, _ in seqs]) for seqs in row_seqs]
         B, T = len(rows), max(len(lay[0]) for lay in layouts)
-        ids = torch.zeros((B, T), dtype=torch.long)
-        pos = torch.zeros((B, T), dtype=torch.long)
+        ids, pos = (torch.zeros((B, T), dtype=torch.long) for _ in range(2))
         ends = torch.arange(1, T + 1).repeat(B, 1)  # pads: a subtree of their own
         flat_index: list[int] = []
         targets: list[int] = []
         n_cont: list[int] = []
-        for r, (row, (t_ids, t_pos, t_ends, where)) in enumerate(zip(rows, layouts, strict=True)):
+        for r, (seqs, (t_ids, t_pos, t_ends, where)) in enumerate(zip(row_seqs, layouts, strict=True)):
             n = len(t_ids)
-            ids[r, :n] = torch.tensor(t_ids, dtype=torch.long)
-            pos[r, :n] = torch.tensor(t_pos, dtype=torch.long)
-            ends[r, :n] = torch.tensor(t_ends, dtype=torch.long)
+            for dst, src in ((ids, t_ids), (pos, t_pos), (ends, t_ends)):
+                dst[r, :n] = torch.tensor(src, dtype=torch.long)
             self.stats.tokens += n
-            k = 0
-            for item, part in row:
-                for j in part:
-                    s, c = item[j]
-                    flat_index += [r * T + x for x in where[k][len(s) - c - 1:]]
-                    targets += s[len(s) - c:]
-                    n_cont.append(c)
-                    k += 1
+            for (s, c), w in zip(seqs, where, strict=True):
+                flat_index += [r * T + x for x in w[len(s) - c - 1:]]
+                targets += s[len(s) - c:]
+                n_cont.append(c)
         mask = None  # every row one unbranched, unpadded sequence (perplexity windows): plain causal
         if not bool((ends == T).all()):
             key = torch.arange(T)
@@ -314,56 +258,34 @@ class Scorer:
             t = tgt[a: a + HEAD_ROWS]
             ll[a: a + HEAD_ROWS] = torch.log_softmax(logits, -1).gather(-1, t[:, None])[:, 0].cpu()
             greedy[a: a + HEAD_ROWS] = (logits.argmax(-1) == t).cpu()
-        out: list[list[tuple[float, bool]]] = []
-        token_lls: list[list[torch.Tensor]] = []
-        a = k = 0
-        for row in rows:
-            for _, part in row:
-                unit, unit_lls = [], []
-                for _ in part:
-                    c = n_cont[k]
-                    unit.append((float(ll[a: a + c].sum()), bool(greedy[a: a + c].all())))
-                    unit_lls.append(ll[a: a + c])
-                    a, k = a + c, k + 1
-                out.append(unit)
-                token_lls.append(unit_lls)
-        return out, token_lls, mask is not None
+        chunks = iter(zip(ll.split(n_cont), greedy.split(n_cont), strict=True))  # per choice
+        units = [[next(chunks) for _ in part] for row in rows for _, part in row]
+        out = [[(float(x.sum()), bool(g.all())) for x, g in unit] for unit in units]
+        return out, [[x for x, _ in unit] for unit in units], mask is not None
 
     def _tree_forward(self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor,
                       index: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """The model on a packed batch: the rows ``index`` (into the flattened batch) of the last
-        hidden states and the output projection to apply to them (or of the logits, with the
-        identity, when the model's logits are not ``head(decoder(x))``)."""
+        """The model on a packed batch: rows ``index`` (of the flattened batch) of the last hidden states
+        and the output projection to apply (or of the logits, with the identity, when not split)."""
         dev = self.device
-        self.stats.forward_passes += 1
-        self.stats.padded_tokens += ids.numel()
-        kwargs = {"input_ids": ids.to(dev), "attention_mask": None if mask is None else mask.to(dev),
-                  "position_ids": pos.to(dev), "use_cache": False}
+        kwargs = {"attention_mask": None if mask is None else mask.to(dev), "position_ids": pos.to(dev),
+                  "use_cache": False}
         if self._head is not None:  # the decoder alone, then the output projection where scored
-            out = self._decoder(**kwargs)
+            out = self._forward(ids, self._decoder, **kwargs)
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
             head = self._head
         else:
-            hidden, head = self.model(**kwargs).logits, _identity
+            hidden, head = self._forward(ids, **kwargs).logits, torch.nn.Identity()
         return hidden.reshape(ids.numel(), -1)[index.to(dev)], head
-
-    def _score_full(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
-        """Scores of many (sequence, n_cont) rows, batched by length (longest first), right-padded."""
-        scores: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-        for i, token_lls, greedy in self._plain_token_logprobs(rows):
-            scores[i] = (float(token_lls.sum()), greedy)
-        return scores
 
     def _plain_token_logprobs(self, rows: list[tuple[list[int], int]]
                               ) -> Iterator[tuple[int, torch.Tensor, bool]]:
-        """``(row index, log-probability of each continuation token, is_greedy)`` of every
-        (sequence, n_cont) row: the model's own logits on whole sequences, batched by length (longest
-        first), right-padded (the plain computation)."""
+        """``(row index, log-probability of each continuation token, is_greedy)`` of every (sequence,
+        n_cont) row: the plain computation (whole sequences, longest first, right-padded)."""
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         for b in range(0, len(order), self.batch_size):
             idx = order[b: b + self.batch_size]
-            width = len(rows[idx[0]][0]) - 1
-            batch = torch.zeros((len(idx), width), dtype=torch.long)
+            batch = torch.zeros((len(idx), len(rows[idx[0]][0]) - 1), dtype=torch.long)  # longest first
             for r, i in enumerate(idx):
                 s = rows[i][0][:-1]
                 batch[r, : len(s)] = torch.tensor(s, dtype=torch.long)
@@ -397,9 +319,8 @@ class Scorer:
 
     def score_rows(self, rows: Sequence[tuple[list[int], int]],
                    desc: str = "scoring") -> list[tuple[float, bool]]:
-        """``(log-likelihood, is_greedy)`` of the last ``n`` tokens of each ``(token ids, n)`` row
-        (ids already cut to ``max_length + 1``), whole rows batched by length: for rolling
-        perplexity windows, which share no prefix."""
+        """``(log-likelihood, is_greedy)`` of the last ``n`` tokens of each ``(token ids, n)`` row (ids
+        already cut to ``max_length + 1``): rolling perplexity windows, which share no prefix."""
         return [item[0] for item in self._score_items([[(list(s), n)] for s, n in rows], desc,
                                                        source="rolling window")]
 
@@ -411,14 +332,13 @@ class Scorer:
         # the model may have been cast since the scorer was made: masks and checks follow it
         self._dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), self._dtype)
         try:
-            if self.strategy == "full":
+            if self.strategy == "full":  # every row whole, batched by length
                 flat = [row for item in seqs for row in item]
-                flat_scores = self._score_full(flat)
-                out, k = [], 0
-                for item in seqs:
-                    out.append(flat_scores[k: k + len(item)])
-                    k += len(item)
-                return out
+                scores: list[tuple[float, bool]] = [(0.0, False)] * len(flat)
+                for i, token_lls, greedy in self._plain_token_logprobs(flat):
+                    scores[i] = (float(token_lls.sum()), greedy)
+                it = iter(scores)
+                return [[next(it) for _ in item] for item in seqs]
             got = self._try_trees(seqs, desc, source)
             return got if got is not None else self._score_items(seqs, desc, source)  # now "full"
         finally:
@@ -426,9 +346,8 @@ class Scorer:
 
     def _try_trees(self, items: list[list[tuple[list[int], int]]], desc: str = "scoring",
                    source: str = "loglikelihood") -> list[list[tuple[float, bool]]] | None:
-        """Tree scoring, each unit kind checked against the plain computation when first met (see
-        :meth:`_verify`).  On a difference or an error from the model, retry with the model's own
-        logits (when the output projection was split off), then fall back to ``full`` (None)."""
+        """Tree scoring (:meth:`_score_trees`); on a failed check or an error from the model, retry with the
+        model's own logits (when the output projection was split off), then fall back to ``full`` (None)."""
         if self._window == 0:
             self._fall_back("the model mixes sliding-window and full attention layers")
             return None
@@ -448,10 +367,8 @@ class Scorer:
             self._decoder, self._head = None, None  # the decoder/head split was the problem?
 
     def _fall_back(self, why: str) -> None:
-        name = type(self.model).__name__
         dtype = str(self._dtype).removeprefix("torch.")
-        warnings.warn(f"{name} ({dtype}, {self.device}): {why}; scoring every choice in full instead",
-                      stacklevel=3)
+        warnings.warn(f"{type(self.model).__name__} ({dtype}, {self.device}): {why}; scoring every choice in "
+                      "full instead", stacklevel=3)
         self.stats.fallbacks.append(why)
-        self.strategy = "full"
-        self.stats.strategy = "full"
+        self.strategy = self.stats.strategy = "full"

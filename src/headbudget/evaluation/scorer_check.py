@@ -2,9 +2,6 @@
 one token's log-probability on the fast path may be from the plain computation's
 (:func:`logprob_tolerance`, checked by :func:`verify_units`).  :class:`~headbudget.evaluation.scorer.Scorer`
 checks the first unit of each kind it meets, per model dtype and device.
-
-    >>> logprob_tolerance(torch.float32)
-    0.001
 """
 
 from __future__ import annotations
@@ -13,25 +10,18 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-# Self-check tolerance on one token's log-probability, in units of the model dtype's machine epsilon
-# (see logprob_tolerance), and its floor (float32 rounding of a sum over a long context).
-CHECK_EPS_FACTOR = 128
-CHECK_MIN_TOLERANCE = 1e-3
+CHECK_EPS_FACTOR = 128  # self-check tolerance per token, in the model dtype's machine epsilons
+CHECK_MIN_TOLERANCE = 1e-3  # its floor (float32 rounding of a sum over a long context)
 
 
 def logprob_tolerance(dtype: torch.dtype) -> float:
-    """Largest difference, in nats, allowed between one token's log-probability on the fast path and
-    on the plain path, both computed at ``dtype``.
-
-    The two paths run the same weights on differently shaped batches (a trie row with a 4-D mask
-    vs right-padded sequences), so their matmuls and attention sums round differently.  Every
-    activation is rounded to the dtype (relative error eps/2), and the logits themselves are: a bf16
-    logit near 20 is a multiple of 0.125.  Measured on SmolLM2-135M over 200 units of piqa, arc_easy,
-    hellaswag, winogrande and 256-token wikitext windows, the largest per-token difference was 0.65
-    nats in bf16, 0.05 in fp16 and 3e-5 in fp32.  ``CHECK_EPS_FACTOR`` x eps (bf16 1.0, fp16 0.125,
-    fp32 the 1e-3 floor) keeps those on the fast path, while a model that ignores the tree mask --
-    a later branch or document then reads tokens that are not its context -- was off by 4.5 to 17
-    nats on every branched trie.
+    """Largest difference, in nats, allowed between one token's log-probability on the fast path and on the
+    plain path, both at ``dtype``.  The paths run the same weights on differently shaped batches (a trie row
+    with a 4-D mask vs right-padded sequences), so their sums round differently (a bf16 logit near 20 is a
+    multiple of 0.125).  Measured on SmolLM2-135M (200 units of piqa, arc_easy, hellaswag, winogrande,
+    256-token wikitext windows), the largest per-token difference was 0.65 nats in bf16, 0.05 in fp16 and
+    3e-5 in fp32.  ``CHECK_EPS_FACTOR`` x eps (bf16 1.0, fp16 0.125, fp32 the 1e-3 floor) keeps those on
+    the fast path, while a model that ignores the tree mask was off by 4.5 to 17 nats on every branched trie.
 
         >>> logprob_tolerance(torch.bfloat16), logprob_tolerance(torch.float16), logprob_tolerance(torch.float32)
         (1.0, 0.125, 0.001)
@@ -44,10 +34,9 @@ class _TreeMismatch(RuntimeError):
 
 
 def _unit_kind(source: str, position_in_row: int, n_choices: int, masked: bool) -> str:
-    """What the fast path did to a unit, as the self-check tells kinds apart: a unit after another in
-    its row relies on the mask to hide that unit's tokens; a unit of several choices relies on it to
-    hide its other branches; a lone sequence only on causal order (and a pass of lone, unpadded
-    sequences runs without a mask).  ``source``: ``"loglikelihood"`` or ``"rolling window"``."""
+    """What the fast path did to a unit: a unit after another in its row relies on the mask to hide that
+    unit's tokens, a unit of several choices to hide its other branches, a lone sequence only on causal
+    order (without a mask when the pass has only such).  ``source``: "loglikelihood" or "rolling window"."""
     if position_in_row > 0:
         layout = "row shared with another document"
     elif n_choices > 1:
@@ -61,10 +50,9 @@ def verify_units(units: dict[str, tuple[list[tuple[list[int], int]], list[torch.
                  plain_token_logprobs: Callable[[list[tuple[list[int], int]]],
                                                 Iterable[tuple[int, torch.Tensor, bool]]],
                  dtype: torch.dtype) -> None:
-    """Compare the per-token log-probabilities of one unit per kind (``kind -> (its rows, their
-    tree log-probabilities)``) with the plain computation of its rows (``plain_token_logprobs``, the
-    scorer's ``_plain_token_logprobs``), all in the same plain passes; :class:`_TreeMismatch` when a
-    token differs by more than :func:`logprob_tolerance` at ``dtype``.
+    """Compare the tree log-probabilities of one unit per kind (``kind -> (its rows, their tree
+    log-probabilities)``) with the plain computation of its rows, all in the same plain passes;
+    :class:`_TreeMismatch` when a token differs by more than :func:`logprob_tolerance` at ``dtype``.
 
         >>> verify_units({"branched trie (loglikelihood)": ([([1, 2, 3], 1)], [torch.tensor([-0.5])])},
         ...              lambda rows: [(0, torch.tensor([-0.5]), True)], torch.float32)

@@ -1,28 +1,13 @@
 """One evaluation run over headbudget's built-in and lm-eval's tasks, reported in lm-eval's form.
 
-With lm-eval installed there is one task system: every name goes to lm-eval
-(:func:`headbudget.evaluation.harness.evaluate_harness`), the built-in tasks (piqa, hellaswag,
-arc_easy, arc_challenge, openbookqa, winogrande, copa) as the lm-eval YAML files shipped in
-``headbudget/evaluation/lm_eval_tasks`` -- their rows from ``data_dir`` when given, from the hub
-otherwise -- unless an ``include_path`` YAML defines the same name.  Without lm-eval (an optional
-extra: 29 more packages, ~340 MB) the built-in tasks still run zero-shot through
-:func:`headbudget.evaluation.zeroshot.evaluate_tasks`, with the same prompts
-(:mod:`headbudget.evaluation.tasks`, which the YAML files call) and the same
-:class:`~headbudget.evaluation.scorer.Scorer`, so the numbers are the same either way.
+With lm-eval installed every name goes to lm-eval (:func:`headbudget.evaluation.harness.evaluate_harness`);
+without it (an optional extra) the built-in tasks run zero-shot through
+:func:`headbudget.evaluation.zeroshot.evaluate_tasks`, with the same prompts and scorer, so the numbers
+are the same either way.  The report has ``lm_eval.simple_evaluate``'s keys plus headbudget's
+``predictions``, ``seconds`` and ``details``; see docs/evaluation.md.
 
-    >>> from headbudget.evaluation.suite import evaluate_suite
     >>> rep = evaluate_suite(model, tok, ["piqa", "arc_easy_mmlu_style"], data_dir="../shared/data/zeroshot",
     ...                      include_path="benchmarks/lm_eval_tasks", limit=100)   # doctest: +SKIP
-    >>> rep["results"]["piqa"]["acc,none"], rep["n-samples"]["piqa"]["effective"]  # doctest: +SKIP
-    (0.62, 100)
-
-The report is what ``lm_eval.simple_evaluate`` returns for the same tasks -- ``results`` (per task
-``name``, ``alias``, ``sample_len`` and ``"acc,none"``-style keys only, so ``lm_eval.utils.make_table``
-prints each metric once), ``groups`` when a group aggregates, ``group_subtasks``, ``configs``,
-``versions``, ``n-shot``, ``higher_is_better``, ``n-samples``, ``config`` and, with ``log_samples``,
-``samples`` (lm-eval's in-memory records; with lm-eval only) -- plus headbudget's own ``predictions``,
-``seconds`` and ``details``.  :func:`headbudget.evaluation.lm_eval_files.write_lm_eval_files` writes it as lm-eval's
-files, headbudget's fields under one ``"headbudget"`` key.
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from headbudget.evaluation.harness import parse_seed
+from headbudget.evaluation.harness import SEED_KEYS, parse_seed
 from headbudget.evaluation.tasks import TASKS, get_task, load_examples
 from headbudget.evaluation.zeroshot import evaluate_tasks, format_table
 
@@ -52,8 +37,8 @@ def lm_eval_installed() -> bool:
 def check_eval_args(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
                     num_fewshot: int | None = None, seed: Any = None, limit: int | None = None,
                     log_samples: bool = False) -> None:
-    """The checks that need no model and no task building (one-line errors naming the flag); without
-    lm-eval, also that only what the built-in path does is asked for."""
+    """The checks that need no model and no task building (one-line errors naming the flag), and
+    without lm-eval that only what the built-in path does is asked for."""
     if not tasks:
         raise ValueError("--tasks is empty")
     if limit is not None and limit < 1:
@@ -78,14 +63,11 @@ def check_eval_args(tasks: Sequence[str], *, data_dir: str | None = None, includ
 def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
                   num_fewshot: int | None = None, seed: Any = None, limit: int | None = None,
                   log_samples: bool = False, allow_code: bool = False) -> dict[str, Any] | None:
-    """Check the arguments and load the tasks through lm-eval (their data included), so that a bad
-    flag, an unknown or generation task, a malformed row or unreachable data fails before the model
-    is loaded; returns what :func:`evaluate_suite` takes as ``harness_tasks`` (None without lm-eval).
-    ``allow_code``: let a task YAML of the user's run the Python it names with ``!function``
-    (:func:`headbudget.evaluation.task_code.check_task_code`; refused otherwise).
+    """Check the arguments and load the tasks through lm-eval (data included), so that a bad flag or task,
+    a malformed row or unreachable data fails before the model is loaded: :func:`evaluate_suite`'s
+    ``harness_tasks`` (None without lm-eval).  ``allow_code``: let a user's task YAML run Python.
 
         >>> pre = prepare_suite(["arc_easy_local"], include_path="benchmarks/lm_eval_tasks")  # doctest: +SKIP
-        >>> evaluate_suite(model, tok, ["arc_easy_local"], include_path=..., harness_tasks=pre)  # doctest: +SKIP
     """
     check_eval_args(tasks, data_dir=data_dir, include_path=include_path, num_fewshot=num_fewshot,
                     seed=seed, limit=limit, log_samples=log_samples)
@@ -98,48 +80,31 @@ def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_
     return load_harness_tasks(tasks, include_path, data_dir, limit, allow_code=allow_code)[1]
 
 
-def _lm_eval_keys(res: dict[str, Any], filt: str = "none") -> dict[str, Any]:
-    """headbudget's metric keys -> lm-eval's ``"metric,filter"`` keys (``n`` is lm-eval's
-    ``sample_len``)."""
-    return {f"{k},{filt}": v for k, v in res.items() if k != "n"}
-
-
-def _plain_keys(res: dict[str, Any]) -> dict[str, Any]:
-    """lm-eval's ``"acc,none"`` -> ``"acc"`` (the ``none`` filter only; other filters keep theirs)."""
-    return {k[: -len(",none")]: v for k, v in res.items() if k.endswith(",none")}
-
-
 def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir: str | None = None,
                    include_path: Any = None, num_fewshot: int | None = None, seed: Any = None,
                    limit: int | None = None, batch_size: int = 16, strategy: str = "prefix",
                    device: str | None = None, log_samples: bool = False,
                    bootstrap_iters: int = 100000, progress: bool = True,
                    harness_tasks: dict[str, Any] | None = None, allow_code: bool = False) -> dict[str, Any]:
-    """Evaluate ``tasks`` and return the report (module docstring).
-
-    ``harness_tasks``: the tasks already loaded by :func:`prepare_suite` (which fails on a bad task
-    before any model is loaded); ``allow_code``: as :func:`prepare_suite`'s.  ``details`` holds run facts: ``lm_eval`` (its tasks, seconds, model
-    seconds and forward passes) -- or without lm-eval ``task_seconds`` and ``forward_passes`` per
-    task -- and ``limit``, ``num_fewshot``, ``batch_size``.
-    """
+    """Evaluate ``tasks`` and return the report (module docstring); ``harness_tasks``: what
+    :func:`prepare_suite` returned.  ``details``: ``lm_eval`` (tasks, seconds, model seconds, forward passes)
+    or without lm-eval ``task_seconds`` and ``forward_passes`` per task, and ``limit``, ``num_fewshot``,
+    ``batch_size``."""
     check_eval_args(tasks, data_dir=data_dir, include_path=include_path, num_fewshot=num_fewshot,
                     seed=seed, limit=limit, log_samples=log_samples)
     t0 = time.perf_counter()
     run = {"limit": limit, "batch_size": batch_size, "strategy": strategy, "device": device,
-           "progress": progress}
+           "progress": progress, "data_dir": data_dir, "seed": seed, "bootstrap_iters": bootstrap_iters}
     details: dict[str, Any] = {"task_seconds": {}, "forward_passes": {}, "limit": limit,
                                "num_fewshot": num_fewshot, "batch_size": batch_size}
     if lm_eval_installed():
         rep = _lm_eval_report(model, tokenizer, tasks, details, include_path=include_path,
-                              data_dir=data_dir, num_fewshot=num_fewshot, seed=seed,
-                              log_samples=log_samples, bootstrap_iters=bootstrap_iters,
-                              loaded=harness_tasks, allow_code=allow_code, **run)
+                              num_fewshot=num_fewshot, log_samples=log_samples, loaded=harness_tasks,
+                              allow_code=allow_code, **run)
     else:
-        rep = _builtin_report(model, tokenizer, tasks, details, data_dir=data_dir, seed=seed,
-                              bootstrap_iters=bootstrap_iters, **run)
+        rep = _builtin_report(model, tokenizer, tasks, details, **run)
     rep.update(_tokenizer_info(tokenizer, rep["config"].get("max_length")))
-    rep["seconds"] = round(time.perf_counter() - t0, 3)
-    rep["details"] = details
+    rep.update(seconds=round(time.perf_counter() - t0, 3), details=details)
     return rep
 
 
@@ -166,13 +131,12 @@ def _lm_eval_report(model: Any, tokenizer: Any, tasks: Sequence[str], details: d
 
 def _builtin_report(model: Any, tokenizer: Any, tasks: Sequence[str], details: dict[str, Any], *,
                     data_dir: str | None, seed: Any, bootstrap_iters: int, **run: Any) -> dict[str, Any]:
-    """The built-in tasks without lm-eval (:func:`~headbudget.evaluation.zeroshot.evaluate_tasks`),
-    in the keys lm-eval reports them under."""
+    """The built-in tasks without lm-eval (:func:`evaluate_tasks`), in the keys lm-eval reports them under."""
     got = evaluate_tasks(model, tokenizer, tasks, data_dir=data_dir, **run)
     rep: dict[str, Any] = {key: {} for key in _REPORT_KEYS}
     for name, res in got["results"].items():
         spec = get_task(name)
-        metrics = _lm_eval_keys(res)
+        metrics = {f"{k},none": v for k, v in res.items() if k != "n"}  # lm-eval's "metric,filter" keys
         if bootstrap_iters <= 0 or res["n"] < 2:  # lm-eval reports no stderr then
             metrics.update({k: "N/A" for k in metrics if k.split(",")[0].endswith("_stderr")})
         rep["results"][name] = {"name": name, "alias": name, "sample_len": res["n"], **metrics}
@@ -190,12 +154,10 @@ def _builtin_report(model: Any, tokenizer: Any, tasks: Sequence[str], details: d
             "metadata": {"version": BUILTIN_TASK_VERSION, "source": "headbudget built-in task"}}
     rep["predictions"] = got["predictions"]
     details["task_seconds"], details["forward_passes"] = got["task_seconds"], got["forward_passes"]
-    seeds = parse_seed(seed)
     rep["config"] = {  # lm-eval's config keys (its model's get_model_info included)
         "model": "headbudget", "model_args": None, "model_class": type(model).__name__,
         "strategy": run["strategy"], "batch_size": run["batch_size"], "device": run["device"],
-        "limit": run["limit"], "bootstrap_iters": bootstrap_iters, "random_seed": seeds[0],
-        "numpy_seed": seeds[1], "torch_seed": seeds[2], "fewshot_seed": seeds[3]}
+        "limit": run["limit"], "bootstrap_iters": bootstrap_iters, **dict(zip(SEED_KEYS, parse_seed(seed)))}
     return rep
 
 
@@ -219,13 +181,12 @@ def _builtin_size(name: str, data_dir: str | None, limit: int | None, n: int) ->
 def format_report(rep: dict[str, Any]) -> str:
     """lm-eval's table of the tasks (and groups); without lm-eval, the built-in tasks' table."""
     if "lm_eval" not in rep["details"]:
-        return format_table({"results": {
-            k: {**{m: float("nan") if x == "N/A" else x for m, x in _plain_keys(v).items()},
-                "n": v["sample_len"]} for k, v in rep["results"].items()}})
+        return format_table({"results": {  # "acc,none" -> "acc"
+            k: {**{m.removesuffix(",none"): float("nan") if x == "N/A" else x for m, x in v.items()
+                   if m.endswith(",none")}, "n": v["sample_len"]} for k, v in rep["results"].items()}})
     from lm_eval.utils import make_table
 
-    sub = {"results": rep["results"], "versions": rep["versions"], "n-shot": rep["n-shot"],
-           "higher_is_better": rep["higher_is_better"], "group_subtasks": rep["group_subtasks"]}
+    sub = {k: rep[k] for k in ("results", "versions", "n-shot", "higher_is_better", "group_subtasks")}
     parts = [make_table(sub)]
     if rep.get("groups"):
         parts.append(make_table({**sub, "groups": rep["groups"]}, "groups"))

@@ -1,10 +1,8 @@
 """The one rule for Python that task files name: a user's task YAML (in ``--tasks``, under ``--include-path``,
 or pulled in by ``include:`` or a group) whose ``!function`` would run Python is refused before lm-eval loads
-anything, unless the user allows it (``--allow-code``); lm-eval's loader is guarded for any path the early
-check did not foresee, and task templates render in Jinja's sandbox.  headbudget's own task files and
-lm-eval's library are installed code and need no consent.
+anything, unless ``--allow-code``; lm-eval's loader is guarded too, and templates render in Jinja's sandbox.
+headbudget's own task files and lm-eval's library are installed code and need no consent.
 
-    >>> from headbudget.evaluation.task_code import check_task_code
     >>> check_task_code(task_manager(["my_tasks/t.yaml"]), ["my_tasks/t.yaml"])   # doctest: +SKIP
     TaskCodeError: my_tasks/t.yaml: !function utils.process_docs would run Python from my_tasks/utils.py; ...
 """
@@ -26,20 +24,15 @@ class TaskCodeError(ValueError):
     """A user's task YAML names Python (``!function module.name``) and running it was not allowed."""
 
 
-def _trusted_task_dirs() -> tuple[Path, ...]:
-    """The folders whose task YAML files may name Python without ``allow_code``: headbudget's own
-    (``lm_eval_tasks/``, calling ``prompts.py``) and lm-eval's library, both code already installed."""
+def _trusted_yaml(path: str | Path) -> bool:
+    """Whether a task YAML may name Python without ``allow_code``: headbudget's own (``lm_eval_tasks/``,
+    calling ``prompts.py``) and lm-eval's library are code already installed."""
     dirs = [BUILTIN_TASKS_DIR]
     with contextlib.suppress(ImportError, AttributeError, TypeError):
         import lm_eval.tasks
 
         dirs.append(Path(lm_eval.tasks.__file__).resolve().parent)
-    return tuple(dirs)
-
-
-def _trusted_yaml(path: str | Path) -> bool:
-    real = Path(path).resolve()
-    return any(real.is_relative_to(d) for d in _trusted_task_dirs())
+    return any(Path(path).resolve().is_relative_to(d) for d in dirs)
 
 
 def _python_of(spec: str, base_dir: Path) -> str:
@@ -51,10 +44,8 @@ def _python_of(spec: str, base_dir: Path) -> str:
 
 def _named_python(path: Path, seen: set[Path]) -> Iterator[tuple[Path, str, str]]:
     """``(YAML file, tag, where its Python comes from)`` for every ``!function`` (or ``!!python/...``) tag
-    of the user's YAML
-    ``path`` and of the YAML files it pulls in with ``include:``, as lm-eval resolves them (relative to
-    the including file).  headbudget's and lm-eval's own files are not looked into; a file that does not
-    parse is left to lm-eval's loader (which refuses it, or meets the guard of :func:`code_guard`)."""
+    of the user's YAML ``path`` and the files it pulls in with ``include:``; trusted files are skipped, and
+    one that does not parse is left to lm-eval's loader (which refuses it, or meets :func:`code_guard`)."""
     import yaml
 
     path = Path(path).expanduser()
@@ -64,8 +55,7 @@ def _named_python(path: Path, seen: set[Path]) -> Iterator[tuple[Path, str, str]
     seen.add(real)
     found: list[tuple[str, str]] = []
 
-    class _Scan(yaml.SafeLoader):  # records the tags that name Python, constructs nothing
-        pass
+    _Scan = type("_Scan", (yaml.SafeLoader,), {})  # records the tags that name Python, constructs nothing
 
     def function(loader: yaml.Loader, node: yaml.Node) -> None:
         spec = str(loader.construct_scalar(node)) if isinstance(node, yaml.ScalarNode) else str(node.value)
@@ -90,13 +80,10 @@ def _named_python(path: Path, seen: set[Path]) -> Iterator[tuple[Path, str, str]
 
 
 def _task_yaml_files(tm: Any, tasks: Sequence[str]) -> Iterator[Path]:
-    """The YAML files lm-eval's loader reads for ``tasks`` (names, groups, tags or YAML paths): each
-    task's file, a group's members (by name, recursively) and a tag's tasks."""
+    """The YAML files lm-eval reads for ``tasks``: each task's file, a group's members, a tag's tasks."""
     import yaml
 
-    class _AnyTag(yaml.SafeLoader):  # the structure only: every tag (!function ...) read as None
-        pass
-
+    _AnyTag = type("_AnyTag", (yaml.SafeLoader,), {})  # the structure only: every tag (!function ...) as None
     _AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
     _AnyTag.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
     index = tm.task_index
@@ -133,10 +120,8 @@ def _task_yaml_files(tm: Any, tasks: Sequence[str]) -> Iterator[Path]:
 
 
 def check_task_code(tm: Any, tasks: Sequence[str], allow_code: bool = False) -> None:
-    """The one rule for Python named by task files: a user's task YAML (given in ``--tasks``, under
-    ``--include-path``, or pulled in by ``include:`` or a group) that names Python with ``!function`` is
-    refused, before lm-eval loads anything, unless ``allow_code`` (``--allow-code``).  headbudget's
-    built-in task files and lm-eval's own library are installed code and need no consent."""
+    """Raise :class:`TaskCodeError` naming the first user's task YAML read for ``tasks`` that names
+    Python (module docstring), unless ``allow_code``."""
     if allow_code:
         return
     seen: set[Path] = set()
@@ -148,10 +133,8 @@ def check_task_code(tm: Any, tasks: Sequence[str], allow_code: bool = False) -> 
 
 @contextlib.contextmanager
 def code_guard(allow_code: bool) -> Iterator[None]:
-    """While lm-eval builds tasks: a ``!function`` of a YAML outside headbudget's and lm-eval's own task
-    folders is refused unless ``allow_code`` -- the guarantee behind :func:`check_task_code`'s early,
-    file-naming check, for any path into lm-eval's loader that check did not foresee -- and templates
-    render sandboxed (:func:`sandboxed_templates`)."""
+    """While lm-eval builds tasks, unless ``allow_code``: an untrusted YAML's ``!function`` is refused (paths
+    :func:`check_task_code` did not foresee) and templates render sandboxed (:func:`sandboxed_templates`)."""
     if allow_code:
         yield
         return
@@ -177,17 +160,15 @@ def code_guard(allow_code: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def sandboxed_templates(allow_code: bool) -> Iterator[None]:
-    """lm-eval renders a task's Jinja templates (``doc_to_text: "{{...}}"``) with a plain Jinja environment,
-    in which ``{{ cycler.__init__.__globals__.os.system(...) }}`` runs code; unless ``allow_code`` they
-    are rendered in Jinja's sandbox (no ``_``-attributes, no unsafe calls), which every ordinary template
-    -- fields, indexing, filters, method calls -- passes unchanged."""
+    """lm-eval renders task templates with a plain Jinja environment, in which
+    ``{{ cycler.__init__.__globals__.os.system(...) }}`` runs code; unless ``allow_code`` they render in
+    Jinja's sandbox, which every ordinary template (fields, indexing, filters, method calls) passes."""
     try:
         import lm_eval.utils as lm_utils
         from jinja2.exceptions import SecurityError
         from jinja2.sandbox import SandboxedEnvironment
     except ImportError:
-        yield
-        return
+        lm_utils = None
     plain = getattr(lm_utils, "env", None)
     if allow_code or plain is None:
         yield

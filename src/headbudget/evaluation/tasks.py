@@ -1,29 +1,13 @@
 """Zero-shot multiple-choice tasks, declared as data: headbudget's task files are lm-eval YAML
-(``lm_eval_tasks/<task>.yaml``, their prompts in ``lm_eval_tasks/prompts.py``), read by lm-eval when it is
-installed and by :func:`read_task_file` when it is not, so both paths build the same examples.
+(``lm_eval_tasks/<task>.yaml``, prompts in ``prompts.py`` there), read by lm-eval when it is installed and
+by :func:`read_task_file` when it is not, so both paths build the same examples, as lm-evaluation-harness's
+task of the same name (continuation ``target_delimiter + choice``; with ``partial=True``, winogrande's
+partial scoring, the choices are contexts sharing one continuation).  A malformed row is a
+:class:`DataError` naming the file, the line and the field.
 
-Each :class:`TaskSpec` says where the rows come from (a local JSONL file name, or a Hugging Face
-dataset path/config/split) and how a row becomes a multiple-choice example, exactly as
-lm-evaluation-harness's default task of the same name builds it:
-
-* ``doc_to_text(row) -> str``: the context (prompt);
-* ``doc_to_choice(row) -> list[str]``: the choices;
-* ``doc_to_target(row) -> int``: the index of the right choice;
-* ``partial=True`` (winogrande's *partial scoring*, ``metadata.partial_scoring`` in its file): the choices are
-  *contexts* and every choice is scored on the same continuation ``doc_to_text(row)``.
-
-The continuation scored is ``target_delimiter + choice`` (a single space by default) and ``acc_norm``
-divides by ``len(choice)`` in characters (without the delimiter), as the harness does.
-
-    >>> from headbudget.evaluation.tasks import get_task
-    >>> get_task("arc_easy").local_file
-    'arc_easy_test.jsonl'
-    >>> ex = get_task("piqa").example({"goal": "Open a jar", "sol1": "twist", "sol2": "bite",
-    ...                                 "label": 1})
+    >>> ex = get_task("piqa").example({"goal": "Open a jar", "sol1": "twist", "sol2": "bite", "label": 1})
     >>> ex.contexts[0], ex.continuations, ex.target
     ('Question: Open a jar\\nAnswer:', [' twist', ' bite'], 1)
-
-Malformed rows raise :class:`DataError` naming the file, the line and the field.
 """
 
 from __future__ import annotations
@@ -46,16 +30,10 @@ class DataError(ValueError):
     """A malformed task row; the message names the file, the line and the field."""
 
 
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class MCExample:
-    """One multiple-choice item, ready to score.
-
-    Choice ``i`` is scored as log P(``continuations[i]`` | ``contexts[i]``); ``norm_lengths[i]`` is
-    the character length ``acc_norm`` divides by.
-    """
+    """One multiple-choice item: choice ``i`` is scored as log P(``continuations[i]`` | ``contexts[i]``),
+    ``norm_lengths[i]`` is the character length ``acc_norm`` divides by."""
 
     contexts: list[str]
     continuations: list[str]
@@ -88,15 +66,13 @@ class TaskSpec:
         choices = self.doc_to_choice(row)
         target = self.doc_to_target(row)
         if not 0 <= target < len(choices):
-            raise FieldError(self.target_field, f"label {target} out of range for "
-                             f"{len(choices)} choices")
+            raise FieldError(self.target_field, f"label {target} out of range for {len(choices)} choices")
+        lengths = [float(len(c)) for c in choices]
         if self.partial:
-            cont = self.target_delimiter + self.doc_to_text(row)
-            return MCExample(list(choices), [cont] * len(choices), target,
-                             [float(len(c)) for c in choices])
-        text = self.doc_to_text(row)
-        return MCExample([text] * len(choices), [self.target_delimiter + c for c in choices],
-                         target, [float(len(c)) for c in choices])
+            return MCExample(list(choices), [self.target_delimiter + self.doc_to_text(row)] * len(choices),
+                             target, lengths)
+        return MCExample([self.doc_to_text(row)] * len(choices), [self.target_delimiter + c for c in choices],
+                         target, lengths)
 
 
 class _TaskFileLoader(yaml.SafeLoader):
@@ -132,10 +108,6 @@ def get_task(name: str) -> TaskSpec:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
-
-
 #: ``(line_number, row)`` of a task's JSONL file (:func:`headbudget.io.iter_jsonl`); a bad line is a DataError
 iter_jsonl = functools.partial(io.iter_jsonl, error=DataError)
 
@@ -158,10 +130,8 @@ def _examples(spec: TaskSpec, rows: Iterator[tuple[int, Any]], source: str,
 
 def load_examples(task: str | TaskSpec, data_dir: str | Path | None = None,
                   limit: int | None = None) -> list[MCExample]:
-    """The first ``limit`` examples of ``task`` (all when ``None``).
-
-    With ``data_dir``, rows come from ``data_dir / spec.local_file`` (JSONL, Hugging Face schema);
-    otherwise from the hub through ``datasets.load_dataset(hf_path, hf_name, split=hf_split)``.
+    """The first ``limit`` examples of ``task`` (all when ``None``), from ``data_dir / spec.local_file``
+    (JSONL, Hugging Face schema) or else the hub (``datasets.load_dataset(hf_path, hf_name, split=...)``).
 
         >>> exs = load_examples("piqa", "../shared/data/zeroshot", limit=10)  # doctest: +SKIP
     """

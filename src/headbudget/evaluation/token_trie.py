@@ -1,14 +1,7 @@
 """Token tries for the scorer: sequences that share leading tokens merged so each shared token runs once.
 
 :func:`trie_layout` lays a trie out depth-first in one row with the positions and subtree ends from
-which :class:`headbudget.evaluation.scorer.Scorer` builds its 4-D attention mask; pure Python (no
-model, no torch), so the layout can be read and tested on its own.
-
-    >>> from headbudget.evaluation.token_trie import common_prefix_len, trie_layout
-    >>> common_prefix_len([[5, 6, 7], [5, 6, 4]])
-    2
-    >>> trie_layout([[5, 6, 7, 8], [5, 6, 7], [5, 6, 4]])
-    ([5, 6, 7, 8, 4], [0, 1, 2, 3, 2], [5, 5, 4, 4, 5], [[0, 1, 2, 3], [0, 1, 2], [0, 1, 4]])
+which :class:`headbudget.evaluation.scorer.Scorer` builds its 4-D attention mask; pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -17,21 +10,20 @@ from collections.abc import Sequence
 
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    """How many leading tokens all of ``seqs`` share."""
-    first = seqs[0]
+    """How many leading tokens all of ``seqs`` share.
+
+        >>> common_prefix_len([[5, 6, 7], [5, 6, 4]])
+        2
+    """
     n = min(len(s) for s in seqs)
-    for i in range(n):
-        t = first[i]
-        if any(s[i] != t for s in seqs[1:]):
-            return i
-    return n
+    return next((i for i in range(n) if any(s[i] != seqs[0][i] for s in seqs[1:])), n)
 
 
 def trie_layout(seqs: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-    """Token sequences merged into a trie laid out depth-first: (ids, positions (= depths), ends,
-    flat index of every position of every sequence).  Token ``b``'s subtree is ``[b, ends[b])``,
-    so token ``a`` may attend to ``b`` iff ``b <= a < ends[b]`` (``b`` is ``a`` or an ancestor):
-    every sequence sees exactly its own tokens, at its own positions, however many share them.
+    """Token sequences merged into a trie laid out depth-first: (ids, positions (= depths), ends, flat index
+    of every position of every sequence).  Token ``b``'s subtree is ``[b, ends[b])``, so token ``a`` may
+    attend to ``b`` iff ``b <= a < ends[b]`` (``b`` is ``a`` or an ancestor): every sequence sees exactly
+    its own tokens, at its own positions, however many share them.
 
         >>> trie_layout([[5, 6, 7, 8], [5, 6, 7], [5, 6, 4]])
         ([5, 6, 7, 8, 4], [0, 1, 2, 3, 2], [5, 5, 4, 4, 5], [[0, 1, 2, 3], [0, 1, 2], [0, 1, 4]])

@@ -1,18 +1,10 @@
 """Zero-shot multiple-choice evaluation with lm-evaluation-harness's numbers, faster.
 
-The score of a choice is the summed log-likelihood of its continuation tokens given its context;
-``acc`` picks the highest score, ``acc_norm`` the highest score divided by the choice's length in
-characters; standard errors are sample standard deviation / sqrt(n).  Tokenization follows the
-harness's ``hf`` backend: trailing spaces of the context move to the continuation, the continuation's
-tokens are ``encode(context + continuation)[len(encode(context)):]`` with the tokenizer's default
-special tokens (none when the text already starts with the BOS string), and over-long inputs are cut
-from the left to ``max_length + 1`` tokens.
+A choice's score is the summed log-likelihood of its continuation tokens given its context
+(:mod:`headbudget.evaluation.encoding`, :class:`headbudget.evaluation.scorer.Scorer`); ``acc`` picks the
+highest score, ``acc_norm`` the highest per character of the choice; stderrs are sample std / sqrt(n).
 
-Scoring: :class:`headbudget.evaluation.scorer.Scorer` (token tries, shared tokens run once).
-
-    >>> from headbudget.evaluation import evaluate_tasks
-    >>> report = evaluate_tasks(model, tokenizer, ["piqa"], data_dir="../shared/data/zeroshot",
-    ...                         limit=100)                        # doctest: +SKIP
+    >>> report = evaluate_tasks(model, tok, ["piqa"], data_dir="../shared/data/zeroshot")  # doctest: +SKIP
     >>> report["results"]["piqa"]["acc"]                          # doctest: +SKIP
 """
 
@@ -32,10 +24,6 @@ from headbudget.evaluation.tasks import MCExample, get_task, load_examples
 __all__ = ["evaluate_tasks", "format_table", "mc_metrics", "mean_stderr"]
 
 
-# --------------------------------------------------------------------------------------------
-# Metrics
-
-
 def mean_stderr(values: Sequence[float]) -> float:
     """Sample standard deviation / sqrt(n) (the harness's ``mean_stderr``); NaN when n < 2."""
     n = len(values)
@@ -47,22 +35,17 @@ def mean_stderr(values: Sequence[float]) -> float:
 
 def mc_metrics(examples: Sequence[MCExample], scores: Sequence[Sequence[float]],
                metrics: Sequence[str] = ("acc", "acc_norm")) -> tuple[dict[str, float], list[int]]:
-    """``acc``/``acc_norm`` with standard errors, and the predictions by ``acc``.
-
-    Ties go to the first choice (numpy's argmax), as in the harness.
-    """
+    """``acc``/``acc_norm`` with standard errors, and the predictions by ``acc`` (ties go to the first
+    choice, as in the harness)."""
     acc, acc_norm, preds = [], [], []
     for ex, lls in zip(examples, scores, strict=True):
         lls_a = np.asarray(lls, dtype=np.float64)
-        pred = int(np.argmax(lls_a))
-        pred_norm = int(np.argmax(lls_a / np.asarray(ex.norm_lengths)))
-        preds.append(pred)
-        acc.append(1.0 if pred == ex.target else 0.0)
-        acc_norm.append(1.0 if pred_norm == ex.target else 0.0)
+        preds.append(int(np.argmax(lls_a)))
+        acc.append(1.0 if preds[-1] == ex.target else 0.0)
+        acc_norm.append(1.0 if int(np.argmax(lls_a / np.asarray(ex.norm_lengths))) == ex.target else 0.0)
     res: dict[str, float] = {"acc": float(np.mean(acc)), "acc_stderr": mean_stderr(acc)}
     if "acc_norm" in metrics:
-        res["acc_norm"] = float(np.mean(acc_norm))
-        res["acc_norm_stderr"] = mean_stderr(acc_norm)
+        res.update(acc_norm=float(np.mean(acc_norm)), acc_norm_stderr=mean_stderr(acc_norm))
     res["n"] = len(examples)
     return res, preds
 
@@ -72,12 +55,9 @@ def evaluate_tasks(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
                    strategy: str = "prefix", device: str | None = None,
                    add_bos_token: bool | None = None, progress: bool = True,
                    scores_out: dict[str, list[list[float]]] | None = None) -> dict[str, Any]:
-    """Evaluate ``model`` zero-shot on ``tasks``.
-
-    Returns ``{"results": {task: {"acc", "acc_stderr", ["acc_norm", "acc_norm_stderr"], "n"}},
-    "predictions": {task: [index chosen by acc, ...]}, "seconds": total, "task_seconds": {...},
-    "forward_passes": {task: count}}``.  ``scores_out`` (optional) receives every choice's score.
-    """
+    """Evaluate ``model`` zero-shot on ``tasks``: ``{"results": {task: {"acc", "acc_stderr", ["acc_norm",
+    "acc_norm_stderr"], "n"}}, "predictions": {task: [index chosen by acc, ...]}, "seconds", "task_seconds",
+    "forward_passes"}``.  ``scores_out`` (optional) receives every choice's score."""
     if device is not None:
         model.to(device)
     report: dict[str, Any] = {"results": {}, "predictions": {}, "seconds": 0.0,
@@ -90,9 +70,8 @@ def evaluate_tasks(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str],
         scorer = Scorer(model, tokenizer, batch_size=batch_size, strategy=strategy,
                         add_bos_token=add_bos_token, device=device, progress=progress)
         scores = scorer.score(examples, desc=spec.name)
-        res, preds = mc_metrics(examples, scores, spec.metrics)
-        report["results"][spec.name] = res
-        report["predictions"][spec.name] = preds
+        report["results"][spec.name], report["predictions"][spec.name] = mc_metrics(
+            examples, scores, spec.metrics)
         report["task_seconds"][spec.name] = round(time.perf_counter() - t0, 3)
         report["forward_passes"][spec.name] = scorer.stats.forward_passes
         if scores_out is not None:
@@ -106,14 +85,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines = ["|   Tasks   |  n  |Metric  |   |Value |   |Stderr|",
              "|-----------|----:|--------|---|-----:|---|-----:|"]
     for task, res in report["results"].items():
-        first = True
-        for m in ("acc", "acc_norm"):
-            if m not in res:
-                continue
-            name = f"{task:<11}" if first else " " * 11
-            n = f"{res['n']:>5}" if first else " " * 5
+        for k, m in enumerate(x for x in ("acc", "acc_norm") if x in res):
+            name, n = (f"{task:<11}", f"{res['n']:>5}") if k == 0 else (" " * 11, " " * 5)
             se = res[m + "_stderr"]
             se = f"{se:.4f}" if isinstance(se, (int, float)) and se == se else "   N/A"  # NaN: one document
             lines.append(f"|{name}|{n}|{m:<8}|↑  |{res[m]:.4f}|±  |{se}|")
-            first = False
     return "\n".join(lines)

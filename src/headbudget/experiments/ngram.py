@@ -1,17 +1,11 @@
 """N-gram extraction at a fixed attention budget: many narrow heads or few wide ones?
 
-Sequences of uniformly random tokens (vocabulary ``vocab``, length ``seq_len``); at every position t the
-targets are the tokens at ``t - o`` for each offset ``o`` in ``offsets`` (e.g. 1,2,3,4): the model must
-copy k = len(offsets) earlier tokens, each into its own output slot.  The model is one causal attention
-layer with learned token and position embeddings (width ``d_model``), a residual connection and a linear
-read-out to k x vocab logits.  The attention budget ``n_heads x head_dim = budget`` is fixed and the
-split is swept over the divisors of ``budget``.
-
-Error = 1 - accuracy over all (position, offset) targets on a held-out batch, averaged over seeds.
-
-The prediction under test: one head can attend to one relative position cleanly, so the error should
-fall steeply until ``n_heads >= k`` and rise again once heads are too narrow to select a position and
-carry the token's identity.
+Random tokens; at every position t the targets are the tokens at ``t - o`` for each of the k ``offsets``.
+One causal attention layer (learned token and position embeddings, residual, linear read-out to k x vocab
+logits) with a fixed ``n_heads x head_dim = budget``, swept over the divisors of ``budget``.  Error = 1 -
+accuracy on a held-out batch, averaged over seeds.  Prediction: one head attends to one relative position
+cleanly, so the error falls steeply until ``n_heads >= k`` and rises again once heads are too narrow.
+See docs/allocation.md.
 
     >>> from headbudget.experiments.ngram import NgramConfig, run_ngram
     >>> r = run_ngram(NgramConfig(budget=8, head_counts=(1, 2), offsets=(1, 2), vocab=4, seq_len=8,
@@ -84,8 +78,7 @@ class OneLayerAttention(torch.nn.Module):
         def p(*shape: int, std: float) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.randn(*shape, generator=generator) * std)
 
-        self.tok = p(cfg.vocab, d, std=1.0)
-        self.pos = p(cfg.seq_len, d, std=1.0)
+        self.tok, self.pos = p(cfg.vocab, d, std=1.0), p(cfg.seq_len, d, std=1.0)
         self.wq, self.wk, self.wv = (p(D, d, std=1 / math.sqrt(d)) for _ in range(3))
         self.wo = p(d, D, std=1 / math.sqrt(D))
         self.readout = p(len(cfg.offsets) * cfg.vocab, d, std=1 / math.sqrt(d))
@@ -110,13 +103,12 @@ class OneLayerAttention(torch.nn.Module):
 def _batch(cfg: NgramConfig, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(cfg.vocab, (n, cfg.seq_len), generator=g)
     start = max(cfg.offsets)
-    targets = torch.stack([tokens[:, start - o: cfg.seq_len - o] for o in cfg.offsets], dim=-1)
-    return tokens, targets  # targets: (n, T - start, k)
+    # targets: (n, T - start, k)
+    return tokens, torch.stack([tokens[:, start - o: cfg.seq_len - o] for o in cfg.offsets], dim=-1)
 
 
 def _train_eval(cfg: NgramConfig, n_heads: int, seed: int) -> dict[str, float]:
-    g = torch.Generator().manual_seed(seed * 1009 + n_heads)
-    model = OneLayerAttention(cfg, n_heads, g)
+    model = OneLayerAttention(cfg, n_heads, torch.Generator().manual_seed(seed * 1009 + n_heads))
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=max(1, cfg.steps),
                                                 pct_start=0.1)
@@ -130,47 +122,35 @@ def _train_eval(cfg: NgramConfig, n_heads: int, seed: int) -> dict[str, float]:
 
     batches = (_batch(cfg, cfg.batch, gd) for _ in range(cfg.steps))
     TrainLoop(model, opt, loss_fn, lr_schedule=sched, nonfinite="ignore").run(batches, steps=cfg.steps)
-    ge = torch.Generator().manual_seed(10_000 + seed)
-    tokens, targets = _batch(cfg, cfg.eval_batch, ge)
+    tokens, targets = _batch(cfg, cfg.eval_batch, torch.Generator().manual_seed(10_000 + seed))
     with torch.no_grad():
         logits = model(tokens)[:, start:]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
         correct = (logits.argmax(-1) == targets).float()
-    return {
-        "error": float(1 - correct.mean()),
-        "loss": float(loss),
-        "error_per_offset": [float(1 - c) for c in correct.mean(dim=(0, 1))],
-    }
+    return {"error": float(1 - correct.mean()), "loss": float(loss),
+            "error_per_offset": [float(1 - c) for c in correct.mean(dim=(0, 1))]}
 
 
 def run_ngram(cfg: NgramConfig, progress: bool | None = None) -> dict[str, Any]:
     """Run the sweep; returns a JSON-ready dict (config, per-split results, summary with a verdict).
     ``progress``: progress bar (default ``cfg.progress``)."""
     progress = cfg.progress if progress is None else progress
-    splits = cfg.splits()
+    jobs = [(h, s) for h in cfg.splits() for s in cfg.seeds]
     if min(cfg.offsets) <= 0 or max(cfg.offsets) >= cfg.seq_len:
         raise ValueError(f"ngram: --offsets must be in [1, {cfg.seq_len - 1}], got {list(cfg.offsets)}")
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
-    jobs = [(h, s) for h in splits for s in cfg.seeds]
     with torch_threads(cfg.threads):
         bar = ProgressBar(jobs, desc="ngram", disable=not progress, unit="model")
         for h, seed in bar:
             bar.set_postfix(heads=h, head_dim=cfg.budget // h, seed=seed)
-            r = _train_eval(cfg, h, seed)
             entry = results.setdefault(str(h), {"n_heads": h, "head_dim": cfg.budget // h, "runs": []})
-            entry["runs"].append(dict(r, seed=seed))
+            entry["runs"].append(dict(_train_eval(cfg, h, seed), seed=seed))
     for entry in results.values():
         errs = [r["error"] for r in entry["runs"]]
-        entry["error_mean"] = sum(errs) / len(errs)
-        entry["error_min"], entry["error_max"] = min(errs), max(errs)
-    return {
-        "experiment": "ngram",
-        "config": recorded_config(cfg),
-        "results": results,
-        "summary": _summarise(cfg, results),
-        "elapsed_s": round(time.perf_counter() - t0, 1),
-    }
+        entry.update(error_mean=sum(errs) / len(errs), error_min=min(errs), error_max=max(errs))
+    return {"experiment": "ngram", "config": recorded_config(cfg), "results": results,
+            "summary": _summarise(cfg, results), "elapsed_s": round(time.perf_counter() - t0, 1)}
 
 
 def _summarise(cfg: NgramConfig, results: dict[str, Any]) -> dict[str, Any]:
@@ -197,19 +177,18 @@ def plot_ngram(result: dict[str, Any], path: str) -> None:
     """Error vs number of heads at fixed budget (mean over seeds, min-max band)."""
     fig, ax = new_figure(figsize=(6.4, 4.4))
     heads = sorted(int(h) for h in result["results"])
-    mean = [result["results"][str(h)]["error_mean"] for h in heads]
-    lo = [result["results"][str(h)]["error_min"] for h in heads]
-    hi = [result["results"][str(h)]["error_max"] for h in heads]
+    mean, lo, hi = ([result["results"][str(h)][k] for h in heads]
+                    for k in ("error_mean", "error_min", "error_max"))
     ax.plot(heads, mean, marker="o", label="error (mean over seeds)")
     ax.fill_between(heads, lo, hi, alpha=0.25, label="min-max over seeds")
     k = result["summary"]["n_offsets"]
     ax.axvline(k, color="grey", ls="--", label=f"n_heads = #offsets = {k}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(heads)
-    ax.set_xticklabels([f"{h}\nx{result['config']['budget'] // h}" for h in heads])
+    c = result["config"]
+    ax.set_xticklabels([f"{h}\nx{c['budget'] // h}" for h in heads])
     ax.set_xlabel("number of heads (x head dim) at fixed budget")
     ax.set_ylabel("error (1 - accuracy)")
-    c = result["config"]
     ax.set_title(f"N-gram extraction, offsets {c['offsets']}, budget {c['budget']}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -223,8 +202,7 @@ def format_ngram(result: dict[str, Any]) -> str:
         per = " ".join(f"{x:.3f}" for x in e["runs"][0]["error_per_offset"])
         lines.append(f"{e['n_heads']:>7} x {e['head_dim']:<8}  {e['error_mean']:.4f}       "
                      f"{e['error_min']:.4f}  {e['error_max']:.4f}  {per}")
-    lines.append(f"verdict: {result['summary']['verdict']}")
-    lines.append(f"elapsed: {result['elapsed_s']} s")
+    lines += [f"verdict: {result['summary']['verdict']}", f"elapsed: {result['elapsed_s']} s"]
     return "\n".join(lines)
 
 

@@ -1,18 +1,12 @@
 """Head-dimension saturation: how much does a wider head help, as the sequence gets longer?
 
-A fixed single-head *teacher* attention layer (head dim ``teacher_dim``, bidirectional, on i.i.d.
-Gaussian inputs of width ``d_model``) is imitated by single-head *students* whose query/key width is
-``d`` (1..64).  The student's value path has the teacher's width, so only the attention pattern is
-bottlenecked by ``d``.  Students are trained with Adam (cosine decay, at each
-learning rate in ``lrs``, keeping the best) on fresh random inputs each step (no overfitting) and scored on a held-out batch by the **normalised error**
-
-    sum ||y_student - y_teacher||^2 / sum ||y_teacher - mean_over_positions(y_teacher)||^2
-
-so 1.0 is what uniform attention (the per-sequence mean of the values) achieves and 0 is exact.
-The teacher's logit magnitudes (std, max |logit|, normalised attention entropy) are recorded per L.
-
-The prediction under test: the gain from a larger head dim flattens sooner, and is smaller, for longer
-sequences (the softmax averages over more keys, so fine detail of the logit pattern matters less).
+A fixed single-head *teacher* attention layer (head dim ``teacher_dim``, bidirectional, on i.i.d. Gaussian
+inputs) is imitated by single-head *students* of query/key width ``d`` (value path as wide as the teacher's,
+so only the attention pattern is bottlenecked), trained on fresh inputs each step (best of ``lrs``) and scored
+on a held-out batch by the **normalised error**
+``sum ||y_student - y_teacher||^2 / sum ||y_teacher - mean_over_positions(y_teacher)||^2`` (1.0: uniform
+attention, 0: exact).  Prediction: the gain from a wider head flattens sooner, and is smaller, for longer
+sequences (the softmax averages over more keys).  See docs/allocation.md.
 
     >>> from headbudget.experiments.saturation import SaturationConfig, run_saturation
     >>> res = run_saturation(SaturationConfig(seq_lens=(8,), student_dims=(1, 4), d_model=8,
@@ -57,8 +51,7 @@ class SaturationConfig:
     eval_tokens: int = option(8192, help="tokens the error is measured on")
     seed: int = option(0, help="seed of the teacher, data and students")
     student_value_dim: int | None = option(None, help="student value width (default: the teacher's)")
-    # torch intra-op threads while running (restored afterwards); the CLI's --threads sets it
-    threads: int = option(1, help="torch threads while running", cli=False)
+    threads: int = option(1, help="torch threads while running", cli=False)  # the CLI's --threads sets it
     # where and how the command reports (_common.RUN_SETTINGS: not recorded in the result)
     out: str = option("results/saturation", help="output folder (saturation.json, .png)")
     progress: bool = option(True, flag="--no-progress", help="no progress bars")
@@ -91,9 +84,9 @@ class SingleHead(torch.nn.Module):
 def _train_student(cfg: SaturationConfig, teacher: SingleHead, L: int, d: int, v_dim: int, lr: float
                    ) -> SingleHead:
     """Adam + cosine decay on fresh Gaussian inputs each step; loss is the normalised error."""
-    gs = torch.Generator().manual_seed(cfg.seed + 7919 * d + L)
     # the student keeps the teacher's softmax scale convention: 1/sqrt(teacher head dim)
-    student = SingleHead(cfg.d_model, d, v_dim, 1.0 / math.sqrt(cfg.teacher_dim), gs)
+    student = SingleHead(cfg.d_model, d, v_dim, 1.0 / math.sqrt(cfg.teacher_dim),
+                         torch.Generator().manual_seed(cfg.seed + 7919 * d + L))
     opt = torch.optim.Adam(student.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.steps))
     batch = max(2, cfg.tokens_per_step // L)
@@ -118,17 +111,13 @@ def _normalised_error(y: torch.Tensor, target: torch.Tensor) -> float:
 
 def _teacher_stats(teacher: SingleHead, x: torch.Tensor) -> dict[str, float]:
     with torch.no_grad():
-        logits = teacher.logits(x)
+        logits, L = teacher.logits(x), x.shape[1]
         p = torch.softmax(logits, dim=-1)
         entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
-        L = x.shape[1]
-        return {
-            "logit_std": float(logits.std()),
-            "logit_max_abs": float(logits.abs().max()),
-            "logit_row_range_mean": float((logits.amax(-1) - logits.amin(-1)).mean()),
-            "attention_entropy_normalised": float(entropy / math.log(L)) if L > 1 else 0.0,
-            "attention_max_prob_mean": float(p.amax(-1).mean()),
-        }
+        return {"logit_std": float(logits.std()), "logit_max_abs": float(logits.abs().max()),
+                "logit_row_range_mean": float((logits.amax(-1) - logits.amin(-1)).mean()),
+                "attention_entropy_normalised": float(entropy / math.log(L)) if L > 1 else 0.0,
+                "attention_max_prob_mean": float(p.amax(-1).mean())}
 
 
 def _saturation_dim(errors: dict[int, float], share: float = 0.9) -> int:
@@ -137,10 +126,7 @@ def _saturation_dim(errors: dict[int, float], share: float = 0.9) -> int:
     gain = errors[dims[0]] - errors[dims[-1]]
     if gain <= 0:
         return dims[0]
-    for d in dims:
-        if errors[dims[0]] - errors[d] >= share * gain:
-            return d
-    return dims[-1]
+    return next((d for d in dims if errors[dims[0]] - errors[d] >= share * gain), dims[-1])
 
 
 def run_saturation(cfg: SaturationConfig, progress: bool | None = None) -> dict[str, Any]:
@@ -181,36 +167,20 @@ def _run_saturation(cfg: SaturationConfig, progress: bool) -> dict[str, Any]:
             if best is None or err < best[0]:
                 best = (err, float(s_logits.std()), float(s_logits.abs().max()), lr)
         assert best is not None
-        err = best[0]
-        results.setdefault(str(L), {})[str(d)] = {
-            "normalised_error": err,
-            "student_logit_std": best[1],
-            "student_logit_max_abs": best[2],
-            "best_lr": best[3],
-        }
-    elapsed = time.perf_counter() - t0
-    summary = _summarise(cfg, results)
-    return {
-        "experiment": "saturation",
-        "config": recorded_config(cfg),
-        "teacher_logits": stats,
-        "results": results,
-        "summary": summary,
-        "elapsed_s": round(elapsed, 1),
-    }
+        results.setdefault(str(L), {})[str(d)] = dict(zip(
+            ("normalised_error", "student_logit_std", "student_logit_max_abs", "best_lr"), best))
+    return {"experiment": "saturation", "config": recorded_config(cfg), "teacher_logits": stats,
+            "results": results, "summary": _summarise(cfg, results),
+            "elapsed_s": round(time.perf_counter() - t0, 1)}
 
 
 def _summarise(cfg: SaturationConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     per_L = {}
     for L, by_d in results.items():
         errors = {int(d): r["normalised_error"] for d, r in by_d.items()}
-        dims = sorted(errors)
-        per_L[L] = {
-            "error_at_min_dim": errors[dims[0]],
-            "error_at_max_dim": errors[dims[-1]],
-            "gain": errors[dims[0]] - errors[dims[-1]],
-            "saturation_dim_90pct": _saturation_dim(errors),
-        }
+        lo, hi = errors[min(errors)], errors[max(errors)]
+        per_L[L] = {"error_at_min_dim": lo, "error_at_max_dim": hi, "gain": lo - hi,
+                    "saturation_dim_90pct": _saturation_dim(errors)}
     Ls = sorted(per_L, key=int)
     gains = [per_L[L]["gain"] for L in Ls]
     sat = [per_L[L]["saturation_dim_90pct"] for L in Ls]
@@ -218,11 +188,12 @@ def _summarise(cfg: SaturationConfig, results: dict[str, dict[str, Any]]) -> dic
     sat_falls = all(a >= b for a, b in zip(sat, sat[1:]))
     sat_strict = sat_falls and sat[-1] < sat[0]
     ratio = gains[-1] / gains[0] if gains and gains[0] > 0 else float("nan")
+    agree = gain_falls and ratio < 0.95
     if len(Ls) < 2:
         verdict = "needs at least two sequence lengths to test the prediction"
     else:
         parts = []
-        if gain_falls and ratio < 0.95:
+        if agree:
             parts.append(f"the gain from d={min(cfg.student_dims)} to d={max(cfg.student_dims)} falls "
                          f"monotonically with L ({gains[0]:.3f} at L={Ls[0]} -> {gains[-1]:.3f} at L={Ls[-1]}, "
                          f"{100 * (1 - ratio):.0f}% smaller)")
@@ -235,9 +206,7 @@ def _summarise(cfg: SaturationConfig, results: dict[str, dict[str, Any]]) -> dic
                          "is not observed")
         else:
             parts.append(f"the saturation head dim does not fall with L ({sat})")
-        agree = gain_falls and ratio < 0.95
-        label = ("agrees" if sat_strict else "partly agrees") if agree else \
-            ("partly agrees" if sat_strict else "disagrees")
+        label = ("disagrees", "partly agrees", "agrees")[agree + sat_strict]  # how many of the two hold
         verdict = f"{label}: " + "; ".join(parts)
     return {"per_L": per_L, "gain_decreases_with_L": gain_falls, "gain_ratio_last_first": ratio,
             "saturation_dim_non_increasing_with_L": sat_falls, "verdict": verdict}
@@ -264,17 +233,15 @@ def plot_saturation(result: dict[str, Any], path: str) -> None:
 
 def format_saturation(result: dict[str, Any]) -> str:
     """Human-readable table of what was measured and the verdict."""
-    lines = []
     dims = sorted({int(d) for by_d in result["results"].values() for d in by_d})
-    lines.append("L      logit_std  entropy/logL  " + "  ".join(f"d={d:<4d}" for d in dims) + "  sat_dim")
+    lines = ["L      logit_std  entropy/logL  " + "  ".join(f"d={d:<4d}" for d in dims) + "  sat_dim"]
     for L in sorted(result["results"], key=int):
         by_d = result["results"][L]
         st = result["teacher_logits"][L]
         errs = "  ".join(f"{by_d[str(d)]['normalised_error']:.4f}" if str(d) in by_d else "   -  " for d in dims)
         lines.append(f"{L:<6} {st['logit_std']:9.3f}  {st['attention_entropy_normalised']:12.3f}  {errs}  "
                      f"{result['summary']['per_L'][L]['saturation_dim_90pct']}")
-    lines.append(f"verdict: {result['summary']['verdict']}")
-    lines.append(f"elapsed: {result['elapsed_s']} s")
+    lines += [f"verdict: {result['summary']['verdict']}", f"elapsed: {result['elapsed_s']} s"]
     return "\n".join(lines)
 
 

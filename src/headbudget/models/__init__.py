@@ -17,20 +17,8 @@ def register_auto_classes() -> None:
     """Register with ``AutoConfig``/``AutoModelForCausalLM`` (idempotent)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
-        AutoConfig.register(HeadBudgetConfig.model_type, HeadBudgetConfig, exist_ok=True)
-    except TypeError:  # older transformers without exist_ok
-        try:
-            AutoConfig.register(HeadBudgetConfig.model_type, HeadBudgetConfig)
-        except ValueError:
-            pass
-    try:
-        AutoModelForCausalLM.register(HeadBudgetConfig, HeadBudgetForCausalLM, exist_ok=True)
-    except TypeError:
-        try:
-            AutoModelForCausalLM.register(HeadBudgetConfig, HeadBudgetForCausalLM)
-        except ValueError:
-            pass
+    AutoConfig.register(HeadBudgetConfig.model_type, HeadBudgetConfig, exist_ok=True)
+    AutoModelForCausalLM.register(HeadBudgetConfig, HeadBudgetForCausalLM, exist_ok=True)
 
 
 register_auto_classes()

@@ -1,8 +1,7 @@
 """``HeadBudgetConfig``: a Hugging Face config that fully describes a headbudget decoder.
 
-The standalone base class (``configuration_headbudget.py``, copied next to checkpoints) stores the
-schedule as its JSON dict; this subclass adds presets and the validated
-:class:`~headbudget.schedules.HeadSchedule` view (``config.head_schedule``).
+The standalone base (``configuration_headbudget.py``) stores the schedule as a dict; this subclass adds
+presets and the validated :class:`~headbudget.schedules.HeadSchedule` view (``config.head_schedule``).
 
     >>> cfg = HeadBudgetConfig.from_preset("cpu-tiny", schedule="prism", vocab_size=300)
     >>> cfg.head_schedule.heads
@@ -30,23 +29,19 @@ class HeadBudgetConfig(standalone.HeadBudgetConfig):
     def set_schedule(self, schedule: HeadSchedule) -> None:
         """Replace the schedule (e.g. after pruning); d_model and depth must not change."""
         if schedule.d_model != self.n_embd or schedule.n_layers != self.n_layer:
-            raise ValueError(
-                f"new schedule is {schedule.n_layers} x {schedule.d_model}, model is {self.n_layer} x {self.n_embd}"
-            )
+            raise ValueError(f"new schedule is {schedule.n_layers} x {schedule.d_model}, "
+                             f"model is {self.n_layer} x {self.n_embd}")
         self.schedule = schedule.to_dict()
         self.num_attention_heads = max(schedule.heads)
         self.num_key_value_heads = max(schedule.kv_heads)
 
     @classmethod
-    def from_preset(
-        cls, preset: str, schedule: str | HeadSchedule = "uniform", schedule_options: dict | None = None,
-        **kwargs: Any
-    ) -> HeadBudgetConfig:
+    def from_preset(cls, preset: str, schedule: str | HeadSchedule = "uniform",
+                    schedule_options: dict | None = None, **kwargs: Any) -> HeadBudgetConfig:
         """Config for a named preset (``gpt2-124m``, ``cpu-small``, ...) and schedule kind or object."""
         p = get_preset(preset)
-        sched = schedule if isinstance(schedule, HeadSchedule) else schedule_from_spec(
-            schedule, p, **(schedule_options or {})
-        )
+        if not isinstance(schedule, HeadSchedule):
+            schedule = schedule_from_spec(schedule, p, **(schedule_options or {}))
         kwargs.setdefault("vocab_size", p.vocab_size)
         kwargs.setdefault("n_positions", p.n_positions)
-        return cls(schedule=sched, **kwargs)
+        return cls(schedule=schedule, **kwargs)

@@ -1,9 +1,7 @@
 """Lossless conversion between Hugging Face decoders and the headbudget model, both ways.
 
-``to_headbudget`` turns GPT-2, Llama, Mistral and Qwen2 models into :class:`HeadBudgetForCausalLM`
-with identical logits (fp32, tested with grouped-query attention and left padding); every pruning,
-compression and reallocation then works on that one model family.  ``to_hf`` exports a headbudget
-model whose layers all have the same layout back to the plain transformers class of its family.
+``to_headbudget`` turns GPT-2, Llama, Mistral and Qwen2 models into :class:`HeadBudgetForCausalLM` with
+identical logits; ``to_hf`` exports a uniform headbudget model back to its family's transformers class.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,8 +74,7 @@ def _config_from_llama(c: Any, family: str) -> HeadBudgetConfig:
     rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
     if getattr(c, "partial_rotary_factor", None) not in (None, 1.0):  # a config that keeps it outside rope
         rope.setdefault("partial_rotary_factor", c.partial_rotary_factor)
-    problem = rope_problem(rope)
-    if problem:
+    if problem := rope_problem(rope):
         raise ConversionError(f"{family} {problem}")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -124,11 +121,9 @@ def _llama_to_headbudget_state(sd: dict[str, torch.Tensor], n_layer: int) -> dic
             parts = [src + f"self_attn.{p}_proj.{t}" for p in "qkv"]
             if parts[0] in sd:
                 out[dst + f"attn.qkv_proj.{t}"] = torch.cat([sd[n] for n in parts])
-            if src + f"self_attn.o_proj.{t}" in sd:
-                out[dst + f"attn.o_proj.{t}"] = sd[src + f"self_attn.o_proj.{t}"]
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                if src + f"mlp.{name}.{t}" in sd:
-                    out[dst + f"mlp.{name}.{t}"] = sd[src + f"mlp.{name}.{t}"]
+            for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                if f"{src}{name}.{t}" in sd:
+                    out[f"{dst}{name.replace('self_attn', 'attn')}.{t}"] = sd[f"{src}{name}.{t}"]
     return out
 
 
@@ -152,10 +147,8 @@ def _assemble(config: HeadBudgetConfig, sd: dict[str, torch.Tensor]) -> HeadBudg
 def to_headbudget(model: nn.Module) -> HeadBudgetForCausalLM:
     """Convert a transformers decoder (GPT-2, Llama, Mistral, Qwen2) into a headbudget model; identity on one.
 
-    The result keeps the input's dtype and device, and shares its tensors wherever the layout is the
-    same (embeddings, norms, MLPs, output projections; only GPT-2's transposed weights and Llama's
-    fused q/k/v are new): converting needs ~1.1x the model's bytes, not 2x (``benchmarks/convert_memory.py``).
-    Train the result, not the input, or clone one of them: an in-place update of one shows in both.
+    The result keeps the input's dtype and device and shares its tensors where the layout is the same
+    (~1.1x the model's bytes, ``benchmarks/convert_memory.py``): an in-place update of one shows in both.
     """
     if isinstance(model, HeadBudgetForCausalLM):
         return model
@@ -241,10 +234,8 @@ def to_hf(model: HeadBudgetForCausalLM) -> nn.Module:
     """Export a uniform headbudget model to ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ... (same logits)."""
     from transformers import AutoModelForCausalLM
 
-    config = model.config
-    hf_config = hf_config_from(config)
-    hf = AutoModelForCausalLM.from_config(hf_config)
-    sd = model.state_dict()
+    config, sd = model.config, model.state_dict()
+    hf = AutoModelForCausalLM.from_config(hf_config_from(config))
     out: dict[str, torch.Tensor] = {}
     if config.family == "gpt2":
         for key, value in sd.items():

@@ -1,20 +1,11 @@
 """Write a decoder as an f32/f16 GGUF file that llama.cpp runs.
 
-A uniform layout (every layer the same heads, key/value heads and MLP width) is written as llama.cpp's
-``llama`` architecture; a pruned one as its ``deci`` architecture, whose ``attention.head_count``,
-``attention.head_count_kv`` and ``feed_forward_length`` are per-layer arrays with one head size.
-llama.cpp's grouped-query attention needs equal groups, so a layer whose query groups are unequal
-(``kv_groups`` [3, 1, 2]) is written with duplicated key/value heads: each group is split into groups of
-their greatest common divisor, each with its own copy of the key/value head ([3, 1, 2] -> six groups of
-one).  That costs bytes in the file and in llama.cpp's KV cache (:attr:`GGUFPlan.extra_bytes` and
-:meth:`GGUFPlan.duplication_note` say how much).  Per-layer head widths (Prism) and low-rank q/k/v have no
-llama.cpp architecture and are refused in one line.
-
-Weights follow llama.cpp's converter (``convert_hf_to_gguf.py``): q and k rows are permuted from the
-Hugging Face "rotate half" order to llama.cpp's interleaved rotary pairs, 1-D tensors stay float32, and
-the tokenizer metadata is what the converter writes for a GPT-2-style BPE tokenizer (``tokenizer.ggml.model
-= "gpt2"``, ``pre`` detected from the same test-string hash, tokens, token types, merges, special ids,
-``add_bos_token``, chat template).  A model read from a GGUF file keeps that file's tokenizer metadata.
+A uniform layout is written as llama.cpp's ``llama`` architecture, a pruned one as ``deci`` (per-layer head
+counts and MLP widths, one head size).  Unequal query groups (``kv_groups`` [3, 1, 2]) are written with
+duplicated key/value heads, split by the groups' greatest common divisor (:attr:`GGUFPlan.extra_bytes` and
+:meth:`GGUFPlan.duplication_note` give the cost); per-layer head widths and low-rank q/k/v are refused.
+Weights and tokenizer metadata follow llama.cpp's converter (``convert_hf_to_gguf.py``); a model read from a
+GGUF file keeps that file's tokenizer metadata.  See docs/export.md.
 
     >>> from headbudget.models.export_gguf import export_gguf
     >>> plan = export_gguf(model, tokenizer, "smol.gguf", outtype="f16")   # doctest: +SKIP
@@ -82,8 +73,7 @@ class GGUFPlan:
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
-        """Bytes one token adds to llama.cpp's KV cache (f16, its default): k and v of every key/value head
-        as written, duplicated ones included."""
+        """Bytes one token adds to llama.cpp's (f16) KV cache: k and v of every key/value head as written."""
         return 2 * sum(self.n_kv_heads) * self.head_dim * LLAMACPP_CACHE_BYTES
 
     def duplication_note(self, context: int | None = None) -> str | None:
@@ -131,17 +121,14 @@ def plan_gguf(config: Any, outtype: str = "f32") -> GGUFPlan:
             raise _problem(f"layer {i} has q/k width {s['qk_head_dim']} and v width {s['v_head_dim']} with "
                            f"head_dim {head_dim}: low-rank heads have no llama.cpp architecture")
     ffn = config.intermediate_sizes()
-    n_heads, kv_out, kv_in, copies = [], [], [], []
-    extra_rows = 0
+    copies = []
     for s in specs:
         groups = s["kv_groups"] or [s["n_heads"] // s["n_kv_heads"]] * s["n_kv_heads"]
         unit = math.gcd(*groups)  # the largest equal group size every group splits into
-        layer_copies = [g for g, size in enumerate(groups) for _ in range(size // unit)]
-        n_heads.append(s["n_heads"])
-        kv_in.append(s["n_kv_heads"])
-        kv_out.append(len(layer_copies))
-        copies.append(layer_copies)
-        extra_rows += 2 * (len(layer_copies) - s["n_kv_heads"]) * head_dim  # k and v rows
+        copies.append([g for g, size in enumerate(groups) for _ in range(size // unit)])
+    n_heads, kv_in = [s["n_heads"] for s in specs], [s["n_kv_heads"] for s in specs]
+    kv_out = [len(c) for c in copies]
+    extra_rows = 2 * (sum(kv_out) - sum(kv_in)) * head_dim  # k and v rows
     uniform = len(set(n_heads)) == 1 and len(set(kv_out)) == 1 and len(set(ffn)) == 1 and kv_in == kv_out
     return GGUFPlan(arch="llama" if uniform else "deci", head_dim=head_dim, n_heads=n_heads, n_kv_heads=kv_out,
                     source_kv_heads=kv_in, feed_forward=ffn, kv_copies=copies,
@@ -149,8 +136,7 @@ def plan_gguf(config: Any, outtype: str = "f32") -> GGUFPlan:
 
 
 def gguf_kv_cache_bytes(model: torch.nn.Module) -> int | None:
-    """KV-cache bytes per token of ``model``'s GGUF export as llama.cpp stores it (:attr:`GGUFPlan.kv_cache_bytes_per_token`),
-    or None when ``model`` is not a headbudget decoder llama.cpp runs (GPT-2 style, Prism widths, an encoder).
+    """:attr:`GGUFPlan.kv_cache_bytes_per_token` of ``model``'s GGUF export; None if llama.cpp can't run it.
 
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> cfg = HeadBudgetConfig(schedule={"d_model": 32, "layers": [{"n_heads": 3, "head_dim": 8, "n_kv_heads": 2,
@@ -216,30 +202,25 @@ def _write_tokenizer(writer: Any, gguf: Any, tokenizer: Any, vocab_size: int, to
         raise _problem(f"the tokenizer has token id {max(vocab.values())}, the model only {vocab_size} embeddings")
     pre = tokenizer_pre or detect_pre_tokenizer(tokenizer)
     reverse = {i: tok for tok, i in vocab.items()}
-    added = tokenizer.get_added_vocab()
-    decoder = tokenizer.added_tokens_decoder
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        token = reverse[i]
-        if token in added:
-            if not decoder[i].normalized:  # llama.cpp takes added tokens as already normalised
-                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
-            if decoder[i].special or _looks_special(token):
-                types.append(gguf.TokenType.CONTROL)
-            else:
-                token = token.replace("\u2581", " ")
-                types.append(gguf.TokenType.USER_DEFINED)
-        else:
-            types.append(gguf.TokenType.NORMAL)
-        tokens.append(token)
+    added, decoder = tokenizer.get_added_vocab(), tokenizer.added_tokens_decoder
+
+    def entry(i: int) -> tuple[str, Any]:  # (token, token type) of id i
+        token = reverse.get(i)
+        if token is None:
+            return f"[PAD{i}]", gguf.TokenType.UNUSED
+        if token not in added:
+            return token, gguf.TokenType.NORMAL
+        if not decoder[i].normalized:  # llama.cpp takes added tokens as already normalised
+            token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+        if decoder[i].special or _looks_special(token):
+            return token, gguf.TokenType.CONTROL
+        return token.replace("\u2581", " "), gguf.TokenType.USER_DEFINED
+
+    tokens, types = zip(*map(entry, range(vocab_size)))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
+    writer.add_token_list(list(tokens))
+    writer.add_token_types(list(types))
     with tempfile.TemporaryDirectory(prefix="headbudget-gguf-tok.") as tmp:
         tokenizer.save_pretrained(tmp)  # gguf.SpecialVocab reads merges and special ids as the converter does
         config_file = Path(tmp) / "tokenizer_config.json"
@@ -247,12 +228,8 @@ def _write_tokenizer(writer: Any, gguf: Any, tokenizer: Any, vocab_size: int, to
         if tok_config.get("add_prefix_space") is not None:
             writer.add_add_space_prefix(tok_config["add_prefix_space"])
         gguf.SpecialVocab(tmp, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
-    if vocab_size == 49152 and not any(k.endswith("add_bos_token") for k in _written_keys(writer)):
+    if vocab_size == 49152 and not any(key.endswith("add_bos_token") for kv in writer.kv_data for key in kv):
         writer.add_add_bos_token(False)  # the converter's rule for this vocabulary size (SmolLM2, granite)
-
-
-def _written_keys(writer: Any) -> list[str]:
-    return [k for shard in writer.kv_data for k in shard]
 
 
 def _copy_tokenizer(writer: Any, gguf: Any, source_gguf: str | os.PathLike) -> None:
@@ -275,37 +252,33 @@ def _tensors(model: Any, plan: GGUFPlan, outtype: str) -> list[tuple[str, np.nda
         a = t.detach().to("cpu", torch.float32).contiguous().numpy()
         return a.astype(wide) if a.ndim > 1 else a  # 1-D tensors (norms, biases) stay float32, as the converter
 
-    tf = model.transformer
-    out = [("token_embd.weight", arr(tf.wte.weight))]
-    hd = plan.head_dim
+    out: list[tuple[str, np.ndarray]] = []
+
+    def add(name: str, t: torch.Tensor | None) -> None:  # absent biases are skipped
+        if t is not None:
+            out.append((name, arr(t)))
+
+    tf, hd = model.transformer, plan.head_dim
+    add("token_embd.weight", tf.wte.weight)
     for i, block in enumerate(tf.h):
-        p = block.attn.projections()
+        p, blk = block.attn.projections(), f"blk.{i}."
         copies = torch.tensor(plan.kv_copies[i])
-        q_w, q_b = p["q"]
-        k_w, k_b = (None if t is None else t.view(-1, hd, *t.shape[1:])[copies].flatten(0, 1) for t in p["k"])
-        v_w, v_b = (None if t is None else t.view(-1, hd, *t.shape[1:])[copies].flatten(0, 1) for t in p["v"])
-        n_kv = plan.n_kv_heads[i]
-        blk = f"blk.{i}."
-        out.append((blk + "attn_norm.weight", arr(block.ln_1.weight)))
-        out.append((blk + "attn_q.weight", arr(interleave_rotary(q_w, plan.n_heads[i]))))
-        out.append((blk + "attn_k.weight", arr(interleave_rotary(k_w, n_kv))))
-        out.append((blk + "attn_v.weight", arr(v_w)))
-        if q_b is not None:
-            out.append((blk + "attn_q.bias", arr(interleave_rotary(q_b, plan.n_heads[i]))))
-            out.append((blk + "attn_k.bias", arr(interleave_rotary(k_b, n_kv))))
-            out.append((blk + "attn_v.bias", arr(v_b)))
-        out.append((blk + "attn_output.weight", arr(p["o"][0])))
-        if p["o"][1] is not None:
-            out.append((blk + "attn_output.bias", arr(p["o"][1])))
-        out.append((blk + "ffn_norm.weight", arr(block.ln_2.weight)))
+        add(blk + "attn_norm.weight", block.ln_1.weight)
+        for j, kind in enumerate(("weight", "bias")):  # q, k, v weights, then q, k, v biases
+            for x, n in (("q", plan.n_heads[i]), ("k", plan.n_kv_heads[i]), ("v", None)):
+                t = p[x][j]
+                if t is not None and x != "q":  # one copy of a key/value head per written head
+                    t = t.view(-1, hd, *t.shape[1:])[copies].flatten(0, 1)
+                add(f"{blk}attn_{x}.{kind}", interleave_rotary(t, n) if n and t is not None else t)
+        add(blk + "attn_output.weight", p["o"][0])
+        add(blk + "attn_output.bias", p["o"][1])
+        add(blk + "ffn_norm.weight", block.ln_2.weight)
         for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            lin = getattr(block.mlp, ours)
-            out.append((blk + theirs + ".weight", arr(lin.weight)))
-            if lin.bias is not None:
-                out.append((blk + theirs + ".bias", arr(lin.bias)))
-    out.append(("output_norm.weight", arr(tf.ln_f.weight)))
+            add(f"{blk}{theirs}.weight", getattr(block.mlp, ours).weight)
+            add(f"{blk}{theirs}.bias", getattr(block.mlp, ours).bias)
+    add("output_norm.weight", tf.ln_f.weight)
     if not model.config.tie_word_embeddings:
-        out.append(("output.weight", arr(model.lm_head.weight)))
+        add("output.weight", model.lm_head.weight)
     return out
 
 
@@ -336,14 +309,9 @@ def export_gguf(model: torch.nn.Module, tokenizer: Any, path: str | os.PathLike,
         writer.add_block_count(config.n_layer)
         writer.add_context_length(config.n_positions)
         writer.add_embedding_length(config.n_embd)
-        if plan.arch == "llama":
-            writer.add_feed_forward_length(plan.feed_forward[0])
-            writer.add_head_count(plan.n_heads[0])
-            writer.add_head_count_kv(plan.n_kv_heads[0])
-        else:
-            writer.add_feed_forward_length(plan.feed_forward)
-            writer.add_head_count(plan.n_heads)
-            writer.add_head_count_kv(plan.n_kv_heads)
+        for add, per_layer in ((writer.add_feed_forward_length, plan.feed_forward), (writer.add_head_count,
+                               plan.n_heads), (writer.add_head_count_kv, plan.n_kv_heads)):
+            add(per_layer[0] if plan.arch == "llama" else per_layer)  # deci: one entry per layer
         writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
         writer.add_layer_norm_rms_eps(float(config.layer_norm_epsilon))
         if plan.arch == "deci" or plan.head_dim * plan.n_heads[0] != config.n_embd:

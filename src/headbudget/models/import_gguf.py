@@ -1,12 +1,7 @@
 """Read a llama.cpp ``deci`` or ``llama`` GGUF file into a :class:`~headbudget.models.HeadBudgetForCausalLM`.
 
-transformers reads a ``llama`` GGUF but not a ``deci`` one, the architecture :mod:`headbudget.models.export_gguf`
-writes for a pruned model (per-layer query heads, key/value heads and MLP widths, one head size).  This reads
-either back with the exported model's logits: q and k rows are permuted back from llama.cpp's interleaved
-rotary pairs to the "rotate half" order, quantised tensors are dequantised to float32, and consecutive
-key/value heads with identical k and v weights -- the copies the exporter writes for unequal query groups --
-become one key/value head serving their query heads together (``kv_groups`` [1, 2] again, not three
-heads), so headbudget's KV cache holds each head once.
+transformers has no class for ``deci``, what :mod:`headbudget.models.export_gguf` writes for a pruned model.
+Consecutive key/value heads with identical weights (the exporter's copies) read as one; see docs/export.md.
 
     >>> from headbudget.models.import_gguf import read_gguf
     >>> model = read_gguf("smol-fisher70.gguf")       # doctest: +SKIP
@@ -46,6 +41,10 @@ def _array(tensor: Any) -> np.ndarray:
     from gguf.quants import dequantize
 
     return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def _torch(tensor: Any) -> torch.Tensor:
+    return torch.from_numpy(_array(tensor).copy())
 
 
 def _rotate_half(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -93,15 +92,14 @@ def _dedupe_kv(k: torch.Tensor, v: torch.Tensor, kb: torch.Tensor | None, vb: to
 def _layer(tensors: dict[str, Any], i: int, n_heads: int, n_kv: int, hd: int) -> tuple[dict[str, Any],
                                                                                           dict[str, torch.Tensor]]:
     """One block's schedule entry and state dict (headbudget names)."""
-    def get(name: str) -> torch.Tensor | None:
+    def get(name: str, rotary_heads: int = 0) -> torch.Tensor | None:
         t = tensors.get(f"blk.{i}.{name}")
-        return None if t is None else torch.from_numpy(_array(t).copy())
+        t = None if t is None else _torch(t)
+        return _rotate_half(t, rotary_heads) if rotary_heads and t is not None else t
 
-    q, k, v = get("attn_q.weight"), get("attn_k.weight"), get("attn_v.weight")
-    qb, kb, vb = get("attn_q.bias"), get("attn_k.bias"), get("attn_v.bias")
-    q, k = _rotate_half(q, n_heads), _rotate_half(k, n_kv)
-    qb = None if qb is None else _rotate_half(qb, n_heads)
-    kb = None if kb is None else _rotate_half(kb, n_kv)
+    q, qb = get("attn_q.weight", n_heads), get("attn_q.bias", n_heads)
+    k, kb = get("attn_k.weight", n_kv), get("attn_k.bias", n_kv)
+    v, vb = get("attn_v.weight"), get("attn_v.bias")
     keep, groups = _dedupe_kv(k, v, kb, vb, n_kv, n_heads)
 
     def kept(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -113,7 +111,7 @@ def _layer(tensors: dict[str, Any], i: int, n_heads: int, n_kv: int, hd: int) ->
         spec["kv_groups"] = groups
     p = f"transformer.h.{i}."
     sd = {p + "ln_1.weight": get("attn_norm.weight"), p + "ln_2.weight": get("ffn_norm.weight"),
-          p + "attn.qkv_proj.weight": torch.cat([q, k, v]), p + "attn.o_proj.weight": get("attn_output.weight")}
+          p + "attn.qkv_proj.weight": torch.cat([q, k, v])}
     if qb is not None:
         sd[p + "attn.qkv_proj.bias"] = torch.cat([qb, kb, vb])
     for ours, theirs in (("attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
@@ -149,15 +147,15 @@ def read_gguf(path: str | os.PathLike) -> torch.nn.Module:
     hd = int(_field(reader, f"{arch}.attention.key_length", d_model // heads[0]))
     if int(_field(reader, f"{arch}.attention.value_length", hd)) != hd:
         raise ValueError(f"{where}: key_length {hd} and value_length differ: headbudget heads have one size")
-    layers, sd = [], {"transformer.wte.weight": torch.from_numpy(_array(tensors["token_embd.weight"]).copy()),
-                      "transformer.ln_f.weight": torch.from_numpy(_array(tensors["output_norm.weight"]).copy())}
+    layers, sd = [], {"transformer.wte.weight": _torch(tensors["token_embd.weight"]),
+                      "transformer.ln_f.weight": _torch(tensors["output_norm.weight"])}
     for i in range(n_layer):
         spec, layer_sd = _layer(tensors, i, heads[i], kv_heads[i], hd)
         layers.append(spec)
         sd.update(layer_sd)
     tied = "output.weight" not in tensors
     if not tied:
-        sd["lm_head.weight"] = torch.from_numpy(_array(tensors["output.weight"]).copy())
+        sd["lm_head.weight"] = _torch(tensors["output.weight"])
     has_qkv_bias = "blk.0.attn_q.bias" in tensors
     config = HeadBudgetConfig(
         schedule={"d_model": d_model, "layers": layers, "name": str(_field(reader, "general.name", arch)),
@@ -174,27 +172,25 @@ def read_gguf(path: str | os.PathLike) -> torch.nn.Module:
     return _assemble(config, sd)
 
 
-def read_if_deci(path: str | os.PathLike) -> torch.nn.Module | None:
-    """:func:`read_gguf` of a ``deci`` file (transformers has no class for it), else None: transformers reads
-    the other architectures itself (and says what it lacks, the gguf package included)."""
+def _is_deci(path: str | os.PathLike) -> bool:
     try:
         import gguf
     except ImportError:
-        return None
-    if _field(gguf.GGUFReader(path), "general.architecture") != "deci":
-        return None
-    return read_gguf(path)
+        return False
+    return _field(gguf.GGUFReader(path), "general.architecture") == "deci"
+
+
+def read_if_deci(path: str | os.PathLike) -> torch.nn.Module | None:
+    """:func:`read_gguf` of a ``deci`` file (transformers has no class for it), else None: transformers reads
+    the other architectures itself (and says what it lacks, the gguf package included)."""
+    return read_gguf(path) if _is_deci(path) else None
 
 
 def deci_tokenizer(path: str | os.PathLike) -> Any | None:
     """The tokenizer of a ``deci`` file, else None: AutoTokenizer picks a class by the file's architecture,
     and transformers has none for deci, so the plain fast tokenizer it builds for a llama file is used."""
-    try:
-        import gguf
-    except ImportError:
-        return None
     path = Path(path)
-    if _field(gguf.GGUFReader(path), "general.architecture") != "deci":
+    if not _is_deci(path):
         return None
     from transformers import PreTrainedTokenizerFast
 

@@ -1,9 +1,7 @@
 """The headbudget decoder as the package uses it: the standalone model bound to the package config.
 
-The model itself (attention, blocks, families, surgery) is ``modeling_headbudget.py``, which imports
-torch and transformers only and is copied next to every checkpoint; read that file.  These subclasses
-only bind :class:`headbudget.models.HeadBudgetConfig` (presets, ``head_schedule``) so that the package
-registers them with ``AutoModelForCausalLM``.
+The model itself is ``modeling_headbudget.py`` (copied next to every checkpoint); these subclasses only bind
+:class:`headbudget.models.HeadBudgetConfig` (presets, ``head_schedule``) for ``AutoModelForCausalLM``.
 
     >>> model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "prism", vocab_size=300))
     >>> model.prune_heads({3: [0]}); model.config.head_schedule.heads

@@ -1,14 +1,10 @@
 """A decoder whose attention layout is chosen per layer: the headbudget model. Imports torch and transformers only.
 
-Every layer has its own number of query heads, key/value heads, head widths and (after pruning a
-grouped-query model) unequal query groups.  Block options make it any of the common decoder families:
-GPT-2 (LayerNorm, GELU MLP, learned positions; the default) or Llama/Mistral/Qwen2 (RMSNorm, gated SiLU
-MLP, rotary positions).  The fast path is ``scaled_dot_product_attention``; ``output_attentions=True``
-switches to an explicit softmax that returns the probabilities (same logits).
-
-This file, ``configuration_headbudget.py`` and ``rotary_headbudget.py`` (the rotary frequencies, computed
-as transformers does) are copied next to every saved checkpoint, so it opens with
-``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` where headbudget is absent.
+Every layer has its own query heads, key/value heads, head widths and (after pruning a grouped-query model)
+unequal query groups; block options make it GPT-2 (the default) or Llama/Mistral/Qwen2.  The fast path is
+``scaled_dot_product_attention``; ``output_attentions=True`` uses an explicit softmax (same logits).
+This file, ``configuration_headbudget.py`` and ``rotary_headbudget.py`` are copied next to every saved
+checkpoint: it opens with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` anywhere.
 
     >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "prism", vocab_size=300))
@@ -18,6 +14,7 @@ as transformers does) are copied next to every saved checkpoint, so it opens wit
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -81,21 +78,17 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 # ----------------------------------------------------------------------------- attention
 class HeadBudgetAttention(nn.Module):
-    """Causal self-attention for one layer, shaped by its schedule entry.
-
-    q, k and v come from one fused projection (one matmul, as nanoGPT); rows are ordered
-    ``[q heads | k heads | v heads]``.  Query heads are stored grouped by their key/value head; with
-    unequal groups ``kv_index[h]`` names the key/value head of query head ``h`` (no weight copies).
-    """
+    """Causal self-attention for one layer, shaped by its schedule entry.  One fused projection gives rows
+    ``[q heads | k heads | v heads]``; query heads are stored grouped by their key/value head, and
+    ``kv_index[h]`` names the key/value head of query head ``h`` (unequal groups need no weight copies)."""
 
     def __init__(self, config: HeadBudgetConfig, layer_idx: int) -> None:
         super().__init__()
         spec = config.layer_specs()[layer_idx]
         self.layer_idx, self.rotary = layer_idx, config.position == "rotary"
-        d = config.n_embd
         self._set_spec(spec)
-        self.qkv_proj = nn.Linear(d, sum(self.split_sizes), bias=config.qkv_bias)
-        self.o_proj = nn.Linear(spec["n_heads"] * spec["v_head_dim"], d, bias=config.o_bias)
+        self.qkv_proj = nn.Linear(config.n_embd, sum(self.split_sizes), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(spec["n_heads"] * spec["v_head_dim"], config.n_embd, bias=config.o_bias)
         self.attn_dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -106,18 +99,14 @@ class HeadBudgetAttention(nn.Module):
         sizes = self.kv_groups or [self.n_heads // self.n_kv_heads] * self.n_kv_heads
         self.kv_index = [g for g, size in enumerate(sizes) for _ in range(size)]  # query head -> kv head
         # Unequal groups run as one grouped-query SDPA call per run of consecutive equal-size groups:
-        # (first query head, first kv head, kv heads, queries per kv head).  Slicing a run out of q and of the
-        # cache is a view, so a decode step never copies the cache (index_select to one kv row per query head
-        # copied all of it every step, and made pruned decoding slower than dense).
+        # (first query head, first kv head, kv heads, queries per kv head).  A run of q and of the cache is a
+        # view, so a decode step never copies the cache (index_select per query head made decoding slow).
         self.kv_runs: list[tuple[int, int, int, int]] = []
-        q0 = 0
-        for g, size in enumerate(sizes):
-            run = self.kv_runs[-1] if self.kv_runs else None
-            if run is not None and run[3] == size:
-                self.kv_runs[-1] = (run[0], run[1], run[2] + 1, size)
-            else:
-                self.kv_runs.append((q0, g, 1, size))
-            q0 += size
+        q0 = g0 = 0
+        for size, run in itertools.groupby(sizes):
+            n = len(list(run))
+            self.kv_runs.append((q0, g0, n, size))
+            q0, g0 = q0 + n * size, g0 + n
         self.split_sizes = (self.n_heads * self.qk_head_dim, self.n_kv_heads * self.qk_head_dim,
                             self.n_kv_heads * self.v_head_dim)
         # The scale follows the nominal head_dim, so low-rank q/k keep the original logit scale.
@@ -125,8 +114,8 @@ class HeadBudgetAttention(nn.Module):
 
     @property
     def spec(self) -> dict:
-        return {"n_heads": self.n_heads, "head_dim": self.head_dim, "n_kv_heads": self.n_kv_heads,
-                "qk_head_dim": self.qk_head_dim, "v_head_dim": self.v_head_dim, "kv_groups": self.kv_groups}
+        keys = ("n_heads", "head_dim", "n_kv_heads", "qk_head_dim", "v_head_dim", "kv_groups")
+        return {k: getattr(self, k) for k in keys}
 
     def forward(self, x, mask, rotary=None, head_gate=None, cache: Cache | None = None, output_attentions=False):
         B, T, _ = x.shape
@@ -197,9 +186,8 @@ class HeadBudgetAttention(nn.Module):
                 raise ValueError(f"layer {self.layer_idx}: head {h} out of range (layer has {self.n_heads})")
         keep = [h for h in range(self.n_heads) if h not in heads]
         if not keep:
-            raise ValueError(
-                f"layer {self.layer_idx}: refusing to remove all {self.n_heads} heads (a layer keeps at least one)"
-            )
+            raise ValueError(f"layer {self.layer_idx}: refusing to remove all {self.n_heads} heads "
+                             "(a layer keeps at least one)")
         kv_keep = sorted({self.kv_index[h] for h in keep})  # a kv head goes only with all its queries
         groups = [sum(1 for h in keep if self.kv_index[h] == g) for g in kv_keep]
         return keep, kv_keep, groups
@@ -272,8 +260,7 @@ class HeadBudgetBlock(nn.Module):
     def forward(self, x, mask, rotary=None, head_gate=None, cache=None, output_attentions=False):
         a, probs = self.attn(self.ln_1(x), mask, rotary, head_gate, cache, output_attentions)
         x = x + a
-        x = x + self.mlp(self.ln_2(x))
-        return x, probs
+        return x + self.mlp(self.ln_2(x)), probs
 
 
 # ----------------------------------------------------------------------------- the model
@@ -306,9 +293,8 @@ class HeadBudgetModel(HeadBudgetPreTrainedModel):
 
     def __init__(self, config: HeadBudgetConfig) -> None:
         super().__init__(config)
-        problem = rope_problem(config.rope_parameters) if config.position == "rotary" else None
-        if problem:  # refused here, not at the first forward
-            raise ValueError(problem)
+        if config.position == "rotary" and (problem := rope_problem(config.rope_parameters)):
+            raise ValueError(problem)  # refused here, not at the first forward
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         if config.position == "learned":
             self.wpe = nn.Embedding(config.n_positions, config.n_embd)
@@ -337,13 +323,11 @@ class HeadBudgetModel(HeadBudgetPreTrainedModel):
             return [None] * len(self.h)
         if len(head_mask) != len(self.h):
             raise ValueError(f"head_mask has {len(head_mask)} rows but the model has {len(self.h)} layers")
-        gates = []
-        for i, (row, block) in enumerate(zip(head_mask, self.h)):
-            n = block.attn.n_heads
+        heads = [block.attn.n_heads for block in self.h]
+        for i, (row, n) in enumerate(zip(head_mask, heads)):
             if row is not None and row.shape[-1] < n:
                 raise ValueError(f"layer {i}: head_mask has {row.shape[-1]} entries for {n} heads")
-            gates.append(None if row is None else row[..., :n])  # (L, max_heads) tensors are padded
-        return gates
+        return [None if row is None else row[..., :n] for row, n in zip(head_mask, heads)]  # rows are padded
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, head_mask: HeadMask = None,
                 cache: Cache | None = None, use_cache: bool = False, output_attentions: bool = False):
@@ -365,21 +349,17 @@ class HeadBudgetModel(HeadBudgetPreTrainedModel):
             pos = position_ids.expand(B, T)
             rotary = {d: self._rotary(d, pos, x.dtype) for d in {b.attn.qk_head_dim for b in self.h}}
         mask = self._mask(attention_mask, B, T, past, input_ids.device, self.config.attention_window)
-        all_probs = [] if output_attentions else None
+        cache = cache if use_cache else None
+        all_probs = []
         for block, gate in zip(self.h, self._gates(head_mask)):
-            x, probs = block(x, mask, rotary.get(block.attn.qk_head_dim), gate, cache if use_cache else None,
-                             output_attentions)
-            if output_attentions:
-                all_probs.append(probs)
-        x = self.ln_f(x)
-        return x, (cache if use_cache else None), (tuple(all_probs) if output_attentions else None)
+            x, probs = block(x, mask, rotary.get(block.attn.qk_head_dim), gate, cache, output_attentions)
+            all_probs.append(probs)
+        return self.ln_f(x), cache, (tuple(all_probs) if output_attentions else None)
 
     @staticmethod
     def _mask(attention_mask, B, T, past, device, window=None) -> torch.Tensor | None:
-        """Boolean (B, 1, T, past+T) mask, or None for the plain causal case (fast SDPA path).
-
-        A 4-D ``attention_mask`` (boolean, or additive floats: 0 = attend) is taken as it is: e.g.
-        a token tree whose branches share a prefix, where position order is not index order."""
+        """Boolean (B, 1, T, past+T) mask, or None for the plain causal case (fast SDPA path).  A 4-D
+        ``attention_mask`` (boolean, or additive floats: 0 = attend) is taken as it is (e.g. a token tree)."""
         if attention_mask is not None and attention_mask.dim() == 4:
             if attention_mask.dtype == torch.bool:
                 return attention_mask
@@ -426,9 +406,8 @@ class HeadBudgetForCausalLM(HeadBudgetPreTrainedModel, GenerationMixin):
         """Logits (and mean next-token loss when ``labels`` is given; labels are shifted inside, -100 ignored)."""
         cache = cache if cache is not None else past_key_values
         use_cache = bool(use_cache if use_cache is not None else (cache is not None))
-        hidden, cache, attentions = self.transformer(
-            input_ids, attention_mask, position_ids, head_mask, cache, use_cache, output_attentions
-        )
+        hidden, cache, attentions = self.transformer(input_ids, attention_mask, position_ids, head_mask,
+                                                     cache, use_cache, output_attentions)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
@@ -458,11 +437,8 @@ class HeadBudgetForCausalLM(HeadBudgetPreTrainedModel, GenerationMixin):
         self.config.num_key_value_heads = max(s["n_kv_heads"] for s in layers)
 
     def prune_heads(self, heads_to_prune: dict[int, Sequence[int]]) -> None:
-        """Physically remove heads ``{layer: [head, ...]}`` (indices into the layer's current heads).
-
-        All layers are checked before any is changed; ``config.schedule`` is updated so
-        ``save_pretrained``/``from_pretrained`` round-trip the pruned model.
-        """
+        """Physically remove heads ``{layer: [current head, ...]}``; all layers are checked before any
+        changes, and ``config.schedule`` follows so ``save_pretrained``/``from_pretrained`` round-trip it."""
         blocks = self.transformer.h
         for layer, heads in heads_to_prune.items():
             if not 0 <= int(layer) < len(blocks):

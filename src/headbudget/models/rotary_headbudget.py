@@ -1,14 +1,11 @@
 """Rotary position frequencies of the headbudget model, computed as transformers computes them.
 
-Copied next to every saved checkpoint with ``modeling_headbudget.py`` (which imports it), so a folder
-opens with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` where headbudget is
-absent.  Imports torch only (transformers for the scaled rope types).
+Copied next to every saved checkpoint with ``modeling_headbudget.py`` (which imports it).  Imports torch
+only (transformers for the scaled rope types).
 
-    >>> from headbudget.models.rotary_headbudget import default_inv_freq, rope_problem
+    >>> from headbudget.models.rotary_headbudget import default_inv_freq
     >>> default_inv_freq(1e4, 4)
     tensor([1.0000, 0.0100])
-    >>> rope_problem({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
-    "rope_type='dynamic' is not supported (supported: default, linear, llama3, yarn)"
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ def default_inv_freq(base: float, head_dim: int) -> torch.Tensor:
 def rotary_inv_freq(config: HeadBudgetConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for one head width, computed as transformers does."""
     params = dict(config.rope_parameters)
-    problem = rope_problem(params)
-    if problem:
+    if problem := rope_problem(params):
         raise ValueError(problem)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":

@@ -1,10 +1,7 @@
 """Tokenizers by spec string: ``byte``, ``bpe:N``, ``gpt2[:DIR]``, ``hf:NAME_OR_PATH``.
 
-Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``,
-``save(dir)`` and ``to_hf()``; :func:`read_tokenizer` reads a saved one back, so a run directory carries
-the exact tokenizer its model was trained with.  ``save`` also writes the tokenizer's Hugging Face form
-(``to_hf()``: a fast tokenizer with the same ids), so ``AutoTokenizer.from_pretrained(dir)`` opens it.
-Finding the tokenizer of a model folder is :func:`headbudget.loading.load_tokenizer`'s job.
+:func:`read_tokenizer` reads a saved one back, so a run directory carries the exact tokenizer its model
+was trained with; ``save`` also writes the Hugging Face form (``to_hf()``, same ids) for ``AutoTokenizer``.
 
     >>> tok = make_tokenizer("byte")
     >>> tok.decode(tok.encode("héllo")), tok.vocab_size, tok.eos_id
@@ -35,10 +32,8 @@ class TokenizerError(ValueError):
 
 
 def _fast(raw: Any, split_special_tokens: bool) -> Any:
-    """A ``PreTrainedTokenizerFast`` around a ``tokenizers.Tokenizer`` whose end-of-text is ``EOS_TOKEN``.
-
-    ``split_special_tokens`` says whether the literal text "<|endoftext|>" is plain text (the byte
-    tokenizer) or the end-of-text token (a trained BPE), as the headbudget tokenizer's ``encode`` does."""
+    """A ``PreTrainedTokenizerFast`` around a ``tokenizers.Tokenizer`` whose end-of-text is ``EOS_TOKEN``;
+    ``split_special_tokens``: is the literal "<|endoftext|>" plain text (byte) or end-of-text (a BPE)?"""
     from transformers import PreTrainedTokenizerFast
 
     raw.add_special_tokens([EOS_TOKEN])
@@ -67,30 +62,24 @@ class Tokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.to_hf().save_pretrained(str(d))
-        atomic_write_text(d / SPEC_FILE, json.dumps(self._spec_dict(), indent=2))
+        spec = {"spec": self.spec, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+        atomic_write_text(d / SPEC_FILE, json.dumps(spec, indent=2))
         return d
 
     def to_hf(self) -> Any:
         """The Hugging Face fast tokenizer with the same ids (pad token = EOS)."""
         raise NotImplementedError
 
-    def _spec_dict(self) -> dict[str, Any]:
-        return {"spec": self.spec, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
-
     def fingerprint(self) -> str:
         """A string that changes whenever the token ids would change (used in cache keys)."""
         return self.spec
-
-
 
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes 0..255 plus an end-of-document token 256."""
 
     def __init__(self) -> None:
-        self.spec = "byte"
-        self.vocab_size = 257
-        self.eos_id = 256
+        self.spec, self.vocab_size, self.eos_id = "byte", 257, 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -119,13 +108,10 @@ class BPETokenizer(Tokenizer):
     EOS = EOS_TOKEN
 
     def __init__(self, tokenizer: Any, spec: str) -> None:
-        self.tk = tokenizer
-        self.spec = spec
-        self.vocab_size = tokenizer.get_vocab_size()
-        eos = tokenizer.token_to_id(self.EOS)
-        if eos is None:
+        self.tk, self.spec, self.vocab_size = tokenizer, spec, tokenizer.get_vocab_size()
+        self.eos_id = tokenizer.token_to_id(self.EOS)
+        if self.eos_id is None:
             raise TokenizerError(f"BPE tokenizer for {spec!r} has no {self.EOS} token")
-        self.eos_id = eos
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -166,18 +152,11 @@ class TiktokenGPT2(Tokenizer):
         from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
         d = Path(directory)
-        enc_json, vocab_bpe = d / "encoder.json", d / "vocab.bpe"
-        for f in (enc_json, vocab_bpe):
-            if not f.exists():
-                raise TokenizerError(f"gpt2 tokenizer: {f} not found (give gpt2:DIR with encoder.json and vocab.bpe)")
-            regular_file(f, TokenizerError)  # a FIFO would block the reader forever
+        enc_json, vocab_bpe = _gpt2_files(d, "give gpt2:DIR with encoder.json and vocab.bpe")
         ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(vocab_bpe), encoder_json_file=str(enc_json))
         self.enc = tiktoken.Encoding("gpt2-offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": 50256})
-        self.directory = d
-        self.spec = f"gpt2:{d}"
-        self.vocab_size = self.enc.n_vocab
-        self.eos_id = 50256
+        self.directory, self.spec, self.vocab_size, self.eos_id = d, f"gpt2:{d}", self.enc.n_vocab, 50256
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
@@ -213,12 +192,9 @@ class HFTokenizer(Tokenizer):
             self.tk = AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as exc:
             raise TokenizerError(f"hf tokenizer {name!r} could not be loaded: {str(exc).splitlines()[0]}") from None
-        self.spec = f"hf:{name}"
-        self.vocab_size = len(self.tk)
-        eos = self.tk.eos_token_id
-        if eos is None:
-            eos = self.tk.sep_token_id if self.tk.sep_token_id is not None else self.vocab_size - 1
-        self.eos_id = int(eos)
+        self.spec, self.vocab_size = f"hf:{name}", len(self.tk)
+        ids = (self.tk.eos_token_id, self.tk.sep_token_id, self.vocab_size - 1)  # the first that is set
+        self.eos_id = int(next(i for i in ids if i is not None))
 
     def encode(self, text: str) -> list[int]:
         return self.tk(text, add_special_tokens=False)["input_ids"]
@@ -241,18 +217,22 @@ def gpt2_hf_tokenizer(directory: str | os.PathLike) -> Any:
     """
     from transformers import GPT2TokenizerFast
 
-    d = Path(directory)
-    for f in (d / "encoder.json", d / "vocab.bpe"):
-        if not f.exists():
-            raise TokenizerError(f"gpt2 tokenizer: {f} not found (a GPT-2 tokenizer folder holds encoder.json "
-                                 "and vocab.bpe)")
-        regular_file(f, TokenizerError)
-    vocab = _read_json(d / "encoder.json")
-    lines = read_text(d / "vocab.bpe").splitlines()
+    hint = "a GPT-2 tokenizer folder holds encoder.json and vocab.bpe"
+    enc_json, vocab_bpe = _gpt2_files(Path(directory), hint)
+    lines = read_text(vocab_bpe).splitlines()
     merges = [tuple(line.split()) for line in lines if line.strip() and not line.startswith("#version")]
-    tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
+    tok = GPT2TokenizerFast(vocab=_read_json(enc_json), merges=merges)
     tok.pad_token = tok.eos_token
     return tok
+
+
+def _gpt2_files(d: Path, hint: str) -> tuple[Path, Path]:
+    """``encoder.json`` and ``vocab.bpe`` of a GPT-2 folder, present and regular files (FIFOs would block)."""
+    for f in (d / "encoder.json", d / "vocab.bpe"):
+        if not f.exists():
+            raise TokenizerError(f"gpt2 tokenizer: {f} not found ({hint})")
+        regular_file(f, TokenizerError)
+    return d / "encoder.json", d / "vocab.bpe"
 
 
 def _read_json(path: Path) -> Any:
@@ -288,9 +268,7 @@ def make_tokenizer(spec: str, train_texts: Iterable[str] | None = None) -> Token
         return TiktokenGPT2(arg or DEFAULT_GPT2_DIR)
     if kind == "hf" and arg:
         return HFTokenizer(arg)
-    raise TokenizerError(
-        f"unknown tokenizer {spec!r}; use byte, bpe:N, gpt2[:DIR] or hf:NAME_OR_PATH"
-    )
+    raise TokenizerError(f"unknown tokenizer {spec!r}; use byte, bpe:N, gpt2[:DIR] or hf:NAME_OR_PATH")
 
 
 def read_tokenizer(directory: str | os.PathLike) -> Tokenizer:
@@ -321,12 +299,8 @@ def read_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
             raise TokenizerError(f"{raw_file}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
         return BPETokenizer(BaseTokenizer(raw), spec)
-    if kind == "gpt2":
-        tok = TiktokenGPT2(d)
-        tok.spec = spec
-        return tok
-    if kind == "hf":
-        tok = HFTokenizer(str(d))
+    if kind in ("gpt2", "hf"):
+        tok = TiktokenGPT2(d) if kind == "gpt2" else HFTokenizer(str(d))
         tok.spec = spec
         return tok
     raise TokenizerError(f"{f}: unknown tokenizer spec {spec!r}")

@@ -7,16 +7,11 @@ For every example ``x`` (its gold label ``c``) and every layer ``l`` with attent
     Attr(A) = A / m * sum_alpha dP(c | x; alpha A) / d(alpha A)
 
 (``P`` the softmax probability of the gold class, as the authors' ``prune_attr`` script uses it).  A
-head's score is the maximum of its attribution map, summed over the examples; the published settings
-are ``m = 20`` steps and the first 200 evaluation examples (CAHP's ``benchmark/attattr`` uses the first
-200 test examples, one at a time, the 20 scaled copies in one batch).  Here the examples are the first
-200 of the job's primary evaluation split, in file order.
-
-The authors remove the globally lowest-scoring heads; :func:`headbudget.pruning.importance.select_top`
-keeps each layer's best head first (CAHP's at-least-one-head-per-layer rule) and then the best of the
-rest.  Classification only (the score is a class probability), and only for model families that run
-Hugging Face's ``eager_attention_forward`` (BERT family, GPT-2, Llama-style decoders): the attention
-maps are replaced by patching that function for the duration of a forward.
+head's score is the maximum of its attribution map, summed over the examples (published: ``m = 20``, the
+first 200 evaluation examples; here the first 200 of the job's primary evaluation split, in file order).
+Classification only, and only for model families that run Hugging Face's ``eager_attention_forward``
+(BERT family, GPT-2, Llama-style): the maps are replaced by patching that function during a forward.
+See docs/pruning.md, "Published baselines".
 
     >>> scores = attattr_scores(adapter, model, tokenizer, examples[:200], steps=20)  # doctest: +SKIP
     >>> kept = select_top(scores, 24)                                                  # doctest: +SKIP
@@ -25,6 +20,7 @@ maps are replaced by patching that function for the duration of a forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,6 +42,7 @@ def check_job(job: Any) -> None:
         raise ValueError("method attattr attributes a class probability: it needs a classification task "
                          "(sst5, mnli), not lm")
     require_positive(job, "attattr_examples", "attattr_steps")
+
 
 AttentionWrapper = Callable[..., Any]
 
@@ -74,18 +71,10 @@ def patched_eager_attention(adapter: HeadAdapter, wrapper: AttentionWrapper) -> 
                          "Llama-style models)")
     mods = {id(m): m for m in _attention_modules(adapter)}
     saved = {k: m.eager_attention_forward for k, m in mods.items()}
-
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def patched(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                    *args: Any, **kwargs: Any) -> Any:
-            return wrapper(orig, module, query, key, value, attention_mask, *args, **kwargs)
-
-        return patched
-
     with adapter.eager_attention():
         try:
             for k, m in mods.items():
-                m.eager_attention_forward = make(saved[k])
+                m.eager_attention_forward = functools.partial(wrapper, saved[k])
             yield
         finally:
             for k, m in mods.items():
@@ -97,21 +86,14 @@ def _expand_kv(value: torch.Tensor, n_heads: int) -> torch.Tensor:
     return value if value.shape[1] == n_heads else value.repeat_interleave(n_heads // value.shape[1], dim=1)
 
 
-def attattr_scores(
-    adapter: HeadAdapter,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    examples: Sequence[Any],
-    steps: int = 20,
-    max_length: int = 128,
-    progress: bool = True,
-) -> list[np.ndarray]:
+def attattr_scores(adapter: HeadAdapter, model: torch.nn.Module, tokenizer: Any, examples: Sequence[Any],
+                   steps: int = 20, max_length: int = 128, progress: bool = True) -> list[np.ndarray]:
     """Per layer, every head's AttAttr score: max over the head's ``[T, T]`` attribution map, summed over
     ``examples`` (:class:`headbudget.data.classification.Example`, one forward batch of ``steps`` scaled copies
     per example and layer).  Model weights get no gradient; the model is left in its train/eval mode."""
     from headbudget.data.classification import ClassificationCollator
     from headbudget.progress import ProgressBar
-    from headbudget.pruning.importance import frozen_params
+    from headbudget.pruning.importance import _model_mode, frozen_params
 
     if steps < 1:
         raise ValueError(f"attattr steps must be >= 1, got {steps}")
@@ -119,12 +101,9 @@ def attattr_scores(
         raise ValueError("attattr: no evaluation examples to attribute")
     collate = ClassificationCollator(tokenizer, max_length)
     device = next(model.parameters()).device
-    n_layers = adapter.num_layers
-    modules = [adapter.attention_module(li) for li in range(n_layers)]
+    modules = [adapter.attention_module(li) for li in range(adapter.num_layers)]
     totals = [torch.zeros(n, dtype=torch.float64) for n in adapter.head_counts()]
     alphas = torch.arange(steps, dtype=torch.float32, device=device) / steps  # 0, 1/m, ..., (m-1)/m
-    was_training = model.training
-    model.eval()
     target: dict[str, Any] = {}
 
     def wrapper(orig: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -135,25 +114,21 @@ def attattr_scores(
         out = torch.matmul(scaled.to(value.dtype), _expand_kv(value, scaled.shape[1]))
         return out.transpose(1, 2).contiguous(), scaled
 
-    try:
-        with frozen_params(model):
-            for ex in ProgressBar(examples, desc="attattr", disable=not progress, leave=False):
-                batch = collate([ex])
-                label = int(batch.pop("labels")[0])
-                inputs = {k: v.to(device) for k, v in batch.items()}
-                probs = adapter.attention_probs(**inputs)
-                copies = {k: v.expand(steps, *v.shape[1:]) for k, v in inputs.items()}
-                for li in range(n_layers):
-                    a = probs[li][0].float()  # [H, T, T]
-                    scaled = (alphas.view(-1, 1, 1, 1) * a).requires_grad_(True)
-                    target.update(module=modules[li], scaled=scaled)
-                    with patched_eager_attention(adapter, wrapper):
-                        logits = model(**copies).logits
-                    prob = torch.softmax(logits.float(), dim=-1)[:, label]
-                    (grad,) = torch.autograd.grad(prob.sum(), scaled)
-                    attr = a * grad.sum(0) / steps
-                    totals[li] += attr.flatten(1).max(1).values.double().cpu()
-                    target.clear()
-    finally:
-        model.train(was_training)
+    with _model_mode(model, False), frozen_params(model):
+        for ex in ProgressBar(examples, desc="attattr", disable=not progress, leave=False):
+            batch = collate([ex])
+            label = int(batch.pop("labels")[0])
+            inputs = {k: v.to(device) for k, v in batch.items()}
+            probs = adapter.attention_probs(**inputs)
+            copies = {k: v.expand(steps, *v.shape[1:]) for k, v in inputs.items()}
+            for li, module in enumerate(modules):
+                a = probs[li][0].float()  # [H, T, T]
+                scaled = (alphas.view(-1, 1, 1, 1) * a).requires_grad_(True)
+                target.update(module=module, scaled=scaled)
+                with patched_eager_attention(adapter, wrapper):
+                    logits = model(**copies).logits
+                prob = torch.softmax(logits.float(), dim=-1)[:, label]
+                (grad,) = torch.autograd.grad(prob.sum(), scaled)
+                totals[li] += (a * grad.sum(0) / steps).flatten(1).max(1).values.double().cpu()
+                target.clear()
     return [t.numpy() for t in totals]

@@ -1,17 +1,11 @@
 """CAHP: complementary attention-head pruning (embedding, clustering, knee, representatives; the embedding,
 clustering and knee are :mod:`headbudget.pruning.clustering`).
 
-Given one signature per head (JM feature vectors, or a JS-divergence matrix in label-free mode)
-and one salience score per head, :func:`select_heads` picks a complementary subset:
-
-1. t-SNE to 2-D (:func:`embed_heads`, perplexity 10 clipped below the number of heads, seeded);
-2. k-medoids (FasterPAM) for every k in 2..N-1 on the embedding, scored with the Mean
-   Simplified Silhouette (:func:`mean_simplified_silhouette`; the published "mean" variant by
-   default, the textbook "nearest" variant as an option);
-3. the knee of MSS-vs-k with Kneedle (:func:`find_knee`; concave, increasing, polynomial fit of
-   degree ``poly_degree``) -- or a forced ``keep``;
-4. per cluster the most salient head (not the medoid), then at least one head per layer
-   (:func:`ensure_one_per_layer` rescues each empty layer's most salient head).
+Given one signature per head (JM feature vectors, or a JS-divergence matrix in label-free mode) and one
+salience score per head, :func:`select_heads` picks a complementary subset: t-SNE to 2-D, k-medoids for
+every k scored by the Mean Simplified Silhouette, the Kneedle knee of MSS vs k (or a forced ``keep``), per
+cluster the most salient head, then at least one head per layer (:func:`ensure_one_per_layer`).  The
+steps and their published settings: docs/pruning.md, "The algorithm".
 
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
@@ -24,6 +18,7 @@ and one salience score per head, :func:`select_heads` picks a complementary subs
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,28 +44,22 @@ LM_DEFAULTS = {"representative": "fisher", "allocation": "importance", "n_cluste
 
 def representatives(labels: Sequence[int], salience: Sequence[float]) -> list[int]:
     """Index of the most salient member of every cluster (ties: lowest index), sorted."""
-    labels = np.asarray(labels)
-    sal = np.asarray(salience, dtype=np.float64)
-    reps = []
-    for c in np.unique(labels):
-        members = np.flatnonzero(labels == c)
-        reps.append(int(members[np.argmax(sal[members])]))
-    return sorted(reps)
+    labels, sal = np.asarray(labels), np.asarray(salience, dtype=np.float64)
+    clusters = (np.flatnonzero(labels == c) for c in np.unique(labels))
+    return sorted(int(members[np.argmax(sal[members])]) for members in clusters)
 
 
 def allocate_by_importance(labels: Sequence[int], importance: Sequence[float], keep: int) -> list[int]:
-    """Keep ``keep`` heads spread over clusters by importance (``allocation="importance"``).
+    """Keep ``keep`` heads spread over clusters by importance (``allocation="importance"``): sorted indices.
 
-    Every cluster first gets one slot; each further slot goes to the open cluster (one with members
-    left) whose share of ``keep`` by summed importance (``keep * mass_c / mass``) most exceeds its
-    slots so far (ties: lowest cluster label).  Each cluster keeps its most important members (ties:
-    lowest index).  Returns sorted indices.
+    Every cluster first gets one slot; each further slot goes to the open cluster (one with members left)
+    whose share of ``keep`` by summed importance (``keep * mass_c / mass``) most exceeds its slots so far
+    (ties: lowest label).  Each cluster keeps its most important members (ties: lowest index).
 
     >>> allocate_by_importance([0, 0, 0, 1, 1], [5.0, 4.0, 3.0, 0.2, 0.1], 3)
     [0, 1, 3]
     """
-    labels = np.asarray(labels)
-    imp = np.asarray(importance, dtype=np.float64)
+    labels, imp = np.asarray(labels), np.asarray(importance, dtype=np.float64)
     if imp.shape != labels.shape:
         raise ValueError(f"{imp.size} importance scores for {labels.size} heads")
     clusters = np.unique(labels)
@@ -85,42 +74,32 @@ def allocate_by_importance(labels: Sequence[int], importance: Sequence[float], k
     for _ in range(keep - len(clusters)):
         want = np.where(quota < size, share - quota, -np.inf)
         quota[int(np.argmax(want))] += 1
-    kept: list[int] = []
-    for m, q in zip(members, quota):
-        kept += [int(i) for i in sorted(m, key=lambda i: (-imp[i], i))[:q]]
-    return sorted(kept)
+    return sorted(int(i) for m, q in zip(members, quota) for i in sorted(m, key=lambda i: (-imp[i], i))[:q])
 
 
-def _trim(kept: Sequence[int], keep: int, heads: Sequence[tuple[int, int]], scores: np.ndarray) -> list[int]:
-    """Drop the least important heads (never a layer's last) until ``keep`` remain."""
-    kept = sorted(int(i) for i in kept)
+def _allocated(labels: np.ndarray, keep: int, heads: Sequence[tuple[int, int]],
+               scores: np.ndarray) -> tuple[list[int], list[int]]:
+    """``(kept, rescued)``: :func:`allocate_by_importance`, every empty layer rescued, then the least
+    important heads dropped (never a layer's last) until ``keep`` remain."""
+    kept, rescued = ensure_one_per_layer(allocate_by_importance(labels, scores, keep), heads, scores)
     while len(kept) > keep:
-        per_layer: dict[int, int] = {}
-        for i in kept:
-            per_layer[heads[i][0]] = per_layer.get(heads[i][0], 0) + 1
-        drop = min((i for i in kept if per_layer[heads[i][0]] > 1), key=lambda i: (scores[i], -i))
-        kept.remove(drop)
-    return kept
+        per_layer = Counter(heads[i][0] for i in kept)
+        kept.remove(min((i for i in kept if per_layer[heads[i][0]] > 1), key=lambda i: (scores[i], -i)))
+    return kept, rescued
 
 
-def ensure_one_per_layer(
-    kept: Sequence[int], heads: Sequence[tuple[int, int]], salience: Sequence[float]
-) -> tuple[list[int], list[int]]:
-    """Add each layer's most salient head when none of its heads is kept.
-
-    Returns ``(kept + rescued sorted, rescued)`` (indices into ``heads``).
-    """
+def ensure_one_per_layer(kept: Sequence[int], heads: Sequence[tuple[int, int]],
+                         salience: Sequence[float]) -> tuple[list[int], list[int]]:
+    """Add each layer's most salient head when none of its heads is kept: ``(kept + rescued sorted,
+    rescued)`` (indices into ``heads``)."""
     sal = np.asarray(salience, dtype=np.float64)
-    kept_set = set(int(i) for i in kept)
-    layers = sorted({layer for layer, _ in heads})
+    kept_set = {int(i) for i in kept}
     rescued = []
-    for layer in layers:
+    for layer in sorted({layer for layer, _ in heads}):
         members = [i for i, (lay, _) in enumerate(heads) if lay == layer]
         if not kept_set.intersection(members):
-            best = max(members, key=lambda i: (sal[i], -i))
-            rescued.append(best)
-            kept_set.add(best)
-    return sorted(kept_set), rescued
+            rescued.append(max(members, key=lambda i: (sal[i], -i)))
+    return sorted(kept_set.union(rescued)), rescued
 
 
 def kept_by_layer(kept: Sequence[int], heads: Sequence[tuple[int, int]], n_layers: int | None = None) -> dict[int, list[int]]:
@@ -128,8 +107,7 @@ def kept_by_layer(kept: Sequence[int], heads: Sequence[tuple[int, int]], n_layer
     n_layers = (max(layer for layer, _ in heads) + 1) if n_layers is None else n_layers
     out: dict[int, list[int]] = {layer: [] for layer in range(n_layers)}
     for i in kept:
-        layer, h = heads[i]
-        out[layer].append(h)
+        out[heads[i][0]].append(heads[i][1])
     return {layer: sorted(v) for layer, v in out.items()}
 
 
@@ -154,31 +132,19 @@ class CAHPSelection:
         return kept_by_layer(self.kept, self.heads)
 
 
-def select_heads(
-    features: np.ndarray | None,
-    heads: Sequence[tuple[int, int]],
-    salience: Sequence[float],
-    *,
-    distances: np.ndarray | None = None,
-    keep: int | None = None,
-    poly_degree: int = 6,
-    perplexity: float = 10.0,
-    mss_variant: str = "mean",
-    seed: int = 42,
-    accuracy_fn: Callable[[list[int]], float] | None = None,
-    accuracy_ks: Sequence[int] | None = None,
-    progress: bool = False,
-    tsne_dtype: str = "float32",
-    scores: Sequence[float] | None = None,
-    allocation: str = "cluster",
-    n_clusters: int | None = None,
-) -> CAHPSelection:
+def select_heads(features: np.ndarray | None, heads: Sequence[tuple[int, int]], salience: Sequence[float], *,
+                 distances: np.ndarray | None = None, keep: int | None = None, poly_degree: int = 6,
+                 perplexity: float = 10.0, mss_variant: str = "mean", seed: int = 42,
+                 accuracy_fn: Callable[[list[int]], float] | None = None,
+                 accuracy_ks: Sequence[int] | None = None, progress: bool = False,
+                 tsne_dtype: str = "float32", scores: Sequence[float] | None = None,
+                 allocation: str = "cluster", n_clusters: int | None = None) -> CAHPSelection:
     """Run CAHP's selection on precomputed signatures.
 
-    ``keep`` forces the number of heads kept: the largest k whose cluster representatives plus
-    rescued heads number at most ``keep`` (exactly ``keep`` unless rescues make that impossible).  ``accuracy_fn(kept_indices) -> accuracy`` switches the knee to
-    measured accuracy vs heads kept (``--curve accuracy``), evaluated at ``accuracy_ks``
-    (default every k).
+    ``keep`` forces the number of heads kept: the largest k whose cluster representatives plus rescued
+    heads number at most ``keep`` (exactly ``keep`` unless rescues make that impossible).
+    ``accuracy_fn(kept_indices) -> accuracy`` switches the knee to measured accuracy vs heads kept
+    (``--curve accuracy``), evaluated at ``accuracy_ks`` (default every k).
 
     ``scores`` (default ``salience``) picks each cluster's representative and each rescued layer's
     head (e.g. Fisher importance).  ``allocation="importance"`` clusters the heads into
@@ -194,14 +160,17 @@ def select_heads(
         lo = max(2, n_layers)
         if not lo <= keep < n:
             raise ValueError(f"--keep must be between {lo} and {n - 1} for a model with {n} heads in {n_layers} layers, got {keep}")
+
+    def n_groups(count: int) -> int:  # the clusters an importance allocation of ``count`` heads spreads over
+        return max(2, min(n_clusters or LM_DEFAULTS["n_clusters"], count, n - 1))
+
     if allocation == "importance" and keep is not None:  # no sweep: one clustering at the allocation's k
-        k = max(2, min(n_clusters or LM_DEFAULTS["n_clusters"], keep, n - 1))
+        k = n_groups(keep)
         (chosen,) = cluster_sweep(emb, ks=[k], seed=seed, variant=mss_variant)
-        kept, rescued = ensure_one_per_layer(allocate_by_importance(chosen.labels, rep, keep), heads, rep)
-        return CAHPSelection(
-            kept=_trim(kept, keep, heads, rep), heads=list(heads), knee_k=k, mss=[(k, chosen.mss)], embedding=emb,
-            labels=chosen.labels, medoids=chosen.medoids, rescued=rescued, salience=sal, knee_source="keep",
-        )
+        kept, rescued = _allocated(chosen.labels, keep, heads, rep)
+        return CAHPSelection(kept=kept, heads=heads, knee_k=k, mss=[(k, chosen.mss)], embedding=emb,
+                             labels=chosen.labels, medoids=chosen.medoids, rescued=rescued, salience=sal,
+                             knee_source="keep")
     sweep = cluster_sweep(emb, seed=seed, variant=mss_variant, progress=progress)
     by_k = {c.k: c for c in sweep}
     mss = [(c.k, c.mss) for c in sweep]
@@ -209,15 +178,11 @@ def select_heads(
     chosen = by_k[knee_k]
     kept, rescued = ensure_one_per_layer(representatives(chosen.labels, rep), heads, rep)
     if allocation == "importance":  # the knee sets the count, the importance allocation the heads
-        count = len(kept)
-        k = max(2, min(n_clusters or LM_DEFAULTS["n_clusters"], count, n - 1))
-        chosen = by_k[k]
-        kept, rescued = ensure_one_per_layer(allocate_by_importance(chosen.labels, rep, count), heads, rep)
-        kept = _trim(kept, count, heads, rep)
-    return CAHPSelection(
-        kept=kept, heads=list(heads), knee_k=knee_k, mss=mss, embedding=emb, labels=chosen.labels,
-        medoids=chosen.medoids, rescued=rescued, salience=sal, knee_source=source, accuracy_curve=curve,
-    )
+        chosen = by_k[n_groups(len(kept))]
+        kept, rescued = _allocated(chosen.labels, len(kept), heads, rep)
+    return CAHPSelection(kept=kept, heads=heads, knee_k=knee_k, mss=mss, embedding=emb, labels=chosen.labels,
+                         medoids=chosen.medoids, rescued=rescued, salience=sal, knee_source=source,
+                         accuracy_curve=curve)
 
 
 def _selection_inputs(heads: Sequence[tuple[int, int]], salience: Sequence[float], scores: Sequence[float] | None,
@@ -244,10 +209,8 @@ def _choose_k(by_k: Mapping[int, Clustering], mss: list[tuple[int, float]], head
     """The number of clusters ``(k, where it came from, accuracy curve)``: the largest k whose selection fits a
     forced ``keep``, the knee of measured accuracy vs heads kept, or the knee of MSS vs k."""
     curve: list[tuple[int, int, float]] = []
-    n = len(heads)
     if keep is not None:
-        # the largest k whose representatives plus rescued heads fit in exactly `keep` heads
-        for k in range(min(keep, n - 1), 1, -1):
+        for k in range(min(keep, len(heads) - 1), 1, -1):
             if len(ensure_one_per_layer(representatives(by_k[k].labels, rep), heads, rep)[0]) <= keep:
                 return k, "keep", curve
         return 2, "keep", curve
@@ -272,57 +235,36 @@ def _model_inputs(batch: Mapping[str, Any], device: Any) -> dict[str, Any]:
     return {k: (v.to(device) if hasattr(v, "to") else v) for k, v in batch.items() if k != "labels"}
 
 
-def model_signatures(
-    adapter: HeadAdapter,
-    batches: Sequence[Mapping[str, Any]],
-    n_classes: int | None,
-    grid: int = 32,
-    progress: bool = True,
-    ddof: int = 1,
-) -> Any:
+def model_signatures(adapter: HeadAdapter, batches: Sequence[Mapping[str, Any]], n_classes: int | None,
+                     grid: int = 32, progress: bool = True, ddof: int = 1) -> Any:
     """One pass of :func:`headbudget.pruning.signatures.collect_signatures` over ``batches`` using
     the adapter's attention probabilities (``n_classes=None``: label-free mode)."""
     from .signatures import collect_signatures
 
     device = next(adapter.model.parameters()).device
-    return collect_signatures(
-        lambda b: adapter.attention_probs(**_model_inputs(b, device)),
-        batches, adapter.head_counts(), n_classes, grid=grid, progress=progress, total=len(batches),
-        ddof=ddof,
-    )
+    return collect_signatures(lambda b: adapter.attention_probs(**_model_inputs(b, device)), batches,
+                              adapter.head_counts(), n_classes, grid=grid, progress=progress,
+                              total=len(batches), ddof=ddof)
 
 
-def cahp_select(
-    adapter: HeadAdapter,
-    signature_batches: Sequence[Mapping[str, Any]],
-    salience_batches: Sequence[Mapping[str, Any]],
-    settings: CahpSettings | None = None,
-    *,
-    n_classes: int | None,
-    keep: int | None = None,
-    seed: int = 42,
-    loss_fn: Callable[..., Any] | None = None,
-    accuracy_fn: Callable[[list[int]], float] | None = None,
-    accuracy_ks: Sequence[int] | None = None,
-    progress: bool = True,
-) -> tuple[CAHPSelection, dict[str, float]]:
-    """CAHP on a model: signatures, salience, selection.  Returns the selection and the wall time
-    of each stage (``signatures``, ``salience`` (with the Fisher scores when ``representative="fisher"``),
+def cahp_select(adapter: HeadAdapter, signature_batches: Sequence[Mapping[str, Any]],
+                salience_batches: Sequence[Mapping[str, Any]], settings: CahpSettings | None = None, *,
+                n_classes: int | None, keep: int | None = None, seed: int = 42,
+                loss_fn: Callable[..., Any] | None = None,
+                accuracy_fn: Callable[[list[int]], float] | None = None,
+                accuracy_ks: Sequence[int] | None = None,
+                progress: bool = True) -> tuple[CAHPSelection, dict[str, float]]:
+    """CAHP on a model: signatures, salience, selection.  Returns the selection and the wall time of each
+    stage (``signatures``, ``salience`` (with the Fisher scores when ``representative="fisher"``),
     ``cluster``).
 
-    Class-conditional mode (``n_classes`` >= 2): JM features of per-class signatures.  Label-free
-    mode (``n_classes=None``): JS divergence of pooled attention; ``loss_fn`` should then be the
-    LM loss (e.g. batches carrying ``labels=input_ids``).
-
-    ``settings`` (:class:`~headbudget.pruning.job.CahpSettings`, the ``prune`` flags of the same names; default
-    its defaults) follow the published implementation: a 32 x 32 signature grid, sample variance (``ddof=1``),
-    variances floored at ``var_floor=1e-6`` before Jeffries–Matusita, t-SNE in float32, salience on the first
-    ``salience_fraction`` of ``salience_batches``.  ``ddof=0, var_floor=None, var_eps=1e-10,
-    tsne_dtype="float64"`` is headbudget's earlier behaviour.  Its ``representative`` (``"salience"`` or
-    ``"fisher"``: mean squared per-example gate gradient over ``signature_batches``), ``allocation`` and
-    ``n_clusters`` (:func:`select_heads`) default to the published selection (salience, one head per cluster)
-    in class-conditional mode and to :data:`LM_DEFAULTS` (Fisher, importance allocation over 30 clusters) in
-    label-free mode.
+    Class-conditional mode (``n_classes`` >= 2): JM features of per-class signatures.  Label-free mode
+    (``n_classes=None``): JS divergence of pooled attention; ``loss_fn`` should then be the LM loss.
+    ``settings`` (:class:`~headbudget.pruning.job.CahpSettings`, the ``prune`` flags of the same names)
+    default to the published implementation (docs/pruning.md); ``representative="fisher"`` scores heads by
+    the mean squared per-example gate gradient over ``signature_batches``.  ``representative``,
+    ``allocation`` and ``n_clusters`` default to the published selection with classes and to
+    :data:`LM_DEFAULTS` label-free.
 
     Example (``model`` a fine-tuned classifier, batches from ``tasks.make_loader``)::
 
@@ -336,26 +278,25 @@ def cahp_select(
 
     s = settings or CahpSettings()
     representative, allocation = _selection_defaults(n_classes is None, s.representative, s.allocation, s.n_clusters)
+    loss_fn = loss_fn or default_loss
     t0 = time.perf_counter()
     sig = model_signatures(adapter, signature_batches, n_classes, s.pool_size, progress, ddof=s.ddof)
     t1 = time.perf_counter()
-    sal = salience(adapter, adapter.model, list(salience_batches), loss_fn or default_loss,
-                   fraction=s.salience_fraction, progress=progress)
+    sal = salience(adapter, adapter.model, list(salience_batches), loss_fn, fraction=s.salience_fraction,
+                   progress=progress)
     t2 = time.perf_counter()
     secs = {"signatures": t1 - t0, "salience": t2 - t1}
     scores = None
     if representative == "fisher":
-        scores = flatten(gate_gradients(adapter, adapter.model, list(signature_batches), loss_fn or default_loss,
+        scores = flatten(gate_gradients(adapter, adapter.model, list(signature_batches), loss_fn,
                                         reduce="example_square", progress=progress, desc="fisher"))
         secs["salience"] += time.perf_counter() - t2  # the scoring stage: salience plus the representatives' Fisher
     t2 = time.perf_counter()
     opts = dict(keep=keep, poly_degree=s.poly_degree, perplexity=s.perplexity, mss_variant=s.mss, seed=seed,
                 accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks, progress=progress, tsne_dtype=s.tsne_dtype,
                 scores=scores, allocation=allocation, n_clusters=s.n_clusters)
-    if sig.label_free:
-        sel = select_heads(None, sig.heads, sal, distances=sig.distances(), **opts)  # type: ignore[arg-type]
-    else:
-        sel = select_heads(sig.features(s.var_eps, s.var_floor), sig.heads, sal, **opts)  # type: ignore[arg-type]
+    feats, dist = (None, sig.distances()) if sig.label_free else (sig.features(s.var_eps, s.var_floor), None)
+    sel = select_heads(feats, sig.heads, sal, distances=dist, **opts)  # type: ignore[arg-type]
     secs["cluster"] = time.perf_counter() - t2
     return sel, secs
 

@@ -22,19 +22,12 @@ __all__ = ["MSS_VARIANTS", "Clustering", "cluster_sweep", "embed_heads", "find_k
 MSS_VARIANTS = ("mean", "nearest")
 
 
-def embed_heads(
-    features: np.ndarray | None = None,
-    *,
-    distances: np.ndarray | None = None,
-    perplexity: float = 10.0,
-    seed: int = 42,
-    dtype: str = "float32",
-) -> np.ndarray:
+def embed_heads(features: np.ndarray | None = None, *, distances: np.ndarray | None = None,
+                perplexity: float = 10.0, seed: int = 42, dtype: str = "float32") -> np.ndarray:
     """t-SNE embedding ``(N, 2)`` of head features (Euclidean) or of a precomputed distance matrix.
 
-    The perplexity is clipped to ``N - 1`` (scikit-learn requires it below the sample count).
-    ``dtype``: the input's precision, ``"float32"`` as the published code (``"float64"``: headbudget's
-    earlier choice).
+    The perplexity is clipped to ``N - 1`` (scikit-learn requires it below the sample count).  ``dtype``:
+    the input's precision, ``"float32"`` as the published code (``"float64"``: headbudget's earlier choice).
     """
     if dtype not in ("float32", "float64"):
         raise ValueError(f"embed_heads: dtype must be float32 or float64, got {dtype!r}")
@@ -50,18 +43,16 @@ def embed_heads(
     if perp <= 0:
         raise ValueError(f"perplexity must be > 0, got {perplexity}")
     if distances is not None:
-        d = np.asarray(distances, dtype=dtype)
-        if d.shape != (n, n):
-            raise ValueError(f"distance matrix must be square, got {d.shape}")
-        tsne = TSNE(2, perplexity=perp, metric="precomputed", init="random", random_state=seed)
-        with threadpool_limits(1):  # OpenMP threads only oversubscribe at this size (and cost determinism)
-            return tsne.fit_transform(np.clip(d, 0.0, None))
-    x = np.asarray(features, dtype=dtype)
-    if not np.isfinite(x).all():
-        raise ValueError("embed_heads: head features contain NaN or inf")
-    tsne = TSNE(2, perplexity=perp, init="pca", random_state=seed)
-    with threadpool_limits(1):
-        return tsne.fit_transform(x)
+        x = np.asarray(distances, dtype=dtype)
+        if x.shape != (n, n):
+            raise ValueError(f"distance matrix must be square, got {x.shape}")
+        x, options = np.clip(x, 0.0, None), {"metric": "precomputed", "init": "random"}
+    else:
+        x, options = np.asarray(features, dtype=dtype), {"init": "pca"}
+        if not np.isfinite(x).all():
+            raise ValueError("embed_heads: head features contain NaN or inf")
+    with threadpool_limits(1):  # OpenMP threads only oversubscribe at this size (and cost determinism)
+        return TSNE(2, perplexity=perp, random_state=seed, **options).fit_transform(x)
 
 
 def _pairwise(points: np.ndarray) -> np.ndarray:
@@ -69,13 +60,8 @@ def _pairwise(points: np.ndarray) -> np.ndarray:
     return np.sqrt((diff**2).sum(-1))
 
 
-def mean_simplified_silhouette(
-    points: np.ndarray | None,
-    labels: Sequence[int],
-    medoids: Sequence[int],
-    variant: str = "mean",
-    distances: np.ndarray | None = None,
-) -> float:
+def mean_simplified_silhouette(points: np.ndarray | None, labels: Sequence[int], medoids: Sequence[int],
+                               variant: str = "mean", distances: np.ndarray | None = None) -> float:
     """Mean Simplified Silhouette of a medoid clustering, over the non-medoid points.
 
     For each point, ``a`` is the distance to its own medoid and ``b`` the **mean** distance to the
@@ -90,23 +76,15 @@ def mean_simplified_silhouette(
     if variant not in MSS_VARIANTS:
         raise ValueError(f"unknown MSS variant {variant!r}; choose from {', '.join(MSS_VARIANTS)}")
     d = _pairwise(np.asarray(points, dtype=np.float64)) if distances is None else np.asarray(distances)
-    labels = np.asarray(labels)
-    medoids = np.asarray(medoids)
-    k = len(medoids)
-    if k < 2:
+    labels, medoids = np.asarray(labels), np.asarray(medoids)
+    if len(medoids) < 2:
         raise ValueError("the silhouette needs at least two clusters")
-    medoid_set = set(medoids.tolist())
     scores = []
-    for i in range(len(labels)):
-        if i in medoid_set:
-            continue
-        to_med = d[i, medoids]
-        own = int(labels[i])
-        a = to_med[own]
+    for i in sorted(set(range(len(labels))) - set(medoids.tolist())):
+        to_med, own = d[i, medoids], int(labels[i])
         others = np.delete(to_med, own)
-        b = others.mean() if variant == "mean" else others.min()
-        m = max(a, b)
-        scores.append(0.0 if m == 0 else (b - a) / m)
+        a, b = to_med[own], (others.mean() if variant == "mean" else others.min())
+        scores.append(0.0 if max(a, b) == 0 else (b - a) / max(a, b))
     return float(np.mean(scores)) if scores else 0.0
 
 
@@ -118,13 +96,8 @@ class Clustering:
     medoids: np.ndarray
 
 
-def cluster_sweep(
-    points: np.ndarray,
-    ks: Sequence[int] | None = None,
-    seed: int = 42,
-    variant: str = "mean",
-    progress: bool = False,
-) -> list[Clustering]:
+def cluster_sweep(points: np.ndarray, ks: Sequence[int] | None = None, seed: int = 42, variant: str = "mean",
+                  progress: bool = False) -> list[Clustering]:
     """FasterPAM k-medoids for every ``k`` in ``ks`` (default 2..N-1) on Euclidean distances of
     ``points``, each scored with :func:`mean_simplified_silhouette`."""
     import kmedoids
@@ -136,8 +109,7 @@ def cluster_sweep(
     ks = list(range(2, n)) if ks is None else list(ks)
     if not ks:
         raise ValueError(f"no k to try with {n} heads (need at least 3 heads)")
-    bad = [k for k in ks if not 2 <= k < n]
-    if bad:
+    if bad := [k for k in ks if not 2 <= k < n]:
         raise ValueError(f"k must be in 2..{n - 1} for {n} heads, got {bad}")
     diss = _pairwise(pts)
     out = []
@@ -149,10 +121,8 @@ def cluster_sweep(
 
 
 def find_knee(x: Sequence[float], y: Sequence[float], poly_degree: int = 6) -> float | None:
-    """Kneedle knee of an increasing, concave curve (``kneed.KneeLocator``, polynomial fit).
-
-    Returns the x of the knee, or ``None`` when Kneedle finds none.
-    """
+    """The x of the Kneedle knee of an increasing, concave curve (``kneed.KneeLocator``, polynomial fit), or
+    ``None`` when Kneedle finds none."""
     from kneed import KneeLocator
 
     if len(x) != len(y):
@@ -163,8 +133,6 @@ def find_knee(x: Sequence[float], y: Sequence[float], poly_degree: int = 6) -> f
         raise ValueError(f"--poly-degree must be >= 1, got {poly_degree}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kl = KneeLocator(
-            list(x), list(y), curve="concave", direction="increasing",
-            interp_method="polynomial", polynomial_degree=int(poly_degree),
-        )
+        kl = KneeLocator(list(x), list(y), curve="concave", direction="increasing",
+                         interp_method="polynomial", polynomial_degree=int(poly_degree))
     return None if kl.knee is None else float(kl.knee)

@@ -17,6 +17,7 @@ from typing import Any
 from headbudget.io import atomic_write_text
 from headbudget.progress import quiet_unless_progress
 from headbudget.pruning import pipeline
+from headbudget.pruning import report as rpt
 from headbudget.pruning.job import PruneJob
 from headbudget.pruning.methods import get_importance
 from headbudget.pruning.pipeline import _job_fingerprint, check_job
@@ -27,10 +28,7 @@ def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
     """``"cahp@2,cahp@6,michel"`` -> ``[(label, method, poly_degree), ...]``; every method must be registered
     (:func:`headbudget.pruning.methods.available_importances`)."""
     out = []
-    for raw in spec.split(","):
-        item = raw.strip()
-        if not item:
-            continue
+    for item in filter(None, (raw.strip() for raw in spec.split(","))):
         method, _, deg = item.partition("@")
         try:
             get_importance(method)
@@ -42,12 +40,10 @@ def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
             degree = int(deg) if deg else None
         except ValueError:
             raise ValueError(f"methods {spec!r}: bad polynomial degree in {item!r}") from None
-        label = f"cahp-d{degree}" if degree is not None else method
-        out.append((label, method, degree))
+        out.append((f"cahp-d{degree}" if degree is not None else method, method, degree))
     if not out:
         raise ValueError("methods: no method given")
-    labels = [lbl for lbl, _, _ in out]
-    if len(set(labels)) != len(labels):
+    if len({label for label, _, _ in out}) != len(out):
         raise ValueError(f"methods {spec!r}: repeated entry")
     return out
 
@@ -76,28 +72,20 @@ def run_prune_compare(job: PruneJob, methods: str, resume: bool = False,
                 on_row: Callable[[dict[str, Any]], None] | None = None,
                 calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean",
                 on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
-    """Run several methods. Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry finds
-    its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one, every entry
-    uses it. Each row records where its count came from (``count_from``).
+    """Run several methods.  Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry
+    finds its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one,
+    every entry uses it.  Each row records where its count came from (``count_from``).
 
     ``resume`` reuses every method already finished in ``job.out`` with the same settings (its
-    ``details.json`` records them), so an interrupted comparison continues with the next method;
-    ``on_row(row)`` is called after each method; ``compare.md`` / ``compare.json`` are rewritten then too, so a
-    comparison cut short keeps every method it finished.  ``on_stage(where, stage, seconds)`` is called as each
-    stage finishes (``where`` is the method's label, ``seed<s>/<label>`` with calibration seeds, ``""`` for loading
-    the model and data; ``stage`` a name of ``report.json``'s ``seconds``, or ``reused`` for a method ``resume``
-    read back).
+    ``details.json`` records them).  ``on_row(row)`` is called after each method, when ``compare.md`` /
+    ``compare.json`` are rewritten too, so a comparison cut short keeps every method it finished.
+    ``on_stage(where, stage, seconds)``: as each stage finishes (``where``: the method's label,
+    ``seed<s>/<label>`` with calibration seeds, ``""`` for loading; ``stage``: a name of ``report.json``'s
+    ``seconds``, or ``reused`` for a method ``resume`` read back).
 
-    ``calibration_seeds`` (task lm): the whole comparison once per seed ``s`` in ``job.out/seed<s>`` --
-    calibration windows drawn with ``s`` (:func:`headbudget.pruning.lm.calibration_offsets`), run seed
-    ``job.seed + s`` -- then ``compare.md`` / ``compare.json`` give every method's per-seed values, mean,
-    sample std and min-max per text, and the ranking of :func:`headbudget.evaluation.rankings.rank_methods`
-    (``ranking_rule``): a method is named best only if it is best on every text, else "no method best".
-
-        run_prune_compare(PruneJob("runs/smol", "lm", None, "runs/cmp", data="movie_reviews.txt", keep_ratio=0.7,
-                             eval_data=("wikitext2_valid.tokens", "tinyshakespeare.txt")),
-                    "cahp,fisher,random", calibration_seeds=[0, 1, 2])
-    """
+    ``calibration_seeds`` (task lm): the whole comparison once per seed in ``job.out/seed<s>``, then the
+    per-seed values, their spread and the ranking (``ranking_rule``) per text: docs/pruning.md, "Three
+    held-out texts, three calibration seeds"."""
     entries = parse_methods(methods)
     forced = job.keep is not None or job.keep_ratio is not None
     if not forced and not get_importance(entries[0][1]).finds_count:
@@ -162,7 +150,6 @@ def _write_seeds_summary(job: PruneJob, loaded: LMWorkload, entries: list[tuple[
                          planned: list[int] | None = None) -> dict[str, Any]:
     """The top ``compare.md`` / ``compare.json`` over the finished ``seeds`` (of ``planned``, when not all)."""
     from headbudget.evaluation.rankings import rank_methods, ranking_markdown, spread
-    from headbudget.pruning import report as rpt
 
     out = Path(job.out)
     labels = [lbl for lbl, _, _ in entries]
@@ -170,14 +157,13 @@ def _write_seeds_summary(job: PruneJob, loaded: LMWorkload, entries: list[tuple[
     names = {sp: (f"{Path(str(job.data)).stem} (held-out tail)" if sp == "heldout" else sp) for sp in splits}
     lower = loaded.metric_name == "perplexity"
     stages = ["pruned"] + (["finetuned"] if job.finetune_epochs > 0 else [])
-    values = {st: {lbl: {names[sp]: [next(r for r in per_seed[str(s)]["rows"] if r["label"] == lbl)
-                                     ["metric"][sp][st] for s in seeds] for sp in splits} for lbl in labels}
-              for st in stages}
+    row = {s: {r["label"]: r for r in per_seed[str(s)]["rows"]} for s in seeds}  # row[seed][label]
+    values = {st: {lbl: {names[sp]: [row[s][lbl]["metric"][sp][st] for s in seeds] for sp in splits}
+                   for lbl in labels} for st in stages}
     aggregate = {st: {lbl: {t: spread(v) for t, v in d.items()} for lbl, d in values[st].items()} for st in stages}
     ranking = ({st: rank_methods(values[st], lower_is_better=lower, rule=rule) for st in stages}
                if len(labels) > 1 else {})
-    heads = {lbl: [next(r for r in per_seed[str(s)]["rows"] if r["label"] == lbl)["heads_kept"]
-                   for s in seeds] for lbl in labels}
+    heads = {lbl: [row[s][lbl]["heads_kept"] for s in seeds] for lbl in labels}
     md = [f"# Head pruning comparison ({job.task}, {loaded.heads_total} heads), calibration seeds "
           f"{', '.join(map(str, seeds))}\n",
           f"**Partial:** seeds {', '.join(map(str, seeds))} of {', '.join(map(str, planned))} finished.\n"
@@ -213,17 +199,11 @@ def _write_seeds_summary(job: PruneJob, loaded: LMWorkload, entries: list[tuple[
 def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loaded: Workload, resume: bool,
                   on_row: Callable[[dict[str, Any]], None] | None,
                   on_stage: Callable[[str, str, float], None] | None = None) -> list[dict[str, Any]]:
-    from headbudget.pruning import report as rpt
-
     forced = job.keep is not None or job.keep_ratio is not None
     out = Path(job.out)
     rows: list[dict[str, Any]] = []
-    if job.keep is not None:
-        forced_from = f"keep={job.keep}"
-    elif job.keep_ratio is not None:
-        forced_from = f"keep_ratio={job.keep_ratio:g}"
-    else:
-        forced_from = ""
+    forced_from = (f"keep={job.keep}" if job.keep is not None
+                   else f"keep_ratio={job.keep_ratio:g}" if forced else "")
     last_cahp: tuple[int, str] | None = None  # (heads kept, label) of the nearest cahp entry so far
     for label, method, degree in entries:
         if forced:
@@ -254,8 +234,7 @@ def _compare_rows(job: PruneJob, entries: list[tuple[str, str, int | None]], loa
         row = {"label": label, "method": label, "heads_kept": rep["heads_kept"], "count_from": count_from,
                "kept": rep["kept"], "knee_k": rep["knee_k"], "mean_depth": rep.get("mean_depth", depth[0]),
                "middle_third_share": rep.get("middle_third_share", depth[1]),
-               "metric": res["details"][loaded.metric_name],
-               "seconds": rep["seconds"], "cost": rep["cost"]}
+               "metric": res["details"][loaded.metric_name], "seconds": rep["seconds"], "cost": rep["cost"]}
         if rep.get("warning"):
             row["warning"] = rep["warning"]
         if loaded.metric_name == "accuracy":
@@ -272,12 +251,9 @@ def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]],
                    planned: Sequence[str] | None = None) -> dict[str, Any]:
     """``compare.md``, ``compare.json`` and the plots of one comparison in ``job.out``; ``planned``: every
     method's label while only ``rows``' have finished."""
-    from headbudget.pruning import report as rpt
-
     out = Path(job.out)
-    splits = list(loaded.evals)
     n_layers = len(rows[0]["kept"])
-    table = rpt.compare_markdown(rows, splits)
+    table = rpt.compare_markdown(rows, list(loaded.evals))
     rpt.plot_heads_per_layer({r["label"]: r["kept"] for r in rows}, n_layers, out / "heads_per_layer.png")
     p = loaded.primary
     points = {}

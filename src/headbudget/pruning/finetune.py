@@ -8,9 +8,8 @@
     >>> history = finetune(model, tok, data, FinetuneRecipe(epochs=3))  # AdamW, 10% linear warmup, batch 32
     >>> history["epochs"][-1]["accuracy"]                           # {"dev": ..., "test": ...}
 
-``run_finetune`` is the body of ``headbudget finetune MODEL --task sst5|mnli --data-dir DIR --out DIR``;
-models open through :func:`headbudget.loading.load_model` (folders, unpacked wheels, ``.whl`` files,
-pruned encoders, cached hub names).
+``run_finetune`` is the body of ``headbudget finetune``; models open through
+:func:`headbudget.loading.load_model`.  See docs/pruning-models.md, "Fine-tuning".
 """
 
 from __future__ import annotations
@@ -40,15 +39,8 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def predict(
-    model: nn.Module,
-    tokenizer: Any,
-    examples: Sequence[Example],
-    batch_size: int = 64,
-    max_length: int = 128,
-    progress: bool = False,
-    desc: str = "eval",
-) -> torch.Tensor:
+def predict(model: nn.Module, tokenizer: Any, examples: Sequence[Example], batch_size: int = 64,
+            max_length: int = 128, progress: bool = False, desc: str = "eval") -> torch.Tensor:
     """Predicted labels for ``examples`` (eval mode; the model's training flag is restored)."""
     device = _device_of(model)
     was_training = model.training
@@ -65,15 +57,8 @@ def predict(
     return torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
 
 
-def evaluate_accuracy(
-    model: nn.Module,
-    tokenizer: Any,
-    examples: Sequence[Example],
-    batch_size: int = 64,
-    max_length: int = 128,
-    progress: bool = False,
-    desc: str = "eval",
-) -> float:
+def evaluate_accuracy(model: nn.Module, tokenizer: Any, examples: Sequence[Example], batch_size: int = 64,
+                      max_length: int = 128, progress: bool = False, desc: str = "eval") -> float:
     """Accuracy of ``model`` on ``examples`` (a fraction in [0, 1])."""
     if not examples:
         raise ValueError("evaluate_accuracy: no examples")
@@ -83,28 +68,23 @@ def evaluate_accuracy(
 
 
 # --------------------------------------------------------------------------- fine-tuning
-def _splits_of(
-    task_data: TaskData | Mapping[str, Sequence[Example]],
-) -> tuple[dict[str, list[Example]], tuple]:
-    if isinstance(task_data, TaskData):
-        return task_data.splits, task_data.eval_splits
-    splits = {k: list(v) for k, v in task_data.items()}
-    return splits, tuple(k for k in splits if k != "train")
-
-
 def _finetune_examples(task_data: TaskData | Mapping[str, Sequence[Example]], eval_splits: Sequence[str] | None,
                        limit_train: int | None, limit_eval: int | None, seed: int
                        ) -> tuple[list[Example], dict[str, list[Example]]]:
-    """The (subsampled) training examples and those of every evaluated split."""
-    splits, default_eval = _splits_of(task_data)
+    """The (subsampled) training examples and those of every evaluated split (default: the task's, or every
+    split but ``train`` of a mapping)."""
+    if isinstance(task_data, TaskData):
+        splits, default_eval = task_data.splits, task_data.eval_splits
+    else:
+        splits = {k: list(v) for k, v in task_data.items()}
+        default_eval = tuple(k for k in splits if k != "train")
     if "train" not in splits:
         raise ValueError("finetune: task data has no 'train' split")
     eval_names = tuple(eval_splits) if eval_splits is not None else default_eval
     missing = [s for s in eval_names if s not in splits]
     if missing:
-        raise ValueError(
-            f"finetune: eval split(s) {', '.join(missing)} not loaded (have {', '.join(splits)})"
-        )
+        raise ValueError(f"finetune: eval split(s) {', '.join(missing)} not loaded "
+                         f"(have {', '.join(splits)})")
     train = subsample(splits["train"], limit_train, seed)
     return train, {s: subsample(splits[s], limit_eval, seed) for s in eval_names}
 
@@ -135,31 +115,21 @@ def _autocast(precision: str, device: torch.device) -> Any:
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if use else None
 
 
-def finetune(
-    model: nn.Module,
-    tokenizer: Any,
-    task_data: TaskData | Mapping[str, Sequence[Example]],
-    recipe: FinetuneRecipe | None = None,
-    eval_splits: Sequence[str] | None = None,
-) -> dict[str, Any]:
-    """Fine-tune a classifier on ``task_data["train"]``: AdamW (no decay on biases/LayerNorm), linear
-    schedule with ``warmup_ratio`` warm-up, dynamic padding, a tqdm bar; accuracy on ``eval_splits``
-    (default: the task's dev/test splits) after every epoch.
-
-    ``recipe`` (:class:`~headbudget.pruning.job.FinetuneRecipe`, default the published one) is reproducible from its
-    ``seed`` (shuffling and dropout) without changing the global RNG; ``max_steps`` stops early (smoke runs),
-    ``limit_train``/``limit_eval`` subsample examples (seeded).
-    Returns ``{"epochs": [{"epoch", "train_loss", "accuracy": {split: acc}, "seconds"}], "final": {...},
-    "steps", "seconds", "config": {...}}``.
-    """
+def finetune(model: nn.Module, tokenizer: Any, task_data: TaskData | Mapping[str, Sequence[Example]],
+             recipe: FinetuneRecipe | None = None,
+             eval_splits: Sequence[str] | None = None) -> dict[str, Any]:
+    """Fine-tune a classifier on ``task_data["train"]`` with ``recipe`` (default: the published one),
+    reproducible from its ``seed`` without changing the global RNG; accuracy on ``eval_splits`` (default: the
+    task's dev/test splits) after every epoch.  Returns ``{"epochs": [{"epoch", "train_loss", "accuracy":
+    {split: acc}, "seconds"}], "final": {...}, "steps", "seconds", "config": {...}}``."""
     r = recipe or FinetuneRecipe()
     if r.epochs < 1 and not r.max_steps:
         raise ValueError(f"epochs must be >= 1, got {r.epochs}")
     if not 0.0 <= r.warmup_ratio < 1.0:
         raise ValueError(f"warmup_ratio must be in [0, 1), got {r.warmup_ratio}")
-    autocast = _autocast(r.precision, _device_of(model))
-    train, evals = _finetune_examples(task_data, eval_splits, r.limit_train, r.limit_eval, r.seed)
     device = _device_of(model)
+    autocast = _autocast(r.precision, device)
+    train, evals = _finetune_examples(task_data, eval_splits, r.limit_train, r.limit_eval, r.seed)
     steps_per_epoch = math.ceil(len(train) / r.batch_size)
     total = steps_per_epoch * r.epochs
     if r.max_steps is not None:
@@ -183,9 +153,8 @@ def finetune(
             if step >= total:
                 break
             t0 = time.perf_counter()
-            loader = make_loader(
-                train, tokenizer, r.batch_size, shuffle=True, seed=r.seed + epoch, max_length=r.max_length
-            )
+            loader = make_loader(train, tokenizer, r.batch_size, shuffle=True, seed=r.seed + epoch,
+                                 max_length=r.max_length)
             losses = _train_epoch(loop, loader, step, min(steps_per_epoch, total - step),
                                   f"finetune epoch {epoch}/{r.epochs}", r.progress)
             step += len(losses)
@@ -199,9 +168,8 @@ def finetune(
                 accs = ", ".join(f"{s} {a:.4f}" for s, a in acc.items())
                 ProgressBar.write(f"epoch {epoch}: train loss {record['train_loss']:.4f}; accuracy {accs}")
     model.eval()
-    history["steps"] = step
-    history["seconds"] = time.perf_counter() - start
-    history["final"] = history["epochs"][-1]["accuracy"] if history["epochs"] else {}
+    history.update(steps=step, seconds=time.perf_counter() - start,
+                   final=history["epochs"][-1]["accuracy"] if history["epochs"] else {})
     return history
 
 
@@ -225,9 +193,8 @@ def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Pat
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("epoch (0 = before fine-tuning)" if initial else "epoch")
-    ax.set_ylabel("accuracy")
-    ax.set_title(title or "fine-tuning")
+    ax.set(xlabel="epoch (0 = before fine-tuning)" if initial else "epoch", ylabel="accuracy",
+           title=title or "fine-tuning")
     ax.grid(alpha=0.3)
     if splits:
         ax.legend()
@@ -264,12 +231,9 @@ def run_finetune(job: FinetuneJob, eval_before: bool = True) -> dict[str, Any]:
     data = load_task(job.task, job.data_dir)
     model, tokenizer = load_model_and_tokenizer(job.model, "classifier", num_labels=spec.num_labels,
                                                 label_names=spec.label_names, seed=job.seed, device=dev)
-    initial: dict[str, float] = {}
-    if eval_before:
-        for s in data.eval_splits:
-            examples = subsample(data.splits[s], job.limit_eval, job.seed)
-            initial[s] = evaluate_accuracy(model, tokenizer, examples, job.eval_batch_size, job.max_length,
-                                           job.progress, f"eval {s}")
+    initial = {s: evaluate_accuracy(model, tokenizer, subsample(data.splits[s], job.limit_eval, job.seed),
+                                    job.eval_batch_size, job.max_length, job.progress, f"eval {s}")
+               for s in (data.eval_splits if eval_before else ())}
     history = finetune(model, tokenizer, data, job)
     if initial:
         history["initial"] = initial
@@ -283,11 +247,4 @@ def run_finetune(job: FinetuneJob, eval_before: bool = True) -> dict[str, Any]:
     return summary
 
 
-__all__ = [
-    "evaluate_accuracy",
-    "finetune",
-    "plot_history",
-    "predict",
-    "run_finetune",
-    "save_classifier",
-]
+__all__ = ["evaluate_accuracy", "finetune", "plot_history", "predict", "run_finetune", "save_classifier"]

@@ -1,44 +1,18 @@
 """Gate-training baselines: differentiable subset pruning (DSP, pipelined and joint) and PASS (joint and frozen).
 
-Both learn one logit per head on the training batches with the head gates applied where every
-adapter applies them (the input of the attention output projection, which is the same as scaling the
-head's attention probabilities), then keep exactly ``k`` heads by logit rank; the adapter removes the
-rest physically, as for every other method.
+Each learns one logit per head on the training batches, the gates applied where every adapter applies them
+(the input of the attention output projection, the same as scaling the head's attention probabilities), then
+keeps exactly ``k`` heads by logit rank; the adapter removes the rest physically.  ``pipelined-dsp`` /
+``joint-dsp`` (Li, Cotterell & Sachan, TACL 2021): the Gumbel soft top-k of the logits at a temperature
+annealed 1000 -> 1e-8 over ``cooldown`` steps, the model frozen / trained with the gates; ``pass`` /
+``pass-frozen`` (Ding et al.): hard-concrete gates under the almost-sure sparsity penalty, trained with the
+weights from the pre-trained model / alone on the frozen one (the published SST-5 trainer's "concentrator" is
+switched off there and not implemented here).  Protocols, schedules and the published settings (CAHP's
+``benchmark/`` folder, SST-5, the defaults here): docs/pruning.md, "Published baselines".
 
-* ``pipelined-dsp`` -- Li, Cotterell & Sachan (TACL 2021): each step draws Gumbel noise and builds the
-  soft top-k mask of the perturbed logits (``k`` successive softmaxes at temperature ``t``, each
-  discounting what the earlier ones took); ``t`` is annealed exponentially from 1000 to 1e-8 over
-  ``cooldown`` steps and stays at 1e-8 afterwards.  The model is frozen (``requires_grad`` off, only
-  the logits in the optimiser).  Logits start Xavier-uniform over the ``[layers, heads]`` matrix, as in
-  the authors' code.
-* ``joint-dsp`` -- the same gates trained together with the model's weights (weight learning rate =
-  the job's ``lr``); the trained weights are what is pruned and then fine-tuned.  As the DSP authors run
-  it, :mod:`headbudget.pruning.methods` first loads the *pre-trained* model's weights (the job's
-  ``pretrained``; a classifier gets a fresh head) and trains for ``joint_epochs`` (3) epochs;
-  ``joint-dsp-finetuned`` is the same training from the already fine-tuned model for ``gate_epochs`` (1).
-* ``pass`` -- Ding et al.'s almost-sure sparsity: hard-concrete gates (Louizos et al.; temperature 0.33,
-  stretch (-0.1, 1.1)) trained, as the authors' reference recipe does (``--joint_pruning``, from
-  ``bert-base-uncased``, 3 epochs, weight lr 2e-5, pruning lr 0.5), together with the weights from the
-  pre-trained model; ``pass-frozen`` trains only the gates on the frozen fine-tuned model.  Both use the
-  penalty
-  ``|s N - sum P(g=0)| + |(1 - s) N - sum P(g=1)| + sum P(0 < g < 1)`` for the target sparsity
-  ``s = 1 - k/N``; its coefficient starts at 1e-5 and, after a warm-up of 10 % of the steps, grows by
-  1000x over 45 % of the steps whenever the gates are not yet at the target; every 15 % of the steps
-  the logits are clipped to [-5, 5] and closed gates reopened with probability equal to the head's
-  normalised attention confidence (mean max pre-softmax score), as in the published SST-5 trainer
-  (the "concentrator" it carries is switched off there and is not implemented here).
-
-Published settings (CAHP's ``benchmark/`` folder, SST-5): pruning learning rate 0.5 for the logits,
-AdamW (0.9, 0.999, eps 1e-8, no weight decay), linear decay to 0, gradient-norm clip 1.0, DSP cooldown
-90 steps (pipelined) / 270 (joint).  The number of gate-training epochs is not in the published folder
-(it is a command-line setting there); the default here is one pass over the training batches.
-
-At least one head per layer by default.  The final selection keeps each layer's best logit first and
-then the best of the rest (:func:`headbudget.pruning.importance.select_top`, CAHP's rule), so every method
-here ends with exactly ``k`` heads and none of them empties a layer.  The *training* relaxations cannot
-follow that rule: DSP's soft top-k and PASS's sparsity target are global, so during gate training a
-layer may be switched off entirely; the rule is applied only to the final ranking.  The papers rank
-globally and may remove whole layers: ``layer_floor=False`` keeps the ``k`` best logits globally.
+The training relaxations are global, so a layer may be switched off during gate training; the
+one-head-per-layer rule (:func:`headbudget.pruning.importance.select_top`) applies to the final ranking
+only, and ``layer_floor=False`` keeps the ``k`` best logits globally, as the papers rank.
 
     >>> res = train_gates("pipelined-dsp", adapter, model, batches, n_keep=12,
     ...                   settings=GateSettings(cooldown=90))                       # doctest: +SKIP
@@ -58,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from headbudget.pruning import importance
 from headbudget.pruning.importance import Batch, LossFn, batch_to_device, default_loss, select_top, unflatten
 from headbudget.pruning.job import require_positive
 from headbudget.train.loop import LogRecord, TrainLoop
@@ -65,20 +40,9 @@ from headbudget.train.loop import LogRecord, TrainLoop
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
 
-__all__ = [
-    "DSP_COOLDOWN",
-    "GATED_METHODS",
-    "JOINT_METHODS",
-    "PASS_METHODS",
-    "GateResult",
-    "GateSettings",
-    "dsp_temperature",
-    "gumbel_soft_top_k",
-    "hard_concrete_gates",
-    "hard_concrete_probs",
-    "pass_sparsity_penalty",
-    "train_gates",
-]
+__all__ = ["DSP_COOLDOWN", "GATED_METHODS", "JOINT_METHODS", "PASS_METHODS", "GateResult", "GateSettings",
+           "dsp_temperature", "gumbel_soft_top_k", "hard_concrete_gates", "hard_concrete_probs",
+           "pass_sparsity_penalty", "train_gates"]
 
 GATED_METHODS = ("pipelined-dsp", "joint-dsp", "joint-dsp-finetuned", "pass", "pass-frozen")
 #: the methods whose model weights train with the gates
@@ -146,13 +110,11 @@ def gumbel_soft_top_k(w: torch.Tensor, k: int, t: float, generator: torch.Genera
     if noise is None:
         u = torch.rand(w.shape, generator=generator, dtype=torch.float64).to(w.device) * (1 - _TINY) + _TINY
         noise = -torch.log(-torch.log(u))
-    r = w + noise.to(w)
-    p = torch.softmax(r / t, 0)
-    total = p
-    for _ in range(1, k):
-        r = r + torch.log(torch.clamp(1 - p, min=_TINY))
+    r, total = w + noise.to(w), torch.zeros_like(w)
+    for _ in range(k):
         p = torch.softmax(r / t, 0)
         total = total + p
+        r = r + torch.log(torch.clamp(1 - p, min=_TINY))
     return total
 
 
@@ -171,9 +133,8 @@ def hard_concrete_probs(log_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """``P(g = 0)``, ``P(g = 1)`` and ``P(0 < g < 1)`` per gate (each clamped to [1e-6, 1 - 1e-6])."""
     p0 = torch.sigmoid(HC_BETA * math.log(-HC_LOW / HC_HIGH) - log_a)
     p1 = torch.sigmoid(log_a - HC_BETA * math.log((1 - HC_LOW) / (HC_HIGH - 1)))
-    pnb = 1 - (p0 + p1)
-    clamp = (HC_EPS, 1.0 - HC_EPS)
-    return p0.clamp(*clamp), p1.clamp(*clamp), pnb.clamp(*clamp)
+    lo, hi = HC_EPS, 1.0 - HC_EPS
+    return p0.clamp(lo, hi), p1.clamp(lo, hi), (1 - (p0 + p1)).clamp(lo, hi)
 
 
 def pass_sparsity_penalty(log_a: torch.Tensor, target_sparsity: float) -> torch.Tensor:
@@ -188,18 +149,15 @@ def pass_sparsity_penalty(log_a: torch.Tensor, target_sparsity: float) -> torch.
 def _xavier_logits(counts: Sequence[int], method: str, generator: torch.Generator) -> torch.Tensor:
     """Initial logits as the authors' code draws them: DSP ``xavier_uniform`` on ``[layers, heads]``,
     PASS one ``xavier_uniform`` per layer on ``[1, heads, 1, 1]`` (fan in = heads, fan out = 1)."""
-    parts = []
-    for n in counts:
-        bound = math.sqrt(6.0 / (len(counts) + max(counts))) if method not in PASS_METHODS \
-            else math.sqrt(6.0 / (n + 1))
-        parts.append((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * bound)
-    return torch.cat(parts)
+    fans = [n + 1 if method in PASS_METHODS else len(counts) + max(counts) for n in counts]
+    return torch.cat([(torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * math.sqrt(6.0 / fan)
+                      for n, fan in zip(counts, fans)])
 
 
 def _confidence_patch(adapter: HeadAdapter, confidence: torch.Tensor, offsets: list[int]) -> Any:
     """A factory of contexts that add each head's mean (over batch and queries) max pre-softmax attention score to
     ``confidence`` (PASS's reopen probabilities); ``None`` when the family has no eager attention."""
-    from headbudget.pruning.attattr import patched_eager_attention, supports_attention_patch
+    from headbudget.pruning.attattr import _expand_kv, patched_eager_attention, supports_attention_patch
 
     if not supports_attention_patch(adapter):
         return None
@@ -210,9 +168,8 @@ def _confidence_patch(adapter: HeadAdapter, confidence: torch.Tensor, offsets: l
         li = layer_of.get(id(module))
         if li is not None:
             with torch.no_grad():
-                k = key if key.shape[1] == query.shape[1] else key.repeat_interleave(query.shape[1] // key.shape[1], 1)
-                scaling = kwargs.get("scaling")
-                scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+                scaling = query.shape[-1] ** -0.5 if kwargs.get("scaling") is None else kwargs["scaling"]
+                k = _expand_kv(key, query.shape[1])
                 scores = torch.matmul(query, k.transpose(-1, -2)).float() * scaling
                 conf = scores.max(-1).values.mean((0, 2)).to(confidence)
                 confidence[offsets[li] : offsets[li] + conf.numel()] += conf
@@ -221,27 +178,14 @@ def _confidence_patch(adapter: HeadAdapter, confidence: torch.Tensor, offsets: l
     return lambda: patched_eager_attention(adapter, wrapper)
 
 
-def train_gates(
-    method: str,
-    adapter: HeadAdapter,
-    model: torch.nn.Module,
-    batches: Sequence[Batch],
-    n_keep: int,
-    settings: GateSettings | None = None,
-    loss_fn: LossFn = default_loss,
-    progress: bool = True,
-    layer_floor: bool = True,
-) -> GateResult:
+def train_gates(method: str, adapter: HeadAdapter, model: torch.nn.Module, batches: Sequence[Batch],
+                n_keep: int, settings: GateSettings | None = None, loss_fn: LossFn = default_loss,
+                progress: bool = True, layer_floor: bool = True) -> GateResult:
     """Train head logits with ``method`` (one of :data:`GATED_METHODS`) on ``batches`` for ``settings.epochs``
-    passes and keep exactly ``n_keep`` heads by logit rank (at least one per layer unless ``layer_floor`` is
-    off: then the ``n_keep`` best logits globally).
-
-    The steps run on :class:`headbudget.train.loop.TrainLoop` (one optimizer step per batch, the gradient norm
-    clipped to ``settings.max_grad_norm``, the learning rate decayed linearly).  Pipelined DSP and
-    ``pass-frozen`` leave every model weight untouched (their ``requires_grad`` is switched off during training
-    and restored afterwards); the :data:`JOINT_METHODS` update the weights in place at ``settings.weight_lr``
-    (where they start -- the pre-trained or the fine-tuned model -- is the caller's choice: ``joint-dsp`` and
-    ``joint-dsp-finetuned`` train alike here)."""
+    passes (:class:`headbudget.train.loop.TrainLoop`, one step per batch) and keep exactly ``n_keep`` heads
+    by logit rank (at least one per layer unless ``layer_floor`` is off).  Pipelined DSP and ``pass-frozen``
+    leave every model weight untouched; the :data:`JOINT_METHODS` update the weights in place at
+    ``settings.weight_lr`` (from the pre-trained or the fine-tuned model: the caller's choice)."""
     from headbudget.progress import ProgressBar
 
     s = settings or GateSettings()
@@ -250,15 +194,14 @@ def train_gates(
     joint = method in JOINT_METHODS
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(int(s.seed))
-    logits = torch.nn.Parameter(_xavier_logits(counts, method, gen).to(device))
-    if method in PASS_METHODS:  # PASS trains float32 logits; DSP's authors keep them in float64
-        logits = torch.nn.Parameter(logits.data.float())
+    init = _xavier_logits(counts, method, gen).to(device)
+    # PASS trains float32 logits; DSP's authors keep them in float64
+    logits = torch.nn.Parameter(init.float() if method in PASS_METHODS else init)
     total_steps = s.epochs * len(batches)
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    trained = _GateParams(logits, [p for p, f in flags if f] if joint else [])
+    trained = _GateParams(logits, [p for p in model.parameters() if p.requires_grad] if joint else [])
     opt, sched = _gate_optimizer(logits, list(trained.weights), s, total_steps)
     pas = _PassState.start(adapter, counts, n_keep, total_steps, s) if method in PASS_METHODS else None
-    step_of = _GateStep(method, adapter, model, logits, counts, n_keep, cooldown, s, gen, loss_fn, device, pas)
+    step_of = _GateStep(adapter, model, logits, counts, n_keep, cooldown, s, gen, loss_fn, device, pas)
     history: list[dict[str, float]] = []
     pending: list[tuple[dict[str, float], torch.Tensor]] = []  # the step being trained: its record, its task loss
 
@@ -277,22 +220,15 @@ def train_gates(
         if pas is not None else None
     loop = TrainLoop(trained, opt, gate_loss, grad_clip=s.max_grad_norm, lr_schedule=sched, nonfinite="ignore")
     bar = ProgressBar(total=total_steps, desc=f"{method} gates", disable=not progress, leave=False)
-    was_training = model.training
     try:
-        if not joint:
-            for p, _ in flags:
-                p.requires_grad_(False)
-        model.train()
-        with seeded_dropout(s.seed, device):
+        frozen = contextlib.nullcontext() if joint else importance.frozen_params(model)
+        with frozen, importance._model_mode(model, True), seeded_dropout(s.seed, device):
             loop.run((batch for _epoch in range(s.epochs) for batch in batches), steps=total_steps,
                      log_at=lambda done: True, on_log=log, on_step=lambda done, _rec: bar.update(1))
     finally:
         bar.close()
         if hook is not None:
             hook.remove()
-        for p, f in flags:
-            p.requires_grad_(f)
-        model.train(was_training)
     final = logits.detach().double().cpu().numpy()
     kept = select_top(unflatten(final, counts), n_keep, layer_floor=layer_floor)
     return GateResult(kept=kept, logits=final, steps=len(history), history=history,
@@ -301,10 +237,8 @@ def train_gates(
 
 @contextlib.contextmanager
 def seeded_dropout(seed: int, device: torch.device) -> Iterator[None]:
-    """torch's global generators (CPU and ``device``'s) seeded with ``seed`` inside the block and restored after.
-
-    Dropout draws from them: seeded here, a gate selection depends on its seed alone, not on what the process drew
-    before (a study worker's earlier cells)."""
+    """torch's global generators (CPU and ``device``'s) seeded with ``seed`` inside the block, restored after:
+    dropout draws from them, so a gate selection depends on its seed alone, not on what ran before."""
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         torch.manual_seed(int(seed))
         yield
@@ -344,9 +278,8 @@ def _gate_optimizer(logits: torch.nn.Parameter, weights: list[torch.nn.Parameter
                     total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
     """The authors' AdamW (0.9, 0.999, eps 1e-8, no weight decay) over the logits (and, joint DSP, the weights
     at ``weight_lr``) with the learning rate decayed linearly to 0."""
-    groups: list[dict[str, Any]] = [{"params": [logits], "lr": s.lr}]
-    if weights:
-        groups.insert(0, {"params": weights, "lr": s.weight_lr})
+    groups = [{"params": weights, "lr": s.weight_lr}] if weights else []
+    groups.append({"params": [logits], "lr": s.lr})
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, (total_steps - step) / total_steps))
     return opt, sched
@@ -372,14 +305,14 @@ class _PassState:
     @classmethod
     def start(cls, adapter: HeadAdapter, counts: list[int], n_keep: int, total_steps: int, s: GateSettings) -> _PassState:
         n_total = sum(counts)
-        target_sparsity = 1.0 - n_keep / n_total
-        confidence = torch.zeros(n_total, dtype=torch.float64)
+        sparsity = 1.0 - n_keep / n_total
+        conf = torch.zeros(n_total, dtype=torch.float64)
         offsets = [0, *np.cumsum(counts).tolist()]
-        return cls(target_sparsity=target_sparsity, closed_target=int(target_sparsity * n_total),
+        return cls(target_sparsity=sparsity, closed_target=int(sparsity * n_total),
                    warmup=int(total_steps * PASS_WARMUP), climb=max(1, int(total_steps * PASS_CLIMB)),
-                   reopen_every=int(total_steps * PASS_REOPEN), confidence=confidence,
+                   reopen_every=int(total_steps * PASS_REOPEN), confidence=conf,
                    rng=random.Random(int(s.seed)),
-                   patch=_confidence_patch(adapter, confidence, offsets) if s.reopen else None)
+                   patch=_confidence_patch(adapter, conf, offsets) if s.reopen else None)
 
     def after_backward(self, logits: torch.nn.Parameter, step: int, total_steps: int) -> None:
         self.coeff, self.climb_counter, reopened = _pass_schedule(
@@ -393,7 +326,6 @@ class _GateStep:
     """One gate-training step up to the loss: sample the relaxed mask and forward with it; returns (the loss to
     backward: the task loss, plus PASS's sparsity penalty; the task loss; the step's log record)."""
 
-    method: str
     adapter: HeadAdapter
     model: torch.nn.Module
     logits: torch.nn.Parameter
@@ -407,24 +339,20 @@ class _GateStep:
     pas: _PassState | None
 
     def __call__(self, step: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        import contextlib
-
         rec: dict[str, float] = {"step": float(step)}
         pas = self.pas
         if pas is not None:
             mask = hard_concrete_gates(self.logits, True, self.gen)
         else:
-            t = dsp_temperature(step, self.cooldown, self.s.t_start, self.s.t_end)
+            rec["temperature"] = t = dsp_temperature(step, self.cooldown, self.s.t_start, self.s.t_end)
             mask = gumbel_soft_top_k(self.logits, self.n_keep, t, self.gen).float()
-            rec["temperature"] = t
         confidence = pas.patch() if pas is not None and pas.patch else contextlib.nullcontext()
         with self.adapter.gate_hooks(list(torch.split(mask, self.counts))), confidence:
             task_loss = self.loss_fn(self.model, batch_to_device(batch, self.device))
-        loss = task_loss
-        if pas is not None:
-            loss = loss + pas.coeff * pass_sparsity_penalty(self.logits, pas.target_sparsity)
-            rec["reg_coeff"] = pas.coeff
-        return loss, task_loss, rec
+        if pas is None:
+            return task_loss, task_loss, rec
+        rec["reg_coeff"] = pas.coeff
+        return task_loss + pas.coeff * pass_sparsity_penalty(self.logits, pas.target_sparsity), task_loss, rec
 
 
 def _gate_info(method: str, s: GateSettings, steps: int, n_keep: int, cooldown: int,

@@ -1,23 +1,14 @@
 """Which heads may go together: the granularity of a head selection on grouped-query models.
 
-Removing query heads only pays at inference when the layout that is left runs fast: a key/value head
-goes (and the KV cache shrinks) only when all of its query heads go, and kernels such as SDPA's
-``enable_gqa`` and llama.cpp need the same number of query heads on every key/value head of a layer.
-:func:`apply_granularity` turns per-head scores into a kept set of one of three shapes:
-
-* ``"head"``: any query heads (the selection as the method made it; unequal groups are possible);
-* ``"group"``: whole key/value groups -- a group is kept with all its query heads or removed with its
-  key/value head, so the KV cache shrinks in proportion;
-* ``"balanced"``: in every layer the same number of query heads ``s_l`` on each of ``m_l`` kept groups
-  (``s_l`` best heads of each of the ``m_l`` groups); removed groups take their key/value head along.
-
-For ``group`` and ``balanced`` every layer's possible layouts (head counts) are listed with the best
-summed score each can keep, and a dynamic programme over layers picks one layout per layer whose total
-head count is the budget when some combination reaches it exactly, else the reachable total nearest to
-it (ties: the smaller total); among those it keeps the largest summed score.  Every layer keeps at least
-one group (so ``group`` cannot go below one group per layer) unless ``layer_floor=False``.  Models without
-grouped key/value heads (BERT, GPT-2) have groups of one head: all three granularities are then the same
-selection.
+A key/value head goes (and the KV cache shrinks) only when all of its query heads go, and kernels such as
+SDPA's ``enable_gqa`` and llama.cpp need the same number of query heads on every key/value head of a layer.
+:func:`apply_granularity` turns per-head scores into a kept set of one of three shapes: ``"head"`` (any
+query heads, the method's own selection), ``"group"`` (whole key/value groups) or ``"balanced"`` (in every
+layer the same number of query heads on each kept group).  For ``group`` and ``balanced`` a dynamic
+programme over the layers picks one layout per layer whose total head count is the budget when some
+combination reaches it, else the reachable total nearest to it (ties: the smaller); among those, the largest
+summed score.  Every layer keeps at least one group unless ``layer_floor=False``.  See docs/pruning.md,
+"Granularity on grouped-query models".
 
     >>> import numpy as np
     >>> scores = [np.array([5., 4, 0, 0, 2, 1]), np.array([1., 1, 0, 0, 9, 0])]
@@ -30,6 +21,7 @@ selection.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -57,8 +49,7 @@ def layer_layouts(granularity: str, scores: np.ndarray, groups: Sequence[int]) -
     members: dict[int, list[int]] = {}
     for h, g in enumerate(groups):
         members.setdefault(int(g), []).append(h)
-    # each group's heads best first (ties: lower index)
-    ranked = [sorted(hs, key=lambda h: (-scores[h], h)) for hs in members.values()]
+    ranked = [sorted(hs, key=lambda h: (-scores[h], h)) for hs in members.values()]  # best first, ties: lower
     best: dict[int, tuple[float, list[int]]] = {}
 
     def offer(heads: list[int]) -> None:
@@ -126,8 +117,6 @@ def apply_granularity(granularity: str, scores: Sequence[np.ndarray], groups: Se
                     nxt[t] = (value + v, chosen + [count])
         reach = nxt
     total = min(reach, key=lambda t: (abs(t - n_keep), t))
-    out, start = [], 0
-    for layouts, count, s in zip(per_layer, reach[total][1], scores):
-        out.extend(start + h for h in layouts[count][1])
-        start += len(s)
-    return sorted(out)
+    starts = itertools.accumulate([0, *(len(s) for s in scores)])
+    return sorted(start + h for layouts, count, start in zip(per_layer, reach[total][1], starts)
+                  for h in layouts[count][1])

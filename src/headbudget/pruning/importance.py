@@ -1,20 +1,11 @@
 """Head importance scores (plug-ins) and importance-based head selection.
 
-Scoring and pruning are separate (Torch-Pruning style): an *importance* maps a model and data to
-one score per head (``list`` of per-layer arrays, higher = more important); :func:`select_top`
-turns scores into a kept set of an exact size under the at-least-one-head-per-layer rule; the
-adapter then removes the rest.  Michel et al.'s method is iterative, so it is a *selector*
-(:func:`michel_iterative`) built from its importance.
-
-The methods ``run_prune`` and the CLI know -- these scorers among them -- are plug-ins in the registry of
-:mod:`headbudget.pruning.methods`, the one table of methods (``register_importance`` adds one;
-``methods.score_heads(name, ctx)`` scores heads with one, ``methods.select_by_method`` selects with one).
-The scorers defined here, which it registers:
-
-* ``michel``    -- mean ``|dL/dgate|`` with per-layer L2 normalisation (Michel et al., 2019);
-* ``fisher``    -- mean over examples of squared per-example gate gradients (empirical Fisher);
-* ``magnitude`` -- L2 norm of each head's q/k/v rows and o columns;
-* ``random``    -- seeded uniform scores.
+Scoring and pruning are separate (Torch-Pruning style): an *importance* maps a model and data to one
+score per head (per-layer arrays, higher = more important); :func:`select_top` turns scores into a kept set
+of an exact size under the at-least-one-head-per-layer rule; the adapter removes the rest.  Michel et al.'s
+method is iterative, so it is a *selector* (:func:`michel_iterative`).  The scorers here (``michel``,
+``fisher``, ``magnitude``, ``random``; see docs/pruning.md, "Baselines") are registered as plug-ins by
+:mod:`headbudget.pruning.methods`, the one table of methods.
 
     >>> scores = [np.array([0.1, 0.9, 0.5]), np.array([0.2, 0.3])]
     >>> heads = head_list([3, 2])
@@ -25,6 +16,7 @@ The scorers defined here, which it registers:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,16 +28,8 @@ import torch
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
 
-__all__ = [
-    "ImportanceContext",
-    "default_loss",
-    "flatten",
-    "gate_gradients",
-    "head_list",
-    "michel_iterative",
-    "salience",
-    "select_top",
-]
+__all__ = ["ImportanceContext", "default_loss", "flatten", "gate_gradients", "head_list", "michel_iterative",
+           "salience", "select_top"]
 
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
@@ -53,8 +37,7 @@ LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 
 def default_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``model(**batch).loss`` (classification: ``labels`` in the batch; LM: ``labels=input_ids``)."""
-    out = model(**batch)
-    loss = getattr(out, "loss", None)
+    loss = getattr(model(**batch), "loss", None)
     if loss is None:
         raise ValueError("the model returned no loss: the batches must carry 'labels'")
     return loss
@@ -70,11 +53,7 @@ def flatten(per_layer: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def unflatten(flat: np.ndarray, head_counts: Sequence[int]) -> list[np.ndarray]:
-    out, i = [], 0
-    for n in head_counts:
-        out.append(np.asarray(flat[i : i + n]))
-        i += n
-    return out
+    return [np.asarray(flat[end - n : end]) for n, end in zip(head_counts, itertools.accumulate(head_counts))]
 
 
 @contextlib.contextmanager
@@ -90,30 +69,30 @@ def frozen_params(model: torch.nn.Module) -> Iterator[None]:
             p.requires_grad_(f)
 
 
+@contextlib.contextmanager
+def _model_mode(model: torch.nn.Module, train: bool) -> Iterator[None]:
+    """``model`` in train (``True``) or eval mode inside the block, its own mode restored after."""
+    was_training = model.training
+    model.train(train)
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def batch_to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def gate_gradients(
-    adapter: HeadAdapter,
-    model: torch.nn.Module,
-    batches: Iterable[Batch],
-    loss_fn: LossFn = default_loss,
-    *,
-    gate_values: Sequence[torch.Tensor | Sequence[float]] | None = None,
-    reduce: str = "abs",
-    max_batches: int | None = None,
-    progress: bool = True,
-    desc: str = "gate gradients",
-) -> list[np.ndarray]:
-    """Mean over batches of ``|dL/dgate|`` (``reduce="abs"``), the sum over batches of
-    ``(dL/dgate)^2`` (``reduce="square"``), or the mean over *examples* of ``(dL_i/dgate)^2`` with one
-    backward pass per example (``reduce="example_square"``, the textbook empirical Fisher); one array
-    per layer.
-
-    Gradients are taken in eval mode (no dropout) with parameter gradients switched off.
-    ``gate_values`` evaluates the gradient at other gate values (Michel et al.'s iterative
-    pruning sets pruned heads' gates to 0).
+def gate_gradients(adapter: HeadAdapter, model: torch.nn.Module, batches: Iterable[Batch],
+                   loss_fn: LossFn = default_loss, *,
+                   gate_values: Sequence[torch.Tensor | Sequence[float]] | None = None, reduce: str = "abs",
+                   max_batches: int | None = None, progress: bool = True,
+                   desc: str = "gate gradients") -> list[np.ndarray]:
+    """Mean over batches of ``|dL/dgate|`` (``reduce="abs"``), the sum over batches of ``(dL/dgate)^2``
+    (``"square"``), or the mean over *examples* of ``(dL_i/dgate)^2`` (``"example_square"``, the textbook
+    empirical Fisher); one array per layer.  Taken in eval mode (no dropout) with parameter gradients off;
+    ``gate_values`` evaluates the gradient at other gate values (Michel et al. set pruned heads' gates to 0).
     """
     from headbudget.progress import ProgressBar
 
@@ -122,41 +101,29 @@ def gate_gradients(
     if reduce == "example_square" and loss_fn is default_loss and _losses_split(model, batches):
         return _example_fisher(adapter, model, batches, gate_values=gate_values, max_batches=max_batches,
                                progress=progress, desc=desc)
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    totals: list[torch.Tensor] | None = None
     n = n_examples = 0
-    try:
-        with frozen_params(model), adapter.gates() as gates:
-            if gate_values is not None:
-                for g, v in zip(gates, gate_values):
-                    g.data.copy_(torch.as_tensor(v, dtype=g.dtype, device=g.device))
-            if totals is None:
-                totals = [torch.zeros(g.shape, dtype=torch.float64) for g in gates]
-            for batch in ProgressBar(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
-                if max_batches is not None and n >= max_batches:
-                    break
-                parts = _examples(batch) if reduce == "example_square" else [batch]
-                for part in parts:
-                    for g in gates:
-                        g.grad = None
-                    loss = loss_fn(model, batch_to_device(part, device))
-                    loss.backward()
-                    for t, g in zip(totals, gates):
-                        grad = g.grad.detach().to("cpu", torch.float64) if g.grad is not None else torch.zeros_like(t)
-                        t += grad.abs() if reduce == "abs" else grad**2
-                    if reduce == "example_square":
-                        n_examples += 1
-                n += 1
-    finally:
-        model.train(was_training)
+    with _model_mode(model, False), frozen_params(model), adapter.gates() as gates:
+        if gate_values is not None:
+            for g, v in zip(gates, gate_values):
+                g.data.copy_(torch.as_tensor(v, dtype=g.dtype, device=g.device))
+        totals = [torch.zeros(g.shape, dtype=torch.float64) for g in gates]
+        for batch in ProgressBar(itertools.islice(batches, max_batches), desc=desc, total=max_batches,
+                                 disable=not progress, leave=False):
+            parts = _examples(batch) if reduce == "example_square" else [batch]
+            for part in parts:
+                for g in gates:
+                    g.grad = None
+                loss_fn(model, batch_to_device(part, device)).backward()
+                for t, g in zip(totals, gates):
+                    grad = torch.zeros_like(t) if g.grad is None else g.grad.detach().to("cpu", torch.float64)
+                    t += grad.abs() if reduce == "abs" else grad**2
+            n_examples += len(parts)
+            n += 1
     if n == 0:
         raise ValueError("no batches for the gate gradients (empty training data?)")
-    assert totals is not None
-    if reduce == "example_square":
-        return [(t / n_examples).numpy() for t in totals]
-    return [(t / n if reduce == "abs" else t).numpy() for t in totals]
+    denominator = {"abs": n, "square": 1, "example_square": n_examples}[reduce]
+    return [(t / denominator).numpy() for t in totals]
 
 
 def per_example_losses(model: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
@@ -183,16 +150,11 @@ def _losses_split(model: torch.nn.Module, batches: Iterable[Batch]) -> bool:
     batch's loss), so that the batched Fisher computes the textbook one; otherwise it goes example by example."""
     if not isinstance(batches, Sequence) or not batches:
         return False
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            batch = batch_to_device(batches[0], next(model.parameters()).device)
-            losses = per_example_losses(model, batch)
-            return losses is not None and bool(torch.allclose(losses.mean(), default_loss(model, batch).float(),
-                                                              rtol=1e-4, atol=1e-6))
-    finally:
-        model.train(was_training)
+    with _model_mode(model, False), torch.no_grad():
+        batch = batch_to_device(batches[0], next(model.parameters()).device)
+        losses = per_example_losses(model, batch)
+        return losses is not None and bool(torch.allclose(losses.mean(), default_loss(model, batch).float(),
+                                                          rtol=1e-4, atol=1e-6))
 
 
 def _example_fisher(adapter: HeadAdapter, model: torch.nn.Module, batches: Iterable[Batch], *,
@@ -202,32 +164,27 @@ def _example_fisher(adapter: HeadAdapter, model: torch.nn.Module, batches: Itera
     its own row of gates, so the gradient of the summed per-example losses at row b is ``dL_b/dgate``."""
     from headbudget.progress import ProgressBar
 
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     base = [torch.ones(n, dtype=torch.float32, device=device) for n in adapter.head_counts()]
     if gate_values is not None:
-        base = [torch.as_tensor(v, dtype=torch.float32, device=device).reshape(b.shape) for b, v in zip(base, gate_values)]
+        base = [torch.as_tensor(v, dtype=torch.float32, device=device).reshape(b.shape)
+                for b, v in zip(base, gate_values)]
     totals = [torch.zeros(b.shape, dtype=torch.float64) for b in base]
     n = n_examples = 0
-    try:
-        with frozen_params(model):
-            for batch in ProgressBar(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
-                if max_batches is not None and n >= max_batches:
-                    break
-                part = batch_to_device(batch, device)
-                bsz = int(part["labels"].shape[0]) if torch.is_tensor(part.get("labels")) else 0
-                gates = [b.expand(bsz, -1).clone().requires_grad_(True) for b in base]
-                with adapter.gate_hooks(gates):
-                    losses = per_example_losses(model, part)
-                    assert losses is not None  # _losses_split checked that this loss splits
-                    losses.sum().backward()
-                for t, g in zip(totals, gates):
-                    t += (g.grad.detach().to("cpu", torch.float64) ** 2).sum(0)
-                n_examples += bsz
-                n += 1
-    finally:
-        model.train(was_training)
+    with _model_mode(model, False), frozen_params(model):
+        for batch in ProgressBar(itertools.islice(batches, max_batches), desc=desc, total=max_batches,
+                                 disable=not progress, leave=False):
+            part = batch_to_device(batch, device)
+            bsz = int(part["labels"].shape[0]) if torch.is_tensor(part.get("labels")) else 0
+            gates = [b.expand(bsz, -1).clone().requires_grad_(True) for b in base]
+            with adapter.gate_hooks(gates):
+                losses = per_example_losses(model, part)
+                assert losses is not None  # _losses_split checked that this loss splits
+                losses.sum().backward()
+            for t, g in zip(totals, gates):
+                t += (g.grad.detach().to("cpu", torch.float64) ** 2).sum(0)
+            n_examples += bsz
+            n += 1
     if n == 0:
         raise ValueError("no batches for the gate gradients (empty training data?)")
     return [(t / n_examples).numpy() for t in totals]
@@ -243,14 +200,8 @@ def _examples(batch: Batch) -> list[dict[str, Any]]:
             for i in range(bsz)]
 
 
-def salience(
-    adapter: HeadAdapter,
-    model: torch.nn.Module,
-    batches: Sequence[Batch],
-    loss_fn: LossFn = default_loss,
-    fraction: float = 0.25,
-    progress: bool = True,
-) -> np.ndarray:
+def salience(adapter: HeadAdapter, model: torch.nn.Module, batches: Sequence[Batch],
+             loss_fn: LossFn = default_loss, fraction: float = 0.25, progress: bool = True) -> np.ndarray:
     """CAHP's head salience: mean ``|dL/dgate|`` over the first ``fraction`` of ``batches``,
     min-max normalised to [0, 1] over all heads (flat, layer order)."""
     if not 0 < fraction <= 1:
@@ -291,20 +242,16 @@ def l2_normalise_per_layer(scores: Sequence[np.ndarray], eps: float = 1e-20) -> 
 
 def michel_importance(ctx: ImportanceContext, gate_values: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
     """Mean ``|dL/dgate|`` over the batches, L2-normalised within each layer."""
-    grads = gate_gradients(
-        ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, gate_values=gate_values,
-        progress=ctx.progress, desc="michel importance",
-    )
+    grads = gate_gradients(ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, gate_values=gate_values,
+                           progress=ctx.progress, desc="michel importance")
     return l2_normalise_per_layer(grads)
 
 
 def fisher_importance(ctx: ImportanceContext) -> list[np.ndarray]:
     """Empirical Fisher: mean over examples of the squared per-example gate gradient ``(dL_i/dgate)^2``
     (one backward pass per example; ``L_i`` is example i's own loss)."""
-    return gate_gradients(
-        ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, reduce="example_square",
-        progress=ctx.progress, desc="fisher importance",
-    )
+    return gate_gradients(ctx.adapter, ctx.model, ctx.batches, ctx.loss_fn, reduce="example_square",
+                          progress=ctx.progress, desc="fisher importance")
 
 
 def magnitude_importance(ctx: ImportanceContext) -> list[np.ndarray]:
@@ -332,26 +279,17 @@ def select_top(scores: Sequence[np.ndarray], n_keep: int, heads: Sequence[tuple[
         ([1, 2], [2, 3])
     """
     counts = [len(s) for s in scores]
-    heads = head_list(counts) if heads is None else list(heads)
     flat = flatten(scores)
-    n_layers = len(counts)
-    low = n_layers if layer_floor else 1
+    low = len(counts) if layer_floor else 1
     if not low <= n_keep <= len(flat):
         raise ValueError(f"cannot keep {n_keep} heads: need between {low}"
                          f"{' (one per layer)' if layer_floor else ''} and {len(flat)}")
     if not np.isfinite(flat).all():
         raise ValueError("importance scores contain NaN or inf")
-    kept: set[int] = set()
-    start = 0
-    for n in counts if layer_floor else ():
-        kept.add(start + int(np.argmax(flat[start : start + n])))
-        start += n
-    order = sorted(range(len(flat)), key=lambda i: (-flat[i], i))
-    for i in order:
-        if len(kept) >= n_keep:
-            break
-        kept.add(i)
-    return sorted(kept)
+    starts = itertools.accumulate([0, *counts])
+    kept = {a + int(np.argmax(flat[a : a + n])) for a, n in zip(starts, counts)} if layer_floor else set()
+    rest = [i for i in sorted(range(len(flat)), key=lambda i: (-flat[i], i)) if i not in kept]
+    return sorted(kept | set(rest[: n_keep - len(kept)]))
 
 
 def michel_iterative(ctx: ImportanceContext, n_keep: int, step_fraction: float = 0.1,
@@ -360,16 +298,15 @@ def michel_iterative(ctx: ImportanceContext, n_keep: int, step_fraction: float =
     and remove the least important ``step_fraction`` of the original heads per round, never a
     layer's last head (``layer_floor=False``: any head, as in the paper), until ``n_keep`` remain."""
     counts = ctx.head_counts
-    total, n_layers = sum(counts), len(counts)
-    low = n_layers if layer_floor else 1
+    total = sum(counts)
+    low = len(counts) if layer_floor else 1
     if not low <= n_keep <= total:
         raise ValueError(f"cannot keep {n_keep} heads: need between {low} and {total}")
     step = max(1, int(round(step_fraction * total)))
     alive = np.ones(total, dtype=bool)
     layer_of = np.array([layer for layer, n in enumerate(counts) for _ in range(n)])
     while alive.sum() > n_keep:
-        mask = unflatten(alive.astype(np.float64), counts)
-        imp = flatten(michel_importance(ctx, gate_values=mask))
+        imp = flatten(michel_importance(ctx, gate_values=unflatten(alive.astype(np.float64), counts)))
         n_remove = min(step, int(alive.sum()) - n_keep)
         for i in sorted(np.flatnonzero(alive), key=lambda i: (imp[i], -i)):
             if n_remove == 0:
@@ -390,7 +327,7 @@ def gate_mask(kept: Iterable[int], head_counts: Sequence[int]) -> list[torch.Ten
 
 def prune_spec(kept: Iterable[int], head_counts: Sequence[int]) -> dict[int, list[int]]:
     """``{layer: [heads to remove]}`` (current indices) for ``adapter.prune_heads``."""
-    keep = set(int(i) for i in kept)
+    keep = {int(i) for i in kept}
     out: dict[int, list[int]] = {}
     for i, (layer, h) in enumerate(head_list(head_counts)):
         if i not in keep:

@@ -21,16 +21,14 @@ BASELINES = ("baselines (michel, fisher, magnitude, random, pipelined-dsp, joint
 RECOVERY = "recovery fine-tuning"
 LM = "task lm: label-free pruning of a causal LM"
 
-#: the entry-point group through which an installed package adds importances: ``name = "module:function"`` (in
-#: pyproject.toml, ``[project.entry-points."headbudget.importance"]``) registers ``function`` as method ``name``
-#: (:func:`headbudget.pruning.methods.load_plugins`; with its ``settings`` dataclass, if it has one)
+#: the entry-point group through which an installed package adds importances: ``name = "module:function"``
+#: registers ``function`` as method ``name`` (:func:`headbudget.pruning.methods.load_plugins`)
 ENTRY_POINT_GROUP = "headbudget.importance"
 
 
 @dataclass
 class CahpSettings:
-    """The settings only ``cahp`` reads (registered with it in :mod:`headbudget.pruning.methods`): signatures,
-    t-SNE, clustering, the knee and the representatives.
+    """The settings only ``cahp`` reads: signatures, t-SNE, clustering, the knee and the representatives.
 
         >>> CahpSettings(pool_size=8).mss
         'mean'
@@ -74,10 +72,9 @@ class CahpSettings:
 
 @dataclass
 class DspPassSettings:
-    """The settings of the gate-training baselines (pipelined-dsp, joint-dsp[-finetuned], pass[-frozen];
-    :mod:`headbudget.pruning.gated`): the published SST-5 settings.  The joint ones train the weights at the
-    job's ``lr``; the authors' joint protocols (joint-dsp, pass) train gates and weights together from the
-    pre-trained model, the -finetuned / -frozen variants start from the job's ``model``.
+    """The settings of the gate-training baselines (:mod:`headbudget.pruning.gated`; defaults: the published
+    SST-5 settings).  The joint ones train the weights at the job's ``lr``, from the pre-trained model for the
+    authors' protocols (joint-dsp, pass), from the job's ``model`` for the -finetuned / -frozen variants.
 
         >>> DspPassSettings().gate_lr
         0.5
@@ -188,19 +185,10 @@ class _PruneSettings:
 
 @dataclass
 class PruneJob(AttAttrSettings, DspPassSettings, CahpSettings, _PruneSettings):
-    """Everything one pruning run needs: the settings every method shares and each built-in method's own
-    (:class:`CahpSettings`, :class:`DspPassSettings`, :class:`AttAttrSettings`, each registered with its methods;
-    a plug-in method's settings join them, :func:`headbudget.pruning.methods.with_method_settings`).  Each
-    field declares its flag once (:func:`headbudget.typed_config.option`): ``headbudget prune``'s and
-    ``prune-compare``'s flags, ``--config`` files and ``--print_config`` are generated from these fields
-    (:mod:`headbudget.cli.dataclass_flags`).
-
-    ``model`` is anything :func:`headbudget.loading.load_model` opens; ``tokenizer`` (lm) overrides the
-    model's own.  Exactly one of ``keep`` (heads) / ``keep_ratio`` forces the head count; CAHP
-    otherwise takes it from the knee of its curve.
-
-        run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
-    """
+    """Everything one pruning run needs: the settings every method shares and each built-in method's own (a
+    plug-in's join them, :func:`headbudget.pruning.methods.with_method_settings`).  Each field declares its
+    flag once (:func:`headbudget.typed_config.option`): the flags of ``prune`` / ``prune-compare``,
+    ``--config`` files and ``--print_config`` are generated from these fields."""
 
     def __post_init__(self) -> None:
         if self.finetune_epochs is None:  # resolved here, so Python callers, --config files and flags agree

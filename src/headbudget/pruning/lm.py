@@ -1,15 +1,10 @@
 """Language-model task for head pruning (``headbudget prune MODEL --task lm --data TEXT``).
 
 Causal LMs (converted to headbudget models by :func:`headbudget.loading.load_model`) are pruned label-free:
-CAHP's signatures are the heads' pooled attention distributions on *calibration* windows of the
-text, salience and the gradient baselines use the LM loss on those windows, and the metric is the
-perplexity of the *held-out* tail of the text (lower is better).
-
-The text is tokenized once; its last ``heldout_fraction`` of tokens is held out, and up to
-``calib_windows`` non-overlapping windows of ``context`` tokens are cut from the rest: the first ones
-(``calib_seed=None``), or -- ``calib_seed=s`` -- ``calib_windows`` of the rest's ``context``-token slots
-drawn without replacement by a generator seeded with ``s`` (in text order), so different seeds calibrate
-on different windows (:func:`calibration_offsets`).
+signatures, salience and the gradient baselines use *calibration* windows of the text (the LM loss), and
+the metric is the perplexity of its *held-out* tail.  The text is tokenized once; its last
+``heldout_fraction`` of tokens is held out, and up to ``calib_windows`` non-overlapping windows of
+``context`` tokens are cut from the rest: the first ones, or seeded ones (:func:`calibration_offsets`).
 
     >>> from headbudget.loading import load_model_and_tokenizer
     >>> from headbudget.pruning.lm import lm_data, lm_perplexity
@@ -55,10 +50,8 @@ def calibration_offsets(n_tokens: int, context: int, n_windows: int, seed: int |
     """
     n_slots = n_tokens // context
     n = min(n_windows, n_slots)
-    if seed is None:
-        slots = list(range(n))
-    else:
-        slots = sorted(torch.randperm(n_slots, generator=torch.Generator().manual_seed(int(seed)))[:n].tolist())
+    gen = None if seed is None else torch.Generator().manual_seed(int(seed))
+    slots = range(n) if gen is None else sorted(torch.randperm(n_slots, generator=gen)[:n].tolist())
     return [s * context for s in slots]
 
 
@@ -87,30 +80,25 @@ def lm_data(tokenizer: Any, data: str | os.PathLike[str], *, context: int = 128,
 def split_lm_ids(ids: torch.Tensor, source: str, *, context: int, calib_windows: int, heldout_fraction: float,
                  calib_seed: int | None = None) -> LMData:
     """:func:`lm_data` on already tokenized ``ids`` (e.g. the same text with another ``calib_seed``)."""
-    data = source
     n = len(ids)
     n_held = int(n * heldout_fraction)
     n_calib_tokens = n - n_held
     n_win = min(calib_windows, n_calib_tokens // context)
     if n_held < 2 or n_win < 1:
-        raise ValueError(f"{data}: {n} tokens is too short for one calibration window of {context} tokens "
+        raise ValueError(f"{source}: {n} tokens is too short for one calibration window of {context} tokens "
                          f"plus a held-out tail of {heldout_fraction:.0%} (>= 2 tokens)")
     offsets = calibration_offsets(n_calib_tokens, context, n_win, calib_seed)
     calib = torch.stack([ids[o : o + context] for o in offsets])
-    return LMData(calib=calib, heldout=ids[n_calib_tokens:], context=context, tokens_total=n, source=str(data),
-                  calib_offsets=tuple(offsets), calib_seed=calib_seed)
+    return LMData(calib=calib, heldout=ids[n_calib_tokens:], context=context, tokens_total=n,
+                  source=str(source), calib_offsets=tuple(offsets), calib_seed=calib_seed)
 
 
 def lm_batches(data: LMData, batch_size: int, shuffle: bool = False, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Calibration batches ``{"input_ids", "labels"}`` (labels = inputs: the model shifts them)."""
-    order = torch.arange(len(data.calib))
-    if shuffle:
-        order = torch.randperm(len(data.calib), generator=torch.Generator().manual_seed(seed))
-    out = []
-    for i in range(0, len(order), batch_size):
-        ids = data.calib[order[i : i + batch_size]]
-        out.append({"input_ids": ids, "labels": ids})
-    return out
+    n = len(data.calib)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle else torch.arange(n)
+    windows = [data.calib[order[i : i + batch_size]] for i in range(0, n, batch_size)]
+    return [{"input_ids": ids, "labels": ids} for ids in windows]
 
 
 def lm_perplexity(model: torch.nn.Module, data: LMData, *, max_windows: int | None = None,

@@ -1,19 +1,12 @@
 """The pruning methods ``prune`` / ``prune-compare`` know: a registry any user can add a method to.
 
-Like Torch-Pruning's ``Importance``, a method is a plug-in registered under a name, in one of two forms:
-
-* an **importance** -- ``fn(ctx: ImportanceContext) -> list[np.ndarray]``: one array of scores per layer
-  (``ctx.head_counts[layer]`` long, higher = more important) from the model (``ctx.adapter``, ``ctx.model``),
-  the importance batches (``ctx.batches``), the loss (``ctx.loss_fn``) and ``ctx.seed``.  The pipeline keeps
-  the ``keep`` best heads (:func:`headbudget.pruning.importance.select_top`: each layer's best head first,
-  then the best of the rest) and writes the scores to ``details.json``;
-* a **selector** -- ``fn(run: MethodRun) -> Selection``: it chooses the kept heads itself (trained or
-  clustering methods; an iterative importance registers ``keep_heads`` instead).  ``finds_count=True`` when it can also choose how many (``run.target``
-  is then ``None`` unless the job forces a count; without it a method needs ``keep`` / ``keep_ratio``).
-
-Every built-in method registers here (cahp, michel, fisher, magnitude, random, pipelined-dsp, joint-dsp[-finetuned],
-pass[-frozen], attattr); all but ``cahp`` (``keeps_layer_floor``) follow the job's ``layer_floor``.  A new one is
-usable by ``run_prune``, ``run_prune_compare`` and the CLI as soon as it is registered:
+A method is a plug-in registered under a name (as Torch-Pruning's ``Importance``): an **importance**
+``fn(ctx: ImportanceContext) -> list[np.ndarray]`` (one score array per layer, higher = more important;
+the pipeline keeps the best heads, :func:`headbudget.pruning.importance.select_top`) or a **selector**
+``fn(run: MethodRun) -> Selection`` that chooses the kept heads itself (``finds_count=True``: it may also
+choose how many).  Every built-in registers here; all but ``cahp`` follow the job's ``layer_floor``.
+Installed packages add methods through the entry-point group :data:`ENTRY_POINT_GROUP` (:func:`load_plugins`).
+See docs/pruning.md, "Adding a method".
 
     >>> import numpy as np
     >>> from headbudget.pruning.methods import available_importances, register_importance, unregister
@@ -22,13 +15,7 @@ usable by ``run_prune``, ``run_prune_compare`` and the CLI as soon as it is regi
     ...     return [np.arange(n, dtype=float) for n in ctx.head_counts]   # the last head of a layer scores highest
     >>> available_importances()[-1]
     'last-heads'
-    >>> run_prune(PruneJob("runs/ft", "sst5", "data/sst5", "runs/last", method="last-heads", keep=12))
-    ...                                                                              # doctest: +SKIP
     >>> unregister("last-heads")
-
-An installed package adds one with no import by the user: ``last-heads = "my_pruning.scores:last_heads"`` under
-``[project.entry-points."headbudget.importance"]`` in its pyproject.toml, and ``headbudget prune MODEL --method
-last-heads`` works (:func:`load_plugins` reads the group on the first lookup).
 """
 
 from __future__ import annotations
@@ -42,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from headbudget.pruning import attattr, cahp, gated
+from headbudget.pruning import attattr, cahp, gated, workloads
+from headbudget.pruning import report as rpt
 from headbudget.pruning.importance import (
     Batch,
     Importance,
@@ -67,21 +55,9 @@ from headbudget.pruning.job import (
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
 
-__all__ = [
-    "MethodRun",
-    "PruningMethod",
-    "Selection",
-    "UnknownMethodError",
-    "available_importances",
-    "get_importance",
-    "importance_table",
-    "load_plugins",
-    "register_importance",
-    "register_selector",
-    "score_heads",
-    "select_by_method",
-    "unregister",
-]
+__all__ = ["MethodRun", "PruningMethod", "Selection", "UnknownMethodError", "available_importances",
+           "get_importance", "importance_table", "load_plugins", "register_importance", "register_selector",
+           "score_heads", "select_by_method", "unregister"]
 
 
 class UnknownMethodError(ValueError):
@@ -118,10 +94,9 @@ class MethodRun:
 
 @dataclass
 class Selection:
-    """A method's decision: ``kept`` flat head indices (sorted), what goes into ``details.json``
-    (``scores``: one final score per head, used to rank heads for ``granularity``), stage timings
-    (``run_prune``'s ``select`` time is their sum when given, else the wall time), CAHP's knee and
-    curve for the report, and the plots written."""
+    """A method's decision: ``kept`` flat head indices, what goes into ``details.json`` (``scores``: one final
+    score per head, ranking heads for ``granularity``), stage timings (their sum is ``select``'s time when
+    given), CAHP's knee and curve for the report, and the plots written."""
 
     kept: list[int]
     details: dict[str, Any] = field(default_factory=dict)
@@ -137,15 +112,14 @@ KeepHeads = Callable[[ImportanceContext, int, bool], list[int]]
 
 @dataclass(frozen=True)
 class PruningMethod:
-    """One registered method: an ``importance`` or a ``selector`` (at least one).  A selector may also carry the
-    importance it is built from (:func:`score_heads` gives it); ``select`` runs the selector when there is one, else
-    ``keep_heads`` (an importance that picks its heads itself, as ``michel``'s rounds do), else the top scores.
+    """One registered method.  ``select`` runs the ``selector`` when there is one (a selector may also carry
+    the ``importance`` it is built from), else ``keep_heads`` (an importance that picks its heads itself, as
+    ``michel``'s rounds do), else keeps the top ``importance`` scores.
 
-    ``settings``: the dataclass of this method's own settings (its fields are fields of the job, their flags
-    flags of ``headbudget prune``: :func:`with_method_settings`); ``job_fields``: the job fields only this method
-    reads (a resumed comparison reruns it when they change; default: every field of ``settings``);
-    ``check(job)``: raises a one-line ``ValueError`` for a job this method cannot run.  ``keeps_layer_floor``:
-    the method always keeps a head in every layer (a job with ``layer_floor`` off is refused for it)."""
+    ``settings``: the dataclass of the method's own job fields (:func:`with_method_settings`); ``job_fields``:
+    the job fields only it reads (a resumed comparison reruns it when they change; default: ``settings``'
+    fields); ``check(job)`` raises a one-line ``ValueError`` for a job it cannot run; ``keeps_layer_floor``:
+    it always keeps a head per layer (a job with ``layer_floor`` off is refused for it)."""
 
     name: str
     importance: Importance | None = None
@@ -158,13 +132,11 @@ class PruningMethod:
     settings: type | None = None
 
     def __post_init__(self) -> None:
-        if self.settings is not None:
-            if not dataclasses.is_dataclass(self.settings) or any(
-                    f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                    for f in dataclasses.fields(self.settings)):
-                raise TypeError(f"method {self.name!r}: settings must be a dataclass whose fields all have "
-                                f"defaults, got {self.settings!r}")
-        own = dataclasses.fields(self.settings) if self.settings is not None else ()
+        own = dataclasses.fields(self.settings) if dataclasses.is_dataclass(self.settings) else ()
+        if self.settings is not None and (not dataclasses.is_dataclass(self.settings) or any(
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in own)):
+            raise TypeError(f"method {self.name!r}: settings must be a dataclass whose fields all have "
+                            f"defaults, got {self.settings!r}")
         object.__setattr__(self, "job_fields", tuple(f.name for f in own) if self.job_fields is None
                            else tuple(self.job_fields))
 
@@ -175,11 +147,10 @@ class PruningMethod:
         elif self.keep_heads is not None:
             sel = Selection(kept=self.keep_heads(run.importance_context(), run.target, floor))
         else:
-            counts = run.head_counts
             scores = [np.asarray(s, dtype=np.float64).reshape(-1) for s in self.importance(run.importance_context())]
-            if [len(s) for s in scores] != counts:
+            if [len(s) for s in scores] != run.head_counts:
                 raise ValueError(f"importance {self.name!r} returned {[len(s) for s in scores]} scores per layer; "
-                                 f"the model has {counts} heads per layer")
+                                 f"the model has {run.head_counts} heads per layer")
             sel = Selection(kept=select_top(scores, run.target, layer_floor=floor), details={"scores": flatten(scores)})
         sel.kept = _checked_kept(self.name, sel.kept, run.head_counts, floor)
         return sel
@@ -218,53 +189,42 @@ def _register(method: PruningMethod, replace: bool) -> None:
     _REGISTRY[name] = method
 
 
-def _instance(fn: Any) -> Any:
-    """A class registers one instance of itself (made without arguments); anything else as it is."""
-    return fn() if isinstance(fn, type) else fn
+def _adder(register: str, role: str, name: str, fn: Any, replace: bool, settings: type | None,
+           **kw: Any) -> Any:
+    """The body of ``register``: ``fn`` (as a decorator, the function it gets) registered as the ``role`` of
+    method ``name``, with ``settings`` or else ``fn.settings``; a class registers one instance of itself."""
+    def add(f: Any) -> Any:
+        if not callable(f):
+            raise TypeError(f"{register}({name!r}): {f!r} is not callable")
+        _register(PruningMethod(name, **{role: f() if isinstance(f, type) else f},
+                                settings=settings or getattr(f, "settings", None), **kw), replace)
+        return f
+
+    return add if fn is None else add(fn)
 
 
 def register_importance(name: str, fn: Importance | None = None, *, replace: bool = False,
                         job_fields: Sequence[str] | None = None, check: Callable[[Any], None] | None = None,
                         keep_heads: KeepHeads | None = None, settings: type | None = None) -> Any:
-    """Register ``fn(ctx) -> [scores of layer 0, scores of layer 1, ...]`` as method ``name``; as a
-    decorator without ``fn``.  ``fn`` may also be a class whose instances are such callables (one
-    instance is made).  ``keep_heads(ctx, n_keep, layer_floor)``: the method picks its heads itself from the
-    context (iterative pruning) rather than keeping the ``n_keep`` best scores.  ``settings``: a dataclass of
-    the method's own settings (default: ``fn.settings`` if it has one), read from the job as ``ctx.job.<field>``
-    and given as flags by ``headbudget prune``.  Returns ``fn``.
-
-        register_importance("taylor", lambda ctx: [np.abs(g) for g in gate_gradients(ctx.adapter, ctx.model,
-                                                                                      ctx.batches)])
-    """
-    def add(f: Any) -> Any:
-        if not callable(f):
-            raise TypeError(f"register_importance({name!r}): {f!r} is not callable")
-        _register(PruningMethod(name, importance=_instance(f), keep_heads=keep_heads, job_fields=job_fields,
-                                check=check, settings=settings or getattr(f, "settings", None)), replace)
-        return f
-
-    return add if fn is None else add(fn)
+    """Register ``fn(ctx) -> [scores of layer 0, scores of layer 1, ...]`` (or a class of such callables) as
+    method ``name``; a decorator without ``fn``.  ``keep_heads(ctx, n_keep, layer_floor)``: the method
+    picks its heads itself (iterative pruning) rather than keeping the best scores.  ``settings``: a
+    dataclass of its own settings (default: ``fn.settings``), read as ``ctx.job.<field>``.  Returns ``fn``."""
+    return _adder("register_importance", "importance", name, fn, replace, settings, keep_heads=keep_heads,
+                  job_fields=job_fields, check=check)
 
 
 def register_selector(name: str, fn: Selector | None = None, *, finds_count: bool = False, replace: bool = False,
                       job_fields: Sequence[str] | None = None, check: Callable[[Any], None] | None = None,
                       importance: Importance | None = None, keeps_layer_floor: bool = False,
                       settings: type | None = None) -> Any:
-    """Register ``fn(run: MethodRun) -> Selection`` as method ``name`` (as a decorator without ``fn``):
-    a method that picks the kept heads itself, e.g. ``lambda run: Selection(kept=my_heads(run.model,
-    run.target))``.  ``finds_count``: it may be called with ``run.target=None`` and choose the count;
-    ``importance``: one-shot scores the selector is built from, if any (:func:`score_heads` gives them);
-    ``keeps_layer_floor``: the method always keeps a head per layer (``cahp``); ``settings``: as
-    :func:`register_importance`'s."""
-    def add(f: Any) -> Any:
-        if not callable(f):
-            raise TypeError(f"register_selector({name!r}): {f!r} is not callable")
-        _register(PruningMethod(name, importance=importance, selector=_instance(f), finds_count=finds_count,
-                                job_fields=job_fields, check=check, keeps_layer_floor=keeps_layer_floor,
-                                settings=settings or getattr(f, "settings", None)), replace)
-        return f
-
-    return add if fn is None else add(fn)
+    """Register ``fn(run: MethodRun) -> Selection``, a method that picks the kept heads itself, as ``name``
+    (a decorator without ``fn``).  ``finds_count``: it may get ``run.target=None`` and choose the count;
+    ``importance``: one-shot scores it is built from (:func:`score_heads`); the rest as
+    :class:`PruningMethod`'s."""
+    return _adder("register_selector", "selector", name, fn, replace, settings, importance=importance,
+                  finds_count=finds_count, job_fields=job_fields, check=check,
+                  keeps_layer_floor=keeps_layer_floor)
 
 
 def unregister(name: str) -> None:
@@ -278,7 +238,6 @@ _plugins_loaded = False
 
 def load_plugins() -> list[str]:
     """Register the importances of installed packages (:data:`ENTRY_POINT_GROUP`), once; returns their names.
-
     One that fails to load, or takes a name already registered, is left out with one warning line naming it."""
     global _plugins_loaded
     if _plugins_loaded:
@@ -294,8 +253,8 @@ def load_plugins() -> list[str]:
         except Exception as exc:  # a broken plug-in must not take the built-in methods down with it
             print(f"headbudget: warning: importance plug-in {ep.name} = {ep.value} not loaded: {exc}",
                   file=sys.stderr)
-            continue
-        added.append(ep.name)
+        else:
+            added.append(ep.name)
     return added
 
 
@@ -317,8 +276,7 @@ def get_importance(name: str) -> PruningMethod:
 
 
 class _ImportanceView(Mapping[str, Importance]):
-    """The registered methods that score heads, ``{name: importance}``: read-only, live (a method registered
-    later is in it)."""
+    """The registered methods that score heads, ``{name: importance}`` (:func:`importance_table`)."""
 
     def __getitem__(self, name: str) -> Importance:
         if name not in _REGISTRY:
@@ -340,8 +298,7 @@ class _ImportanceView(Mapping[str, Importance]):
 
 
 def importance_table() -> Mapping[str, Importance]:
-    """``{name: importance}`` of every registered method with one score per head: a read-only, live view of the
-    registry."""
+    """``{name: importance}`` of every method with one score per head: a read-only, live registry view."""
     return _ImportanceView()
 
 
@@ -356,9 +313,8 @@ def score_heads(name: str, ctx: ImportanceContext) -> list[np.ndarray]:
 
 def select_by_method(method: str, ctx: ImportanceContext, n_keep: int,
                      layer_floor: bool = True) -> tuple[list[int], np.ndarray | None]:
-    """Kept flat indices (and the flat scores, when the method has one final score) of a scoring method: one that
-    picks its heads itself (``keep_heads``, e.g. ``michel``) has no final score; any other keeps its ``n_keep``
-    best heads (``layer_floor=False``: globally, a layer may keep none)."""
+    """Kept flat indices and flat scores of a scoring method (``None`` for one that picks its heads itself, as
+    ``michel`` does); ``layer_floor=False``: a layer may keep no head."""
     registered = _REGISTRY.get(method)
     if registered is not None and registered.keep_heads is not None:
         return registered.keep_heads(ctx, n_keep, layer_floor), None
@@ -367,8 +323,8 @@ def select_by_method(method: str, ctx: ImportanceContext, n_keep: int,
 
 
 def with_method_settings(cls: type) -> type:
-    """``cls`` (a :class:`~headbudget.pruning.job.PruneJob` class) with the settings of every registered method
-    joined in (:func:`~headbudget.pruning.job.join_settings`): how a plug-in's settings reach ``headbudget prune``."""
+    """``cls`` (a ``PruneJob`` class) with every registered method's settings joined in: how a plug-in's
+    settings reach ``headbudget prune``."""
     return join_settings(cls, [m.settings for m in _REGISTRY.values() if m.settings is not None])
 
 
@@ -379,13 +335,13 @@ def method_job_fields() -> dict[str, tuple[str, ...]]:
 
 # --------------------------------------------------------------------------- built-in selectors
 def _cahp_accuracy_curve(run: MethodRun) -> tuple[Callable[[list[int]], float] | None, list[int] | None]:
-    """``--curve accuracy``: the knee from measured accuracy of the primary split at every ``curve_step``-th
-    head count (classification, no forced count); else no curve."""
+    """``--curve accuracy`` (classification, no forced count): the accuracy function and the head counts to
+    measure; else ``(None, None)``."""
     from headbudget.pruning.finetune import evaluate_accuracy
-    from headbudget.pruning.workloads import ClassificationWorkload
 
     job, loaded, counts = run.job, run.workload, run.head_counts
-    if not (job.curve == "accuracy" and run.target is None and isinstance(loaded, ClassificationWorkload)):
+    classifier = isinstance(loaded, workloads.ClassificationWorkload)
+    if not (job.curve == "accuracy" and run.target is None and classifier):
         return None, None
     curve_examples = loaded.evals[loaded.primary]
 
@@ -398,15 +354,11 @@ def _cahp_accuracy_curve(run: MethodRun) -> tuple[Callable[[list[int]], float] |
 
 def _cahp(run: MethodRun) -> Selection:
     """CAHP (:func:`headbudget.pruning.cahp.cahp_select`) with the job's settings, plus its two plots."""
-    from headbudget.pruning import report as rpt
-
     job, loaded = run.job, run.workload
     accuracy_fn, accuracy_ks = _cahp_accuracy_curve(run)
-    settings: CahpSettings = job  # a PruneJob is its CahpSettings
-    if job.salience_order == "file":  # the workload cut the first salience_fraction of the examples already
-        sal_batches, settings = loaded.salience_batches(job), dataclasses.replace(job, salience_fraction=1.0)
-    else:
-        sal_batches = run.importance_batches
+    file_order = job.salience_order == "file"  # the workload cut the first salience_fraction of the examples
+    sal_batches = loaded.salience_batches(job) if file_order else run.importance_batches
+    settings: CahpSettings = dataclasses.replace(job, salience_fraction=1.0) if file_order else job
     sel, secs = cahp.cahp_select(run.adapter, run.signature_batches, sal_batches, settings,
                                  n_classes=loaded.n_classes, keep=run.target, seed=job.seed,
                                  accuracy_fn=accuracy_fn, accuracy_ks=accuracy_ks, progress=job.progress)
@@ -428,8 +380,6 @@ FROM_PRETRAINED = ("joint-dsp", "pass")
 def _gated(run: MethodRun) -> Selection:
     """DSP / PASS gate training (:func:`headbudget.pruning.gated.train_gates`) with the job's settings; the
     authors' joint protocols (:data:`FROM_PRETRAINED`) first put the pre-trained weights into the model."""
-    from headbudget.pruning import workloads
-
     job = run.job
     assert run.target is not None
     authors = job.method in FROM_PRETRAINED
@@ -438,16 +388,14 @@ def _gated(run: MethodRun) -> Selection:
                                   cooldown=job.gate_cooldown, weight_lr=job.lr, seed=job.seed)
     res = gated.train_gates(job.method, run.adapter, run.model, run.importance_batches[: job.importance_batches],
                             run.target, settings, progress=job.progress, layer_floor=layer_floor_of(job))
-    info = dict(res.info, start=start)
-    return Selection(kept=res.kept, details=dict(scores=res.logits, gate_training=info, gate_history=res.history))
+    return Selection(kept=res.kept, details=dict(scores=res.logits, gate_training=dict(res.info, start=start),
+                                                 gate_history=res.history))
 
 
 def _attattr(run: MethodRun) -> Selection:
     """AttAttr scores on the first ``attattr_examples`` examples of the primary evaluation split."""
-    from headbudget.pruning.workloads import ClassificationWorkload
-
     job, loaded = run.job, run.workload
-    assert run.target is not None and isinstance(loaded, ClassificationWorkload)
+    assert run.target is not None and isinstance(loaded, workloads.ClassificationWorkload)
     examples = loaded.evals[loaded.primary][: job.attattr_examples]
     scores = attattr.attattr_scores(run.adapter, run.model, loaded.tokenizer, examples, steps=job.attattr_steps,
                                     max_length=job.max_length, progress=job.progress)
@@ -470,20 +418,17 @@ def _register_builtins() -> None:
     for name, fn in (("fisher", fisher_importance), ("magnitude", magnitude_importance),
                      ("random", random_importance)):
         register_importance(name, fn)
-    # each gate method's fingerprint reads only the gate settings it uses (job_fields narrows DspPassSettings)
-    register_selector("pipelined-dsp", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
-                      check=gated.check_job, settings=DspPassSettings)
-    # the plain names are the authors' joint protocols; before they were, joint-dsp meant joint-dsp-finetuned and
-    # pass meant pass-frozen (a run folder of the old meaning lacks pretrained / joint_epochs in its recorded
-    # settings, so a resumed comparison reruns it)
-    authors = ("gate_lr", "pretrained", "joint_epochs")
-    register_selector("joint-dsp", _gated, job_fields=(*authors, "gate_cooldown"), check=gated.check_joint_job,
-                      settings=DspPassSettings)
-    register_selector("joint-dsp-finetuned", _gated, job_fields=("gate_lr", "gate_epochs", "gate_cooldown"),
-                      check=gated.check_job, settings=DspPassSettings)
-    register_selector("pass", _gated, job_fields=authors, check=gated.check_joint_job, settings=DspPassSettings)
-    register_selector("pass-frozen", _gated, job_fields=("gate_lr", "gate_epochs"), check=gated.check_job,
-                      settings=DspPassSettings)
+    # each gate method's fingerprint reads only the gate settings it uses (job_fields narrows
+    # DspPassSettings).  The plain names are the authors' joint protocols; before they were, joint-dsp meant
+    # joint-dsp-finetuned and pass meant pass-frozen (a run folder of the old meaning lacks pretrained /
+    # joint_epochs in its recorded settings, so a resumed comparison reruns it)
+    own, authors = ("gate_lr", "gate_epochs", "gate_cooldown"), ("gate_lr", "pretrained", "joint_epochs")
+    for name, fields, check in (("pipelined-dsp", own, gated.check_job),
+                                ("joint-dsp", (*authors, "gate_cooldown"), gated.check_joint_job),
+                                ("joint-dsp-finetuned", own, gated.check_job),
+                                ("pass", authors, gated.check_joint_job),
+                                ("pass-frozen", own[:2], gated.check_job)):
+        register_selector(name, _gated, job_fields=fields, check=check, settings=DspPassSettings)
     register_selector("attattr", _attattr, check=attattr.check_job, settings=AttAttrSettings)
 
 

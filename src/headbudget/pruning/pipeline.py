@@ -1,24 +1,15 @@
 """The pruning pipeline of one method (:func:`run_prune`); several at one head count are
 :func:`headbudget.pruning.compare.run_prune_compare`.
 
+A classifier (``sst5``, ``mnli``) keeps its Hugging Face class plus ``kept_heads.json``; ``task="lm"``
+prunes a causal LM label-free as a headbudget model (:mod:`headbudget.pruning.lm`).  Each run writes
+``OUT/model`` (tokenizer at its root), ``OUT/report.json`` (:mod:`headbudget.pruning.report`),
+``OUT/details.json``, ``OUT/report.md`` and plots; see docs/pruning.md.
+
     >>> from headbudget.pruning.job import PruneJob
     >>> from headbudget.pruning.pipeline import run_prune
     >>> run_prune(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
     ...                                                                              # doctest: +SKIP
-    >>> run_prune(PruneJob("runs/prism", "lm", None, "runs/cahp-lm", data="../shared/data/text/tinyshakespeare.txt",
-    ...                    keep=12))                                                 # doctest: +SKIP
-
-Classification tasks (``sst5``, ``mnli``) prune a classifier (BERT family or a fine-tuned
-``*ForSequenceClassification``); it keeps its Hugging Face class and is saved with
-:func:`headbudget.models.surgery.save_pruned` (``kept_heads.json`` records the kept heads, and
-:func:`headbudget.loading.load_model` reads it back).  ``task="lm"`` prunes a causal LM label-free
-(:mod:`headbudget.pruning.lm`): the decoder is converted to a headbudget model
-(``load_model(..., as_headbudget=True)``), pruned by ``model.prune_heads`` and saved with
-``save_pretrained``, so the result is a plain headbudget checkpoint whose schedule is what was kept.
-Every output model folder holds its tokenizer at the root.
-
-Each run writes ``OUT/model``, ``OUT/report.json`` (fixed schema, :mod:`headbudget.pruning.report`, with
-parameters and forward FLOPs per token before and after), ``OUT/details.json``, ``OUT/report.md`` and plots.
 """
 
 from __future__ import annotations
@@ -34,17 +25,8 @@ from headbudget.io import atomic_write_text
 from headbudget.progress import quiet_unless_progress
 from headbudget.pruning import report as rpt
 from headbudget.pruning.job import PruneJob, require_positive
-from headbudget.pruning.methods import (
-    MethodRun,
-    Selection,
-    get_importance,
-    method_job_fields,
-)
-from headbudget.pruning.workloads import (
-    Workload,
-    load_workload,
-    model_adapter,
-)
+from headbudget.pruning.methods import MethodRun, Selection, get_importance, method_job_fields
+from headbudget.pruning.workloads import Workload, load_workload, model_adapter
 
 if TYPE_CHECKING:
     from headbudget.models.surgery import HeadAdapter
@@ -68,8 +50,7 @@ def check_job(job: PruneJob) -> None:
                              "or a forced head count")
         if job.context < 2:
             raise ValueError(f"context must be >= 2 tokens, got {job.context}")
-        if job.calib_windows < 1:
-            raise ValueError(f"calib_windows must be >= 1, got {job.calib_windows}")
+        require_positive(job, "calib_windows")
         if not 0 < job.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in (0, 1), got {job.heldout_fraction}")
         for path in job.eval_data:
@@ -87,10 +68,8 @@ def check_job(job: PruneJob) -> None:
     if job.keep is not None and job.keep < 1:
         raise ValueError(f"keep must be >= 1 head, got {job.keep}")
     if not method.finds_count and job.keep is None and job.keep_ratio is None:
-        raise ValueError(
-            f"method {job.method} needs a head count (keep or keep_ratio): baselines are forced to a head "
-            "count; prune-compare takes it from CAHP"
-        )
+        raise ValueError(f"method {job.method} needs a head count (keep or keep_ratio): baselines are "
+                         "forced to a head count; prune-compare takes it from CAHP")
     if method.check is not None:
         method.check(job)
     if job.pool_size < 2:
@@ -100,29 +79,17 @@ def check_job(job: PruneJob) -> None:
     require_positive(job, "limit_train", "limit_eval", "importance_batches")
 
 
-def _evaluate(model: Any, loaded: Workload, job: PruneJob, stage: str) -> dict[str, float]:
-    return loaded.evaluate(model, job, stage)
-
-
-def _target_heads(job: PruneJob, heads_total: int) -> int | None:
-    if job.keep is not None:
-        return job.keep
-    if job.keep_ratio is not None:
-        return max(1, int(round(job.keep_ratio * heads_total)))
-    return None
-
-
 def _checked_target(job: PruneJob, counts: list[int]) -> int | None:
     """The number of heads the job keeps (None: the method decides), refused in one line when out of range."""
     n_total = sum(counts)
-    target = _target_heads(job, n_total)
+    target = job.keep
+    if target is None and job.keep_ratio is not None:
+        target = max(1, int(round(job.keep_ratio * n_total)))
     # without the floor a baseline may keep fewer heads than there are layers (some layers lose every head)
     low = len(counts) if job.layer_floor or get_importance(job.method).keeps_layer_floor else 1
     if target is not None and not low <= target < n_total:
-        raise ValueError(
-            f"cannot keep {target} heads: this model has {n_total} heads in {len(counts)} layers "
-            f"(keep between {low} and {n_total - 1})"
-        )
+        raise ValueError(f"cannot keep {target} heads: this model has {n_total} heads in {len(counts)} "
+                         f"layers (keep between {low} and {n_total - 1})")
     return target
 
 
@@ -158,11 +125,10 @@ def run_prune(job: PruneJob, loaded: Workload | None = None,
     cost_before = _cost(model)
     adapter = model_adapter(model)
     counts = adapter.head_counts()
-    heads = [(layer, h) for layer, n in enumerate(counts) for h in range(n)]
 
     t = time.perf_counter()
     if loaded.dense_acc is None:
-        loaded.dense_acc = _evaluate(model, loaded, job, "dense")
+        loaded.dense_acc = loaded.evaluate(model, job, "dense")
         seconds["dense_eval"] = time.perf_counter() - t
     tell()
     dense = dict(loaded.dense_acc)
@@ -175,12 +141,12 @@ def run_prune(job: PruneJob, loaded: Workload | None = None,
     tell()
     details.update(sel.details)
     kept = sel.kept if job.granularity == "head" else _with_granularity(run, sel.kept, details)
-    kept_layers = kept_by_layer(kept, heads, len(counts))
+    kept_layers = kept_by_layer(kept, run.heads, len(counts))
 
     _remove_heads(adapter, kept, kept_layers, seconds)
     cost = {"before": cost_before, "after": _cost(model)}
     t = time.perf_counter()
-    pruned = _evaluate(model, loaded, job, "pruned")
+    pruned = loaded.evaluate(model, job, "pruned")
     seconds["pruned_eval"] = time.perf_counter() - t
     tell()
     finetuned = _recover_and_save(model, loaded, job, details, seconds)
@@ -188,11 +154,9 @@ def run_prune(job: PruneJob, loaded: Workload | None = None,
     tell()
 
     stages = {s: {"dense": dense[s], "pruned": pruned[s], "finetuned": finetuned.get(s)} for s in loaded.evals}
-    details["metric_name"] = loaded.metric_name
-    details[loaded.metric_name] = stages
-    details.update(loaded.details())
-    details["kept_original"] = {str(k): v for k, v in adapter.original_heads().items()}
-    details["job"] = _job_fingerprint(job)
+    details.update({"metric_name": loaded.metric_name, loaded.metric_name: stages, **loaded.details(),
+                    "kept_original": {str(k): v for k, v in adapter.original_heads().items()},
+                    "job": _job_fingerprint(job)})
     report = _method_report(run, sel, kept_layers, dict(stages[loaded.primary]), seconds, cost, details)
     plots = sel.plots + _plot_result(run, report, kept_layers, stages[loaded.primary], details)
     rpt.write_json(out / "report.json", report)
@@ -202,9 +166,8 @@ def run_prune(job: PruneJob, loaded: Workload | None = None,
 
 
 def _cost(model: Any) -> dict[str, Any]:
-    """Parameters, forward FLOPs per token and KV-cache bytes per token of ``model``: as headbudget stores them
-    (its dtype) and as llama.cpp stores its GGUF export (f16, unequal query groups with duplicated key/value
-    heads), which can exceed the dense model's while headbudget's shrinks."""
+    """``report.json``'s ``cost`` of ``model``: parameters, forward FLOPs and KV-cache bytes per token (as
+    headbudget and as llama.cpp's GGUF export store the cache)."""
     from headbudget.evaluation.cost import model_cost, model_kv_cache_bytes
     from headbudget.models.export_gguf import gguf_kv_cache_bytes
 
@@ -233,8 +196,7 @@ def _with_granularity(run: MethodRun, kept: list[int], details: dict[str, Any]) 
     # selection first: 1 for a kept head, 0 for the rest
     flat = None if details.get("scores") is None else flatten(details["scores"])
     if flat is None or len(flat) != n_total:
-        kept_set = set(kept)
-        flat = [1.0 if i in kept_set else 0.0 for i in range(n_total)]
+        flat = np.isin(np.arange(n_total), kept).astype(np.float64)
     details["granularity"] = run.job.granularity
     floor = run.job.layer_floor or get_importance(run.job.method).keeps_layer_floor
     return apply_granularity(run.job.granularity, unflatten(np.asarray(flat, dtype=np.float64), counts),
@@ -259,10 +221,9 @@ def _recover_and_save(model: Any, loaded: Workload, job: PruneJob, details: dict
     finetuned: dict[str, float | None] = {s: None for s in loaded.evals}
     if job.finetune_epochs > 0:
         t = time.perf_counter()
-        final, history = loaded.finetune(model, job)
+        final, details["finetune_history"] = loaded.finetune(model, job)
         seconds["finetune"] = time.perf_counter() - t
         finetuned = dict(final)
-        details["finetune_history"] = history
     if job.save_model:
         t = time.perf_counter()
         loaded.save(model, Path(job.out) / "model")
@@ -313,22 +274,15 @@ def _plot_result(run: MethodRun, report: dict[str, Any], kept_layers: dict[int, 
 def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     """The settings that decide a method's result (``resume`` reuses a finished method only when they match)."""
     d = {k: v for k, v in vars(job).items() if k not in ("out", "progress", "device", "extra")}
-    for k in ("representative", "allocation", "n_clusters"):  # added later: unset keeps older runs resumable
-        if d[k] is None:
+    # settings added later are left out while unset or at their default: older runs stay resumable
+    for k, unset in (("representative", (None,)), ("allocation", (None,)), ("n_clusters", (None,)),
+                     ("granularity", ("head",)), ("layer_floor", (True,)), ("calib_seed", (None,)),
+                     ("eval_data", (None, ()))):
+        if k in d and d[k] in unset:
             del d[k]
-    if d.get("granularity") == "head":  # added later: the default keeps older runs resumable
-        del d["granularity"]
-    if d.get("layer_floor") is True:  # added later: the default keeps older runs resumable
-        del d["layer_floor"]
-    for k in ("calib_seed", "eval_data"):  # added later: unset keeps older runs resumable
-        if d.get(k) in (None, ()):
-            d.pop(k, None)
-    by_method = method_job_fields()
-    mine = by_method.get(job.method, ())
-    for fields in by_method.values():
-        for k in fields:
-            if k not in mine:
-                d.pop(k, None)
+    by_method = method_job_fields()  # other methods' own settings are no part of this one's result
+    for k in {k for fields in by_method.values() for k in fields} - set(by_method.get(job.method, ())):
+        d.pop(k, None)
     return json.loads(json.dumps(d, default=str))
 
 

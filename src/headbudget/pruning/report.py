@@ -8,19 +8,8 @@
      "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context",
               "kv_cache_bytes_per_token": {"before", "after"}, "gguf_kv_cache_bytes_per_token": {"before", "after"}}}
 
-(``kv_cache_bytes_per_token`` -- what one token adds to headbudget's KV cache at the model's dtype -- only for
-decoders; ``gguf_kv_cache_bytes_per_token`` -- what it adds to llama.cpp's f16 cache once exported to GGUF, where
-unequal query groups are stored with duplicated key/value heads, so it can exceed the dense model's while
-headbudget's shrinks -- only for decoders llama.cpp runs.)
-
-(``knee_k`` is CAHP's cluster count k and ``k_source`` says what set it, :func:`k_source_of`: ``"knee"`` of the
-MSS or accuracy curve, ``"forced"`` by a head count (keep / keep_ratio: no knee computed) or ``"fallback"`` (no
-knee found: the k of the highest MSS or accuracy); both ``null`` for methods without clusters.)
-
-(``mean_depth`` and ``middle_third_share`` measure where the kept heads sit, see :func:`depth_profile`;
-``metric`` holds the primary dev-split accuracy -- for ``--task lm`` the held-out perplexity, lower
-is better; ``null`` where a stage did not run).  Everything
-else (every split's accuracy, salience, clusters, embedding) goes to ``details.json``.
+The KV-cache sizes are for decoders only; ``metric`` (the primary split's accuracy, task lm: perplexity)
+is ``null`` where a stage did not run; everything else goes to ``details.json``.  See docs/pruning.md.
 
     >>> rep = build_report("cahp", 72, {0: [1, 4], 1: [0]}, knee_k=3, mss=[(2, 0.5), (3, 0.7)],
     ...                    metric={"dense": 0.5, "pruned": 0.3, "finetuned": 0.45}, seconds={"total": 9.0})
@@ -40,20 +29,9 @@ import numpy as np
 
 from headbudget.io import atomic_write_text, save_figure
 
-__all__ = [
-    "REPORT_KEYS",
-    "build_report",
-    "compare_markdown",
-    "depth_profile",
-    "describe_k",
-    "k_source_of",
-    "plot_accuracy_vs_heads",
-    "plot_embedding",
-    "plot_heads_per_layer",
-    "plot_mss",
-    "report_markdown",
-    "write_json",
-]
+__all__ = ["REPORT_KEYS", "build_report", "compare_markdown", "depth_profile", "describe_k", "k_source_of",
+           "plot_accuracy_vs_heads", "plot_embedding", "plot_heads_per_layer", "plot_mss", "report_markdown",
+           "write_json"]
 
 REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "mean_depth", "middle_third_share", "knee_k", "k_source",
                "mss", "metric", "seconds", "cost")
@@ -79,11 +57,8 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
 
 
 def depth_profile(kept: Mapping[int | str, Sequence[int]], n_layers: int) -> tuple[float, float]:
-    """``(mean_depth, middle_third_share)`` of the kept heads (proximity bias).
-
-    A head in layer ``l`` of ``n_layers`` has normalised depth ``l / (n_layers - 1)`` (0 first layer, 1 last;
-    0 when there is one layer).  ``mean_depth`` averages it over the kept heads; ``middle_third_share`` is
-    the share of kept heads whose depth lies in [1/3, 2/3] (12 layers: layers 4-7; 6 layers: 2-3).
+    """``(mean_depth, middle_third_share)`` of the kept heads (proximity bias): the mean normalised depth
+    ``l / (n_layers - 1)`` (0 with one layer) and the share with depth in [1/3, 2/3] (docs/pruning.md).
 
         >>> depth_profile({0: [0, 1], 1: [2], 2: [], 3: [0]}, 4)
         (0.3333333333333333, 0.25)
@@ -99,27 +74,21 @@ def depth_profile(kept: Mapping[int | str, Sequence[int]], n_layers: int) -> tup
     return float(sum(depth) / len(depth)), len(middle) / len(layers)
 
 
-def build_report(
-    method: str,
-    heads_total: int,
-    kept: Mapping[int | str, Sequence[int]],
-    knee_k: int | None,
-    mss: Sequence[tuple[int, float]] | None,
-    metric: Mapping[str, float | None],
-    seconds: Mapping[str, float],
-    cost: Mapping[str, Mapping[str, int]] | None = None,
-    n_layers: int | None = None,
-    k_source: str | None = None,
-) -> dict[str, Any]:
-    """The ``report.json`` dict, keys in the fixed order (``kept`` keyed by layer as strings).
-
-    ``n_layers`` (default: the highest layer in ``kept`` + 1) normalises the depths of :func:`depth_profile`.
-
-    ``cost`` is ``{"before": model_cost(dense), "after": model_cost(pruned)}``
+def build_report(method: str, heads_total: int, kept: Mapping[int | str, Sequence[int]], knee_k: int | None,
+                 mss: Sequence[tuple[int, float]] | None, metric: Mapping[str, float | None],
+                 seconds: Mapping[str, float], cost: Mapping[str, Mapping[str, int]] | None = None,
+                 n_layers: int | None = None, k_source: str | None = None) -> dict[str, Any]:
+    """The ``report.json`` dict, keys in the fixed order (``kept`` keyed by layer as strings).  ``n_layers``
+    (default: the highest layer in ``kept`` + 1) normalises the depths of :func:`depth_profile`; ``cost`` is
+    ``{"before": model_cost(dense), "after": model_cost(pruned)}``
     (:func:`headbudget.evaluation.cost.model_cost`)."""
     kept_json = {str(int(layer)): sorted(int(h) for h in hs) for layer, hs in sorted(kept.items(), key=lambda kv: int(kv[0]))}
     mean_depth, middle = depth_profile(kept_json, n_layers if n_layers is not None
                                        else max((int(k) for k in kept_json), default=0) + 1)
+
+    def pair(key: str) -> dict[str, int]:
+        return {"before": int(cost["before"][key]), "after": int(cost["after"][key])}  # type: ignore[index]
+
     return {
         "method": method,
         "heads_total": int(heads_total),
@@ -133,17 +102,12 @@ def build_report(
         "metric": {k: (None if metric.get(k) is None else float(metric[k])) for k in METRIC_KEYS},  # type: ignore[arg-type]
         "seconds": {k: round(float(v), 3) for k, v in seconds.items()},
         "cost": None if cost is None else {
-            "params": {"before": int(cost["before"]["params"]), "after": int(cost["after"]["params"])},
-            "flops_per_token": {"before": int(cost["before"]["flops_per_token"]),
-                                "after": int(cost["after"]["flops_per_token"])},
+            "params": pair("params"), "flops_per_token": pair("flops_per_token"),
             "context": int(cost["before"]["context"]),
-            **({"kv_cache_bytes_per_token": {"before": int(cost["before"]["kv_cache_bytes_per_token"]),
-                                             "after": int(cost["after"]["kv_cache_bytes_per_token"])}}
-               if cost["before"].get("kv_cache_bytes_per_token") is not None else {}),
-            **({"gguf_kv_cache_bytes_per_token": {"before": int(cost["before"]["gguf_kv_cache_bytes_per_token"]),
-                                                  "after": int(cost["after"]["gguf_kv_cache_bytes_per_token"])}}
-               if cost["before"].get("gguf_kv_cache_bytes_per_token") is not None
-               and cost["after"].get("gguf_kv_cache_bytes_per_token") is not None else {}),
+            # llama.cpp runs only some pruned decoders: its cache size is left out when either side lacks it
+            **{k: pair(k) for k in ("kv_cache_bytes_per_token", "gguf_kv_cache_bytes_per_token")
+               if cost["before"].get(k) is not None
+               and (k == "kv_cache_bytes_per_token" or cost["after"].get(k) is not None)},
         },
     }
 
@@ -165,8 +129,6 @@ def describe_k(k: int | None, knee_source: str | None, keep: int | None = None,
 
         >>> describe_k(30, "keep", keep_ratio=0.5)
         'clusters k = 30, forced by --keep-ratio 0.5; no knee computed'
-        >>> describe_k(7, "mss"), describe_k(None, None)
-        ('knee k = 7', None)
     """
     if k is None:
         return None
@@ -182,11 +144,7 @@ def describe_k(k: int | None, knee_source: str | None, keep: int | None = None,
 
 
 def _fmt(v: Any) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.4f}"
-    return str(v)
+    return "–" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None = None, plots: Sequence[str] = ()) -> str:
@@ -207,13 +165,8 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
     mname = str(details.get("metric_name", "accuracy"))
     lines += ["", f"## {mname.capitalize()}" + (" (lower is better)" if mname == "perplexity" else ""), "",
               "| split | dense | pruned | fine-tuned |", "| --- | --- | --- | --- |"]
-    acc = details.get(mname) or {}
-    if acc:
-        for split, row in acc.items():
-            lines.append(f"| {split} | {_fmt(row.get('dense'))} | {_fmt(row.get('pruned'))} | {_fmt(row.get('finetuned'))} |")
-    else:
-        m = report["metric"]
-        lines.append(f"| primary | {_fmt(m['dense'])} | {_fmt(m['pruned'])} | {_fmt(m['finetuned'])} |")
+    lines += [f"| {split} | " + " | ".join(_fmt(row.get(k)) for k in METRIC_KEYS) + " |"
+              for split, row in (details.get(mname) or {"primary": report["metric"]}).items()]
     if report.get("cost"):
         c = report["cost"]
         lines += ["", f"## Size (forward FLOPs per token at context {c['context']})", "",
@@ -221,20 +174,17 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
         for key, label in (("params", "parameters"), ("flops_per_token", "FLOPs / token"),
                            ("kv_cache_bytes_per_token", "KV-cache bytes / token (headbudget)"),
                            ("gguf_kv_cache_bytes_per_token", "KV-cache bytes / token (llama.cpp GGUF, f16)")):
-            if key not in c:  # encoders have no KV cache
-                continue
-            b, a = c[key]["before"], c[key]["after"]
-            lines.append(f"| {label} | {b:,} | {a:,} | {a / b:.3f} |")
+            if key in c:  # encoders have no KV cache
+                b, a = c[key]["before"], c[key]["after"]
+                lines.append(f"| {label} | {b:,} | {a:,} | {a / b:.3f} |")
     lines += ["", "## Heads kept per layer", ""]
     if report.get("mean_depth") is not None:
         lines += [f"Mean normalised depth of the kept heads {report['mean_depth']:.3f} (0 first layer, 1 last); "
                   f"share in the middle third of the layers {report['middle_third_share']:.3f}.", ""]
     lines += ["| layer | kept | heads |", "| --- | --- | --- |"]
-    for layer, hs in report["kept"].items():
-        lines.append(f"| {layer} | {len(hs)} | {', '.join(map(str, hs))} |")
+    lines += [f"| {layer} | {len(hs)} | {', '.join(map(str, hs))} |" for layer, hs in report["kept"].items()]
     lines += ["", "## Wall time (s)", "", "| stage | seconds |", "| --- | --- |"]
-    for k, v in report["seconds"].items():
-        lines.append(f"| {k} | {v:.1f} |")
+    lines += [f"| {k} | {v:.1f} |" for k, v in report["seconds"].items()]
     if report.get("mss"):
         best = max(report["mss"], key=lambda kv: kv[1])
         lines += ["", f"MSS computed for k = {report['mss'][0][0]}..{report['mss'][-1][0]}; "
@@ -253,11 +203,11 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
         head += [f"{s} pruned", f"{s} fine-tuned"]
     has_depth = any("mean_depth" in r for r in rows)
     head += (["mean depth", "middle third"] if has_depth else []) + ["select s", "finetune s"]
-    cost_keys = [k for k in ("params", "flops_per_token", "kv_cache_bytes_per_token", "gguf_kv_cache_bytes_per_token")
-                 if any(k in (r.get("cost") or {}) for r in rows)]
-    head += [{"params": "params", "flops_per_token": "FLOPs / token",
-              "kv_cache_bytes_per_token": "KV-cache bytes / token",
-              "gguf_kv_cache_bytes_per_token": "GGUF KV-cache bytes / token"}[k] for k in cost_keys]
+    cost_labels = {"params": "params", "flops_per_token": "FLOPs / token",
+                   "kv_cache_bytes_per_token": "KV-cache bytes / token",
+                   "gguf_kv_cache_bytes_per_token": "GGUF KV-cache bytes / token"}
+    cost_keys = [k for k in cost_labels if any(k in (r.get("cost") or {}) for r in rows)]
+    head += [cost_labels[k] for k in cost_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [str(r["method"]), str(r["heads_kept"])] + ([str(r.get("count_from", ""))] if has_from else [])
@@ -290,17 +240,12 @@ def _plt():
 def plot_mss(mss: Sequence[tuple[int, float]], knee_k: int | None, path: str | os.PathLike[str],
              title: str = "Mean Simplified Silhouette") -> Path:
     """MSS vs k with the chosen k marked."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ks = [k for k, _ in mss]
-    vs = [v for _, v in mss]
-    ax.plot(ks, vs, marker=".", lw=1)
+    fig, ax = _plt().subplots(figsize=(6, 3.6))
+    ax.plot([k for k, _ in mss], [v for _, v in mss], marker=".", lw=1)
     if knee_k is not None:
         ax.axvline(knee_k, color="tab:red", ls="--", lw=1, label=f"k = {knee_k}")
         ax.legend()
-    ax.set_xlabel("clusters k")
-    ax.set_ylabel("MSS")
-    ax.set_title(title)
+    ax.set(xlabel="clusters k", ylabel="MSS", title=title)
     ax.grid(alpha=0.3)
     return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure; closes fig
 
@@ -309,10 +254,9 @@ def plot_embedding(embedding: np.ndarray, labels: Sequence[int], heads: Sequence
                    kept: Sequence[int], path: str | os.PathLike[str]) -> Path:
     """2-D t-SNE embedding of the heads, coloured by cluster (left) and by layer (right); kept
     heads ringed in black."""
-    plt = _plt()
     emb = np.asarray(embedding)
     layers = np.array([layer for layer, _ in heads])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
+    fig, axes = _plt().subplots(1, 2, figsize=(11, 4.8))
     kept_mask = np.zeros(len(heads), dtype=bool)
     kept_mask[list(kept)] = True
     for ax, colour, title, cmap in (
@@ -322,9 +266,7 @@ def plot_embedding(embedding: np.ndarray, labels: Sequence[int], heads: Sequence
         sc = ax.scatter(emb[:, 0], emb[:, 1], c=colour, cmap=cmap, s=28)
         ax.scatter(emb[kept_mask, 0], emb[kept_mask, 1], facecolors="none", edgecolors="black", s=90, lw=1.2,
                    label="kept")
-        ax.set_title(f"t-SNE of head signatures: {title}")
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.set(title=f"t-SNE of head signatures: {title}", xticks=[], yticks=[])
         if colour is layers:
             from matplotlib.ticker import MaxNLocator
 
@@ -338,22 +280,18 @@ def plot_embedding(embedding: np.ndarray, labels: Sequence[int], heads: Sequence
 def plot_heads_per_layer(kept_by_method: Mapping[str, Mapping[Any, Sequence[int]]], n_layers: int,
                          path: str | os.PathLike[str]) -> Path:
     """Grouped bars: heads kept in each layer by each method (the "proximity bias" figure)."""
-    plt = _plt()
     methods = list(kept_by_method)
-    fig, ax = plt.subplots(figsize=(max(6, n_layers * 0.6 * max(1, len(methods)) / 2), 3.8))
+    fig, ax = _plt().subplots(figsize=(max(6, n_layers * 0.6 * max(1, len(methods)) / 2), 3.8))
     width = 0.8 / max(1, len(methods))
     x = np.arange(n_layers)
     for i, m in enumerate(methods):
         kept = {int(k): v for k, v in kept_by_method[m].items()}
         ax.bar(x + (i - (len(methods) - 1) / 2) * width, [len(kept.get(layer, [])) for layer in range(n_layers)],
                width, label=m)
-    ax.set_xticks(x)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("heads kept")
+    ax.set(xticks=x, xlabel="layer", ylabel="heads kept", title="Heads kept per layer")
     from matplotlib.ticker import MaxNLocator
 
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title("Heads kept per layer")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure; closes fig
@@ -365,8 +303,7 @@ def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], pa
                            title: str = "Accuracy vs heads kept") -> Path:
     """Accuracy vs heads kept: one marker series per label (e.g. "cahp pruned"), the dense model
     as a star, and an optional measured curve (``--curve accuracy``)."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _plt().subplots(figsize=(6, 4))
     if curve:
         cs = sorted(curve)
         ax.plot([c[0] for c in cs], [c[1] for c in cs], color="0.6", lw=1, marker=".", label="CAHP sweep (pruned)")
@@ -376,9 +313,7 @@ def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], pa
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], s=40, label=label)
     if dense is not None:
         ax.scatter([dense[0]], [dense[1]], marker="*", s=160, color="black", label="dense")
-    ax.set_xlabel("heads kept")
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel="heads kept", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title)
     return save_figure(fig, path)  # atomic, follows the umask, no temp file left on failure; closes fig

@@ -1,15 +1,12 @@
 """Attention signatures of heads and the distances CAHP clusters them by.
 
-Two kinds of signature are computed in one streaming pass over the data:
+Two kinds, computed in one streaming pass over the data (docs/pruning.md, "The algorithm"):
 
-* **class-conditional** (the paper's): for every head, every input's attention matrix is cut to
-  the real tokens (padding never enters), resized to a ``B x B`` grid with bilinear
-  interpolation, and accumulated per class as a running mean and variance per cell
-  (Chan/Welford merge, float64).  :func:`jm_features` turns the per-class Gaussians into one
-  vector per head: the per-cell Jeffries–Matusita distance for every pair of classes.
-* **label-free** (for language models): every head's *pooled* attention distribution (the mean
-  of the resized maps with each query row renormalised to sum to 1); :func:`js_distance_matrix`
-  compares two heads by the Jensen–Shannon divergence of their rows, averaged over query rows.
+* **class-conditional** (the paper's): every head's attention maps, cut to the real tokens and resized
+  to a ``B x B`` grid, accumulated per class as a running mean and variance per cell; :func:`jm_features`
+  turns them into one vector per head, the per-cell Jeffries–Matusita distance for every class pair.
+* **label-free** (for language models): every head's *pooled* attention, rows renormalised;
+  :func:`js_distance_matrix` compares heads by the Jensen–Shannon divergence of their rows.
 
     >>> import torch
     >>> acc = ClassSignatureAccumulator(n_classes=2, n_heads=3, grid=4)
@@ -30,62 +27,44 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "ClassSignatureAccumulator",
-    "Signatures",
-    "bhattacharyya_gaussian",
-    "jeffries_matusita",
-    "jm_features",
-    "js_distance_matrix",
-    "real_token_maps",
-    "resize_maps",
-    "collect_signatures",
-]
+__all__ = ["ClassSignatureAccumulator", "Signatures", "bhattacharyya_gaussian", "jeffries_matusita",
+           "jm_features", "js_distance_matrix", "real_token_maps", "resize_maps", "collect_signatures"]
 
 DEFAULT_GRID = 32
 DEFAULT_EPS = 0.0
-#: the fewest key columns a regrouped forward of collect_signatures computes.  On the AVX-512 CPU this was
-#: measured on, attention over fewer than 16 keys (one vector of float32) rounds differently from attention
-#: over 16 or more: a sentence of 9 tokens cut to 9 columns got maps 1e-6 away from the same sentence in a
-#: padded batch, and CAHP's knee on MiniLM/SST-5 moves under 1e-7 relative changes of the JM features.
-#: Keeping 16 columns (the batch's own padding) gave the padded batch's maps bit for bit.
+#: the fewest key columns a regrouped forward of collect_signatures computes: on AVX-512, attention over
+#: fewer than 16 keys (one float32 vector) rounds differently (1e-6 off the padded batch's maps, enough to
+#: move CAHP's knee); keeping 16 columns of the batch's own padding gives the padded maps bit for bit.
 MIN_WIDTH = 16
 DEFAULT_VAR_FLOOR = 1e-6  # the published code: max(var, 1e-6); var_floor=None, eps=1e-10 is the old var + 1e-10
+_Num = torch.Tensor | np.ndarray | float
 
 
 # --------------------------------------------------------------------------- grids
 def resize_maps(maps: Sequence[torch.Tensor], grid: int = DEFAULT_GRID) -> torch.Tensor:
-    """Resize a list of ``(H, L_i, L_i)`` attention maps (one per input, real tokens only) to
-    ``(N, H, grid, grid)`` with bilinear interpolation (``align_corners=False``).
-
-    Inputs of equal length are interpolated together, so a batch costs one call per distinct
-    length.
-    """
+    """Resize a list of ``(H, L_i, L_i)`` attention maps (one per input, real tokens only) to ``(N, H, grid,
+    grid)`` with bilinear interpolation (``align_corners=False``), one call per distinct length."""
     if not maps:
         raise ValueError("resize_maps: no attention maps given")
-    out: list[torch.Tensor | None] = [None] * len(maps)
     by_len: dict[int, list[int]] = {}
     for i, m in enumerate(maps):
         if m.dim() != 3 or m.shape[-1] != m.shape[-2]:
             raise ValueError(f"resize_maps: map {i} has shape {tuple(m.shape)}, expected (H, L, L)")
         by_len.setdefault(int(m.shape[-1]), []).append(i)
-    for _, idx in by_len.items():
+    out: dict[int, torch.Tensor] = {}
+    for idx in by_len.values():
         stack = torch.stack([maps[i] for i in idx]).float()
-        resized = F.interpolate(stack, size=(grid, grid), mode="bilinear", align_corners=False)
-        for j, i in enumerate(idx):
-            out[i] = resized[j]
-    return torch.stack(out)  # type: ignore[arg-type]
+        out.update(zip(idx, F.interpolate(stack, size=(grid, grid), mode="bilinear", align_corners=False)))
+    return torch.stack([out[i] for i in range(len(maps))])
 
 
-def real_token_maps(
-    attentions: Sequence[torch.Tensor], attention_mask: torch.Tensor | None
-) -> list[torch.Tensor]:
+def real_token_maps(attentions: Sequence[torch.Tensor],
+                    attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """Cut every input's attention maps to its real tokens.
 
-    ``attentions`` is one ``(B, H_l, T, T)`` tensor per layer (head counts may differ between
-    layers); ``attention_mask`` is ``(B, T)`` with 1 for real tokens (left or right padding, or
-    holes, all handled).  Returns one ``(sum_l H_l, L_i, L_i)`` tensor per input: the heads of all
-    layers concatenated in layer order, rows and columns of padding positions removed.
+    ``attentions`` is one ``(B, H_l, T, T)`` tensor per layer (head counts may differ between layers);
+    ``attention_mask`` is ``(B, T)`` with 1 for real tokens (any padding or holes).  Returns one
+    ``(sum_l H_l, L_i, L_i)`` tensor per input, heads in layer order, padding rows and columns removed.
     """
     if not attentions:
         raise ValueError("real_token_maps: the model returned no attention maps")
@@ -94,10 +73,8 @@ def real_token_maps(
     if attention_mask is None:
         return [stacked[i] for i in range(bsz)]
     if attention_mask.shape != (bsz, t):
-        raise ValueError(
-            f"real_token_maps: attention_mask has shape {tuple(attention_mask.shape)}, "
-            f"attention maps need ({bsz}, {t})"
-        )
+        raise ValueError(f"real_token_maps: attention_mask has shape {tuple(attention_mask.shape)}, "
+                         f"attention maps need ({bsz}, {t})")
     maps = []
     for i in range(bsz):
         keep = attention_mask[i].to(torch.bool).nonzero(as_tuple=True)[0].to(stacked.device)
@@ -109,20 +86,16 @@ def real_token_maps(
 
 # --------------------------------------------------------------------------- streaming stats
 class ClassSignatureAccumulator:
-    """Streaming per-class mean and variance of every cell of every head's grid.
-
-    Batches are merged with Chan et al.'s parallel update (exact, float64), so the result does not
-    depend on how the data were batched.  ``var`` is the sample variance (``ddof=1``, the published
-    code's ``torch.var``) or the population variance (``ddof=0``).
-    """
+    """Streaming per-class mean and variance of every cell of every head's grid: Chan et al.'s parallel
+    update (exact, float64, independent of the batching); ``var`` is the sample variance (``ddof=1``, the
+    published code's ``torch.var``) or the population variance (``ddof=0``)."""
 
     def __init__(self, n_classes: int, n_heads: int, grid: int = DEFAULT_GRID, ddof: int = 1) -> None:
         if ddof not in (0, 1):
             raise ValueError(f"ddof must be 0 (population) or 1 (sample variance), got {ddof}")
-        self.ddof = ddof
         if n_classes < 1:
             raise ValueError(f"n_classes must be >= 1, got {n_classes}")
-        self.n_classes, self.n_heads, self.grid = n_classes, n_heads, grid
+        self.n_classes, self.n_heads, self.grid, self.ddof = n_classes, n_heads, grid, ddof
         shape = (n_classes, n_heads, grid, grid)
         self.count = torch.zeros(n_classes, dtype=torch.float64)
         self.mean = torch.zeros(shape, dtype=torch.float64)
@@ -133,20 +106,17 @@ class ClassSignatureAccumulator:
         grids = grids.detach().to("cpu", torch.float64)
         labels = torch.as_tensor(labels, dtype=torch.long).cpu()
         if grids.shape[1:] != (self.n_heads, self.grid, self.grid):
-            raise ValueError(
-                f"signature grids have shape {tuple(grids.shape[1:])}, "
-                f"expected ({self.n_heads}, {self.grid}, {self.grid})"
-            )
+            raise ValueError(f"signature grids have shape {tuple(grids.shape[1:])}, "
+                             f"expected ({self.n_heads}, {self.grid}, {self.grid})")
         if labels.numel() != grids.shape[0]:
             raise ValueError(f"{labels.numel()} labels for {grids.shape[0]} attention grids")
         for c in labels.unique().tolist():
             if not 0 <= c < self.n_classes:
                 raise ValueError(f"label {c} outside 0..{self.n_classes - 1}")
             x = grids[labels == c]
-            n_b = float(x.shape[0])
+            n_a, n_b = float(self.count[c]), float(x.shape[0])
             mean_b = x.mean(0)
             m2_b = ((x - mean_b) ** 2).sum(0)
-            n_a = float(self.count[c])
             n = n_a + n_b
             delta = mean_b - self.mean[c]
             self.mean[c] += delta * (n_b / n)
@@ -163,17 +133,11 @@ class ClassSignatureAccumulator:
 
 
 # --------------------------------------------------------------------------- distances
-def bhattacharyya_gaussian(
-    mu1: torch.Tensor | np.ndarray | float,
-    var1: torch.Tensor | np.ndarray | float,
-    mu2: torch.Tensor | np.ndarray | float,
-    var2: torch.Tensor | np.ndarray | float,
-    eps: float = DEFAULT_EPS,
-    var_floor: float | None = DEFAULT_VAR_FLOOR,
-) -> torch.Tensor:
+def bhattacharyya_gaussian(mu1: _Num, var1: _Num, mu2: _Num, var2: _Num, eps: float = DEFAULT_EPS,
+                           var_floor: float | None = DEFAULT_VAR_FLOOR) -> torch.Tensor:
     """Bhattacharyya distance between univariate Gaussians N(mu1, var1) and N(mu2, var2), elementwise.
 
-    ``D_B = 1/4 (mu1 - mu2)^2 / (s1^2 + s2^2) + 1/2 ln((s1^2 + s2^2) / (2 s1 s2))``; Both variances
+    ``D_B = 1/4 (mu1 - mu2)^2 / (s1^2 + s2^2) + 1/2 ln((s1^2 + s2^2) / (2 s1 s2))``; both variances
     are floored at ``var_floor`` (``max(var, 1e-6)``, as the published code; ``None``: no floor) and
     then ``eps`` is added (``var_floor=None, eps=1e-10`` is headbudget's earlier ``var + 1e-10``), so
     cells where a class never varies stay finite.
@@ -189,38 +153,27 @@ def bhattacharyya_gaussian(
     return 0.25 * (mu1 - mu2) ** 2 / s + 0.5 * torch.log(s / (2.0 * torch.sqrt(v1 * v2)))
 
 
-def jeffries_matusita(
-    mu1: torch.Tensor | np.ndarray | float,
-    var1: torch.Tensor | np.ndarray | float,
-    mu2: torch.Tensor | np.ndarray | float,
-    var2: torch.Tensor | np.ndarray | float,
-    eps: float = DEFAULT_EPS,
-    var_floor: float | None = DEFAULT_VAR_FLOOR,
-) -> torch.Tensor:
+def jeffries_matusita(mu1: _Num, var1: _Num, mu2: _Num, var2: _Num, eps: float = DEFAULT_EPS,
+                      var_floor: float | None = DEFAULT_VAR_FLOOR) -> torch.Tensor:
     """Jeffries–Matusita distance ``2 (1 - exp(-D_B))`` (in [0, 2]) between univariate Gaussians."""
     return 2.0 * (1.0 - torch.exp(-bhattacharyya_gaussian(mu1, var1, mu2, var2, eps, var_floor)))
 
 
-def jm_features(
-    mean: torch.Tensor, var: torch.Tensor, eps: float = DEFAULT_EPS, classes: Sequence[int] | None = None,
-    var_floor: float | None = DEFAULT_VAR_FLOOR,
-) -> np.ndarray:
+def jm_features(mean: torch.Tensor, var: torch.Tensor, eps: float = DEFAULT_EPS,
+                classes: Sequence[int] | None = None,
+                var_floor: float | None = DEFAULT_VAR_FLOOR) -> np.ndarray:
     """One feature vector per head: per-cell JM distances for every pair of classes, concatenated.
 
-    ``mean``/``var`` are ``(C, H, B, B)`` (from :class:`ClassSignatureAccumulator`).  Returns a
-    float64 array ``(H, n_pairs * B * B)``; pairs in ``itertools.combinations`` order of
-    ``classes`` (default all).
+    ``mean``/``var`` are ``(C, H, B, B)`` (from :class:`ClassSignatureAccumulator`).  Returns a float64
+    array ``(H, n_pairs * B * B)``; pairs in ``itertools.combinations`` order of ``classes`` (default all).
     """
     if mean.shape != var.shape or mean.dim() != 4:
         raise ValueError(f"mean/var must both be (C, H, B, B), got {tuple(mean.shape)} and {tuple(var.shape)}")
     classes = list(range(mean.shape[0])) if classes is None else list(classes)
     if len(classes) < 2:
         raise ValueError("class-conditional signatures need at least two classes; use label-free mode")
-    n_heads = mean.shape[1]
-    parts = [
-        jeffries_matusita(mean[a], var[a], mean[b], var[b], eps, var_floor).reshape(n_heads, -1)
-        for a, b in itertools.combinations(classes, 2)
-    ]
+    parts = [jeffries_matusita(mean[a], var[a], mean[b], var[b], eps, var_floor).reshape(mean.shape[1], -1)
+             for a, b in itertools.combinations(classes, 2)]
     return torch.cat(parts, dim=1).numpy()
 
 
@@ -231,11 +184,8 @@ def row_distributions(grids: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 
 
 def js_distance_matrix(pooled: torch.Tensor, eps: float = 1e-12) -> np.ndarray:
-    """Head-to-head Jensen–Shannon divergence (natural log, in [0, ln 2]) averaged over query rows.
-
-    ``pooled`` is ``(H, B, B)``: each head's pooled attention, rows are distributions over key
-    cells.  Returns a symmetric ``(H, H)`` float64 matrix with a zero diagonal.
-    """
+    """Head-to-head Jensen–Shannon divergence (natural log, in [0, ln 2]) averaged over query rows of the
+    pooled attention ``(H, B, B)``: a symmetric ``(H, H)`` float64 matrix with a zero diagonal."""
     p = row_distributions(pooled.to(torch.float64), eps)
     n = p.shape[0]
     out = torch.zeros(n, n, dtype=torch.float64)
@@ -256,12 +206,8 @@ def js_distance_matrix(pooled: torch.Tensor, eps: float = 1e-12) -> np.ndarray:
 # --------------------------------------------------------------------------- one pass
 @dataclass
 class Signatures:
-    """The result of :func:`collect_signatures`.
-
-    ``mean``/``var``/``count`` are per class (``n_classes == 1`` in label-free mode, where
-    ``mean[0]`` holds the pooled row-normalised attention).  ``heads`` lists ``(layer, head)`` of
-    every row, in the order the features use.
-    """
+    """The result of :func:`collect_signatures`: ``mean``/``var``/``count`` per class (one in label-free mode,
+    ``mean[0]`` the pooled row-normalised attention); ``heads``: ``(layer, head)`` of every row, in order."""
 
     mean: torch.Tensor
     var: torch.Tensor
@@ -282,33 +228,22 @@ class Signatures:
         return js_distance_matrix(self.mean[0])
 
 
-def collect_signatures(
-    attention_fn: Callable[[Mapping[str, torch.Tensor]], Sequence[torch.Tensor]],
-    batches: Iterable[Mapping[str, torch.Tensor]],
-    head_counts: Sequence[int],
-    n_classes: int | None,
-    grid: int = DEFAULT_GRID,
-    label_key: str = "labels",
-    progress: bool = True,
-    total: int | None = None,
-    ddof: int = 1,
-    legacy: bool = False,
-) -> Signatures:
+def collect_signatures(attention_fn: Callable[[Mapping[str, torch.Tensor]], Sequence[torch.Tensor]],
+                       batches: Iterable[Mapping[str, torch.Tensor]], head_counts: Sequence[int],
+                       n_classes: int | None, grid: int = DEFAULT_GRID, label_key: str = "labels",
+                       progress: bool = True, total: int | None = None, ddof: int = 1,
+                       legacy: bool = False) -> Signatures:
     """Stream over ``batches`` once and accumulate every head's signature.
 
-    ``attention_fn(batch)`` returns per-layer ``(B, H_l, T, T)`` probabilities (e.g.
-    ``lambda b: adapter.attention_probs(**inputs)``) and must treat every input independently
-    (a model in eval mode).  ``n_classes=None`` selects label-free mode (rows renormalised, one
-    pooled "class").  Real tokens come from ``batch["attention_mask"]`` (all tokens when absent).
+    ``attention_fn(batch)`` returns per-layer ``(B, H_l, T, T)`` probabilities and must treat every input
+    independently (a model in eval mode).  ``n_classes=None`` selects label-free mode.  Real tokens come
+    from ``batch["attention_mask"]`` (all tokens when absent).
 
-    Right-padded batches (every row's real tokens a prefix of its ``attention_mask``, every tensor
-    ``(B,)`` or ``(B, T)``) are cut to their real tokens and regrouped by length, at most as many
-    tokens per forward as the largest given batch: (almost) no padding is computed, and a length's
-    maps are cropped and resized in one call.  Inputs shorter than :data:`MIN_WIDTH` keep that many
-    columns of their padding, so every forward reduces over the same key widths as a padded batch.
-    The signatures equal the per-batch path's (``legacy=True``, the earlier implementation) up to
-    float32 rounding of the forward (bit for bit on the AVX-512 CPU it was measured on); any other
-    batch (left padding, no mask, other inputs) takes the per-batch path.
+    Right-padded batches (real tokens a prefix of every row, every tensor ``(B,)`` or ``(B, T)``) are cut
+    to their real tokens and regrouped by length, at most as many tokens per forward as the largest given
+    batch, so (almost) no padding is computed; inputs shorter than :data:`MIN_WIDTH` keep that many
+    columns.  The signatures equal the per-batch path's (``legacy=True``, which any other batch takes) up
+    to float32 rounding of the forward (bit for bit on the AVX-512 CPU it was measured on).
 
         >>> layers = [torch.softmax(torch.randn(2, 3, 5, 5), -1)]
         >>> batch = {"attention_mask": torch.ones(2, 5, dtype=torch.long), "labels": torch.tensor([0, 1])}
@@ -318,8 +253,7 @@ def collect_signatures(
     from headbudget.progress import ProgressBar
 
     label_free = n_classes is None
-    n_heads = int(sum(head_counts))
-    acc = ClassSignatureAccumulator(1 if label_free else int(n_classes), n_heads, grid, ddof=ddof)
+    acc = ClassSignatureAccumulator(1 if label_free else int(n_classes), int(sum(head_counts)), grid, ddof)
     heads = [(layer, h) for layer, n in enumerate(head_counts) for h in range(n)]
 
     def forward(batch: Mapping[str, torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -338,16 +272,14 @@ def collect_signatures(
         return batch[label_key]
 
     def add(grids: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> None:
-        labels = labels_of(batch, grids.shape[0])
-        acc.update(row_distributions(grids) if label_free else grids, labels)
+        acc.update(row_distributions(grids) if label_free else grids, labels_of(batch, grids.shape[0]))
 
     by_length: dict[tuple, list[dict[str, torch.Tensor]]] = {}
     token_budget = 0
     for batch in ProgressBar(batches, desc="signatures", total=total, disable=not progress, leave=False):
         split = None if legacy else _split_right_padded(batch)
         if split is None:  # the per-batch path: crop every input's maps, resize per distinct length
-            attn = forward(batch)
-            add(resize_maps(real_token_maps(attn, batch.get("attention_mask")), grid), batch)
+            add(resize_maps(real_token_maps(forward(batch), batch.get("attention_mask")), grid), batch)
             continue
         labels_of(batch, 0)  # a missing label fails now, not after the whole pass
         token_budget = max(token_budget, int(batch["attention_mask"].numel()))
@@ -364,10 +296,8 @@ def _check_counts(acc: ClassSignatureAccumulator, label_free: bool) -> None:
     if acc.count.sum() == 0:
         raise ValueError("collect_signatures: the data yielded no batches")
     if not label_free and acc.n_classes - len(acc.missing_classes()) < 2:
-        raise ValueError(
-            f"only classes {[c for c in range(acc.n_classes) if acc.count[c] > 0]} occur in the "
-            "signature data; class-conditional signatures need at least two (use more data)"
-        )
+        raise ValueError(f"only classes {[c for c in range(acc.n_classes) if acc.count[c] > 0]} occur in the "
+                         "signature data; class-conditional signatures need at least two (use more data)")
 
 
 def _length_chunks(by_length: dict[tuple, list[dict[str, torch.Tensor]]],
@@ -397,11 +327,10 @@ def _prefix_grids(attn: Sequence[torch.Tensor], chunk: Mapping[str, torch.Tensor
 
 
 def _split_right_padded(batch: Mapping[str, Any]) -> list[tuple[tuple, dict[str, torch.Tensor]]] | None:
-    """The batch's inputs cut to their real tokens and grouped by length, as ``[(key, part)]`` with
-    ``key = (length, width, input names and ranks)``: ``width = max(length, min(T, MIN_WIDTH))``
-    columns are kept (real tokens, then the batch's own padding).  ``None`` when the batch does not
-    allow it: no mask, a row whose real tokens are not a prefix (left padding: cutting it would move
-    the positions), an empty row, or an input that is not a ``(B,)`` or ``(B, T)`` tensor."""
+    """The batch's inputs cut to their real tokens and grouped by length, as ``[(key, part)]`` with ``key =
+    (length, width, input names and ranks)``, keeping ``width = max(length, min(T, MIN_WIDTH))`` columns.
+    ``None`` for no mask, left padding (cutting would move the positions), an empty row, or an input that
+    is not a ``(B,)`` or ``(B, T)`` tensor."""
     mask = batch.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return None

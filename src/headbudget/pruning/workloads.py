@@ -1,8 +1,7 @@
 """What one pruning job works on: the model, its tokenizer and data, loaded once and shared by
-``prune-compare``'s methods.  :class:`ClassificationWorkload` (``sst5``, ``mnli``: a classifier,
-accuracy) and :class:`LMWorkload` (``task="lm"``: a causal LM as a headbudget model, held-out
-perplexity) offer the same methods to :func:`headbudget.pruning.pipeline.run_prune`: ``fresh_model``,
-``evaluate``, ``batches``, ``salience_batches``, ``describe``, ``finetune``, ``save``.
+``prune-compare``'s methods: :class:`ClassificationWorkload` (``sst5``, ``mnli``: a classifier, accuracy) or
+:class:`LMWorkload` (``task="lm"``: a causal LM as a headbudget model, held-out perplexity), both a
+:class:`Workload`.
 
     >>> from headbudget.pruning.job import PruneJob
     >>> work = load_workload(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cahp"))
@@ -22,16 +21,11 @@ from headbudget.io import atomic_write_dir
 from headbudget.pruning.job import PruneJob
 
 
-def _device(job: PruneJob) -> Any:
-    from headbudget.devices import resolve_device
+def _placement(job: PruneJob) -> tuple[Any, Any]:
+    """The job's device and dtype (a one-line error naming the flag of a bad one)."""
+    from headbudget.devices import resolve_device, resolve_dtype
 
-    return resolve_device(job.device, flag="device")
-
-
-def _dtype(job: PruneJob) -> Any:
-    from headbudget.devices import resolve_dtype
-
-    return resolve_dtype(job.dtype, flag="dtype")
+    return resolve_device(job.device, flag="device"), resolve_dtype(job.dtype, flag="dtype")
 
 
 def _save(model: Any, tokenizer: Any, out: Path, sidecar: bool) -> None:
@@ -62,10 +56,10 @@ class ClassificationWorkload:
         t0 = time.perf_counter()
         self.spec = get_task(job.task)
         self.data = load_task(job.task, job.data_dir)
-        self.device = _device(job)
+        self.device, dtype = _placement(job)
         model, self.tokenizer = load_model_and_tokenizer(
             job.model, "classifier", tokenizer=job.tokenizer, num_labels=self.spec.num_labels,
-            label_names=self.spec.label_names, seed=job.seed, dtype=_dtype(job))
+            label_names=self.spec.label_names, seed=job.seed, dtype=dtype)
         self._pristine = model  # a fresh deep copy per method (prune-compare)
         self.train = subsample(self.data.train, job.limit_train, job.seed)
         self.evals = {s: subsample(self.data.splits[s], job.limit_eval, job.seed) for s in self.data.eval_splits}
@@ -83,10 +77,8 @@ class ClassificationWorkload:
     def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
         from headbudget.pruning.finetune import evaluate_accuracy
 
-        return {
-            s: evaluate_accuracy(model, self.tokenizer, ex, 64, job.max_length, job.progress, f"{stage} {s}")
-            for s, ex in self.evals.items()
-        }
+        return {s: evaluate_accuracy(model, self.tokenizer, ex, 64, job.max_length, job.progress,
+                                     f"{stage} {s}") for s, ex in self.evals.items()}
 
     def batches(self, job: PruneJob, shuffle: bool) -> list[Any]:
         from headbudget.data.classification import make_loader
@@ -130,9 +122,9 @@ class LMWorkload:
         from headbudget.pruning.lm import split_lm_ids
 
         t0 = time.perf_counter()
-        self.device = _device(job)
+        self.device, dtype = _placement(job)
         model, self.tokenizer = load_model_and_tokenizer(job.model, "causal", tokenizer=job.tokenizer,
-                                                         as_headbudget=True, dtype=_dtype(job))
+                                                         as_headbudget=True, dtype=dtype)
         cfg = model.config
         n_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
         if n_pos is not None and job.context > int(n_pos):

@@ -17,12 +17,8 @@ _TRAINER = {"Trainer", "TrainResult", "build_model", "train"}
 
 def __getattr__(name: str) -> Any:
     # the trainer (torch) loads on first use, so reading configs (``headbudget.train.config``) stays light
-    if name in _TRAINER:
-        from headbudget.train import trainer
+    if name in _TRAINER or name == "TrainingDivergedError":
+        from headbudget.train import loop, trainer
 
-        return getattr(trainer, name)
-    if name == "TrainingDivergedError":
-        from headbudget.train import loop
-
-        return loop.TrainingDivergedError
+        return getattr(trainer if name in _TRAINER else loop, name)
     raise AttributeError(f"module 'headbudget.train' has no attribute {name!r}")

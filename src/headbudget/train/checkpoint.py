@@ -1,27 +1,10 @@
 """Sharded, atomic training checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
-One checkpoint is one directory, written by every process together::
-
-    checkpoints/step_000100/  .metadata, __0_0.distcp, ...   model + optimizer tensors (DCP, sharded)
-                              trainer_state.json             step, world size, resolved config (plain JSON)
-                              rng_rank0.pt, rng_rank1.pt     every RNG state of each process (tensors)
-    checkpoints/latest        "step_000100"
-
-It is written under ``.step_000100.tmp/`` and renamed into place only when every process has finished
-its part; ``latest`` moves after the rename and older checkpoints beyond ``keep_last`` are deleted only
-then, so a crash (even ``kill -9``) mid-write never makes a half-written checkpoint the latest.
-
-DCP stores every tensor with its global shape, so a checkpoint written by 2 FSDP2 processes loads into
-1 process (or 4) and into DDP or a plain model: the model and optimizer are read through
-``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``, whose keys are parameter
-names whatever the wrapper.
-
-Nothing here unpickles arbitrary objects: the checkpoint holds tensors only (optimizer hyper-parameters
-come from the config), DCP's ``.metadata`` is read with an unpickler that admits only DCP's own metadata
-classes, ``rng_rank*.pt`` is read with ``torch.load(weights_only=True)`` (torch >= 2.6: 2.5's can be
-bypassed, CVE-2025-32434) and the rest is JSON.  Every file ``.metadata`` names must be a regular file
-inside the checkpoint folder: a crafted ``../other_run/__0_0.distcp``, ``/dev/zero`` or a FIFO is
-refused before anything is read.
+A checkpoint, ``step_NNNNNN/`` (DCP tensors, ``trainer_state.json``, ``rng_rankR.pt``), is written by every
+process under a temporary name and renamed into place when all are done, so a crash never makes a half-written
+one ``latest``; any number of FSDP2/DDP/plain processes loads it.  Nothing is unpickled beyond DCP's metadata
+classes and ``weights_only`` tensors, and every file ``.metadata`` names must be a regular file inside the
+folder.  See docs/training.md ("The trainer", Checkpoints).
 
     >>> import tempfile, torch
     >>> model = torch.nn.Linear(4, 2)
@@ -79,19 +62,15 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-#: (pointer, its text, the checkpoint used instead) already reported in this process: a resume looks up the
-#: latest checkpoint several times, and one line says it
+#: (pointer, its text, the checkpoint used instead) already said: a resume looks up the latest several times
 _REPORTED: set[tuple[str, str, str]] = set()
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` points to (else the newest complete one), or None when there is none.
-
-    A ``latest`` that names no complete checkpoint of the folder (garbage, a missing or incomplete step) is
-    said on stderr in one line, naming the file, what is wrong and the checkpoint used instead."""
+    """The checkpoint ``latest`` points to (else the newest complete one), or None; a ``latest`` naming no
+    complete checkpoint is said on stderr in one line (the file, what is wrong, the fallback)."""
     d = Path(directory)
-    pointer = d / LATEST
-    found = list_checkpoints(d)
+    pointer, found = d / LATEST, list_checkpoints(d)
     if not pointer.is_file():  # none yet (or a crash before the first): the newest, silently
         return found[-1] if found else None
     try:
@@ -104,14 +83,10 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         target = d / text
         if text and _NAME.match(text) and target in found:
             return target
-        if not text:
-            problem = "is empty"
-        elif not _NAME.match(text):
-            problem = f"holds {text[:40]!a}, not the name of a checkpoint"  # ascii(): any byte stays on the line
-        elif target.exists():
-            problem = f"names {text}, which is incomplete (no {STATE_FILE} or .metadata)"
-        else:
-            problem = f"names {text}, which does not exist"
+        problem = ("is empty" if not text else  # ascii() below: any byte stays on the line
+                   f"holds {text[:40]!a}, not the name of a checkpoint" if not _NAME.match(text) else
+                   f"names {text}, which is incomplete (no {STATE_FILE} or .metadata)" if target.exists() else
+                   f"names {text}, which does not exist")
     fallback = found[-1] if found else None
     key = (str(pointer), text, str(fallback))
     if key not in _REPORTED and os.environ.get("RANK", "0") == "0":  # one line per job, not one per process
@@ -133,24 +108,21 @@ def rng_state() -> dict[str, Any]:
     """Every RNG state of this process as tensors and plain numbers (loadable with ``weights_only=True``)."""
     _, np_key, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"key": torch.from_numpy(np_key.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
-                   "gauss_next": py_gauss},
-    }
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"key": torch.from_numpy(np_key.astype(np.int64)), "pos": int(np_pos),
+                      "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+            "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+                       "gauss_next": py_gauss}}
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
     if s.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
-    n = s["numpy"]
+    n, p = s["numpy"], s["python"]
     np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
-    p = s["python"]
     random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]))
 
 
@@ -162,12 +134,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         *(("torch.distributed.checkpoint.metadata", n) for n in (
             "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
             "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # maps the string "torch.strided" to the layout
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
         ("collections", "OrderedDict"),
-        *((m, n) for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "WindowsPath", "PurePosixPath",
-                                                                  "PureWindowsPath")),
+        ("torch.serialization", "_get_layout"),  # maps the string "torch.strided" to the layout
+        *((m, n) for m in ("pathlib", "pathlib._local")
+          for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
     }
 
     def find_class(self, module: str, name: str) -> Any:
@@ -178,7 +149,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _regular_file(path: Path) -> Path:
-    """``path`` if it is a regular file (so opening it cannot block on a FIFO or read a device forever)."""
+    """``path`` if it is a regular file (opening it cannot block on a FIFO or read a device forever)."""
     try:
         return regular_file(path, CheckpointError)
     except OSError as exc:
@@ -202,15 +173,14 @@ def _check_storage(ckpt: Path, md: Any) -> None:
                                       "refusing to read it")
             sizes[rel] = os.stat(_regular_file(Path(real))).st_size
         offset, length = info.offset, info.length
-        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
-                and 0 <= length and offset + length <= sizes[rel]):
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= sizes[rel]):
             raise CheckpointError(f"{ckpt}: .metadata reads bytes {offset}+{length} of {rel!r}, "
                                   f"which has {sizes[rel]}")
 
 
 def read_metadata(path: str | os.PathLike):
-    """DCP's ``.metadata`` of a checkpoint, unpickled safely; every entry must be a tensor stored in a
-    regular file inside the checkpoint folder."""
+    """DCP's ``.metadata`` of a checkpoint, unpickled safely; each entry a tensor in a file of the folder."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta_path = _regular_file(Path(path) / ".metadata")
@@ -288,11 +258,11 @@ def require_safe_torch_load(version: str | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------- save / load
-def _dist() -> tuple[bool, int]:
-    import torch.distributed as dist
-
+def _dist() -> tuple[bool, int, int]:
+    """(distributed, rank, world size)"""
+    dist = torch.distributed
     on = dist.is_available() and dist.is_initialized()
-    return on, (dist.get_rank() if on else 0)
+    return on, (dist.get_rank() if on else 0), (dist.get_world_size() if on else 1)
 
 
 @contextlib.contextmanager
@@ -305,9 +275,7 @@ def _single_process_ok() -> Iterator[None]:
 
 def _barrier(on: bool) -> None:
     if on:
-        import torch.distributed as dist
-
-        dist.barrier()
+        torch.distributed.barrier()
 
 
 def _tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
@@ -341,18 +309,15 @@ def _check_shapes(path: Path, md: Any, state: dict[str, Any]) -> None:
 def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, meta: dict[str, Any] | None = None,
                     keep_last: int = 2) -> Path:
-    """Write ``step_{step}`` atomically (every process of the group calls this); returns its path.
-
-    ``meta`` must be JSON (it is saved as ``trainer_state.json``, with ``step`` and ``world_size`` added).
-    """
+    """Write ``step_{step}`` atomically (every process of the group calls this); returns its path.  ``meta``
+    must be JSON (saved as ``trainer_state.json``, with ``step`` and ``world_size`` added)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    on, rank = _dist()
-    world = torch.distributed.get_world_size() if on else 1
+    on, rank, world = _dist()
     d = Path(directory)
     final = checkpoint_path(d, step)
-    tmp = d / f".{final.name}.tmp"
+    tmp, old = d / f".{final.name}.tmp", d / f".{final.name}.old"
     if rank == 0:
         d.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
@@ -376,17 +341,13 @@ def save_checkpoint(directory: str | os.PathLike, step: int, model: torch.nn.Mod
         raise
     if rank == 0:
         if final.exists():  # rewritten after resuming from an older step: swap, then drop the old one
-            old = d / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         atomic_write_text(d / LATEST, final.name + "\n")
-        if keep_last > 0:
-            for old_ckpt in list_checkpoints(d)[:-keep_last]:
-                shutil.rmtree(old_ckpt, ignore_errors=True)
+        for old_ckpt in list_checkpoints(d)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old_ckpt, ignore_errors=True)
     _barrier(on)
     return final
 
@@ -401,19 +362,17 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
-    """Load model (and optimizer) in place from a checkpoint written by any number of processes.
-
-    Returns ``trainer_state.json`` with ``rng_restored`` added: whether this process found its own RNG
-    state (a run resumed on more processes than it was saved with has none for the new ranks).
-    """
+    """Load model (and optimizer) in place from a checkpoint written by any number of processes; returns
+    ``trainer_state.json`` with ``rng_restored``: whether this process found its own RNG state (new ranks
+    have none)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     require_safe_torch_load()
     path = Path(path)
     meta = read_trainer_state(path)
     md = read_metadata(path)  # a clear error here rather than one wrapped in DCP's per-rank exception
-    on, rank = _dist()
+    on, rank, _ = _dist()
     rng_file = path / f"rng_rank{rank}.pt"
     saved_rng = None
     if restore_rng and rng_file.is_file():  # read before the model changes, so a bad file leaves it as it was
@@ -430,8 +389,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             _raise_checkpoint_error(exc)
             raise
     if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],

@@ -1,16 +1,9 @@
 """Train several head schedules x seeds on identical data and compare them.
 
-Every run of seed ``s`` sees the same batches in the same order (data order is a function of
-(seed, step) only), so differences between schedules at one seed are paired: each schedule's
-difference to the reference schedule (default ``uniform``) is reported per seed with its mean and a
-95% Student-t interval over seeds (:func:`paired_differences`).  Writes into ``out``:
-``compare.json`` (per run and per schedule), ``report.md`` and ``loss_curves.png``.
-
-How long runs train: ``train.steps`` (:func:`~headbudget.train.config.steps_for_tokens` turns a token budget into steps), or,
-with ``until_flat=True``, the reference schedule at the first seed trains until its validation loss is
-flat (:func:`is_flat`, checked at every eval point) and every other run then trains exactly as many
-steps; all runs keep the learning-rate schedule of ``train.steps``, so every run sees the same
-learning rate at every step and the comparison stays paired.
+Every run of seed ``s`` sees the same batches, so each schedule's difference to the reference is paired by
+seed (:func:`paired_differences`).  Runs train ``train.steps``, or with ``until_flat`` as many steps as the
+reference at the first seed takes to go flat (:func:`is_flat`), all with the learning-rate schedule of
+``train.steps``.  See docs/training.md ("compare and the quickstart").
 
     >>> from headbudget.train import load_config
     >>> from headbudget.train.compare import run_compare
@@ -35,21 +28,12 @@ from scipy import stats  # a dependency of scikit-learn, which headbudget requir
 
 from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text
-from headbudget.train.compare_plots import (
-    plot_curves,
-    plot_paired_curves,
-    plot_paired_differences,
-)
+from headbudget.train.compare_plots import plot_curves, plot_paired_curves, plot_paired_differences
 from headbudget.train.config import RunConfig
 from headbudget.train.config import steps_for_tokens as steps_for_tokens  # kept for benchmarks/prism_study.py
 from headbudget.train.loop import distributed_env, init_distributed, training_device
-from headbudget.train.paired import (
-    decide,
-    min_detectable_difference,
-    paired_differences,
-    sample_std,
-)
-from headbudget.train.records import TrainResult
+from headbudget.train.paired import decide, min_detectable_difference, paired_differences, sample_std
+from headbudget.train.records import TrainResult, finished_result
 from headbudget.train.setup import build_schedule
 from headbudget.train.trainer import Trainer
 
@@ -74,12 +58,11 @@ FLAT_WINDOW, FLAT_TOLERANCE = 0.2, 0.01
 
 def is_flat(history: Sequence[dict[str, Any]], *, window: float = FLAT_WINDOW, tolerance: float = FLAT_TOLERANCE,
             min_step: int = 0) -> bool:
-    """Is the validation loss flat at the newest eval point of ``history`` (metrics.jsonl records)?
+    """Is the validation loss flat at the newest eval point ``s`` of ``history`` (metrics.jsonl records)?
 
-    With ``s`` the step of the newest record that has a ``val_loss``: the val losses at the eval points
-    with step >= ``s - floor(window * s)`` (the last 20% of the steps so far) must be at least two and
-    span (max - min) less than ``tolerance`` (1%) of the newest one, and ``s`` must exceed ``min_step``
-    (the warmup).  With evaluations every E steps two points fall in the window from ``s = 5E`` on.
+    The val losses at steps >= ``s - floor(window * s)`` must be at least two and span less than ``tolerance``
+    of the newest, and ``s`` must exceed ``min_step`` (the warmup); with evaluations every E steps, possible
+    from ``s = 5E`` on.
 
     >>> is_flat([{"step": 80, "val_loss": 2.00}, {"step": 100, "val_loss": 1.99}])
     True
@@ -88,11 +71,9 @@ def is_flat(history: Sequence[dict[str, Any]], *, window: float = FLAT_WINDOW, t
     if not evals:
         return False
     last_step, last = evals[-1]
-    if last_step <= min_step:
-        return False
     start = last_step - math.floor(window * last_step + 1e-9)
     recent = [v for st, v in evals if st >= start]
-    return len(recent) >= 2 and max(recent) - min(recent) < tolerance * abs(last)
+    return last_step > min_step and len(recent) >= 2 and max(recent) - min(recent) < tolerance * abs(last)
 
 
 def default_reference(schedules: Sequence[str], reference: str | None = None) -> str:
@@ -117,7 +98,7 @@ def prepare_for(cfg: RunConfig, progress: bool = True) -> PreparedData:
 
 def prepare_shared(cfg: RunConfig) -> PreparedData:
     """:func:`prepare_for` once for all processes: under torchrun the first prepares the cache while the
-    others wait, then they read it (every run of a comparison shares one prepared dataset)."""
+    others wait, then they read it."""
     rank, world, local_rank = distributed_env()
     if world == 1:
         return prepare_for(cfg, cfg.train.progress)
@@ -129,30 +110,17 @@ def prepare_shared(cfg: RunConfig) -> PreparedData:
     return data or prepare_for(cfg, progress=False)
 
 
-def run_compare(
-    cfg: RunConfig,
-    schedules: Sequence[str],
-    seeds: int | Sequence[int],
-    out: str | os.PathLike,
-    *,
-    data: PreparedData | None = None,
-    save_models: bool = True,
-    on_run: Callable[[str, int, TrainResult], None] | None = None,
-    plot: bool = True,
-    reference: str | None = None,
-    until_flat: bool = False,
-    resume: bool = False,
-    margin: float | None = None,
-) -> dict[str, Any]:
+def run_compare(cfg: RunConfig, schedules: Sequence[str], seeds: int | Sequence[int], out: str | os.PathLike,
+                *, data: PreparedData | None = None, save_models: bool = True,
+                on_run: Callable[[str, int, TrainResult], None] | None = None, plot: bool = True,
+                reference: str | None = None, until_flat: bool = False, resume: bool = False,
+                margin: float | None = None) -> dict[str, Any]:
     """Train every schedule x seed; returns the ``compare.json`` content (also written to ``out``).
 
-    ``seeds`` is a count (seeds ``cfg.seed .. cfg.seed+N-1``) or an explicit list.  ``reference``
-    (default: :func:`default_reference`) is trained first at every seed; ``until_flat`` stops its
-    first-seed run at the first flat eval point (:func:`is_flat`) and trains every run that many steps.
-    ``margin`` (nats/token) is the equivalence margin of the report's decisions (:func:`decide`).
-    ``resume`` continues an interrupted comparison in ``out``: finished runs are read back (not trained
-    again), a run with a checkpoint continues from it exactly (``save_models``: without it no checkpoints are
-    written, so such a run starts over), and the result equals that of an uninterrupted comparison.
+    ``seeds`` is a count (seeds ``cfg.seed .. cfg.seed+N-1``) or a list.  ``reference`` (default:
+    :func:`default_reference`) trains first at every seed.  ``margin`` (nats/token) is the equivalence margin
+    of :func:`decide`.  ``resume`` reads finished runs back and continues the others from their checkpoints
+    (none without ``save_models``), giving the result of an uninterrupted comparison.
     """
     schedules = list(schedules)
     reference = default_reference(schedules, reference)
@@ -181,10 +149,9 @@ def run_compare(
             run_dir = out / f"{_safe(sched)}-seed{seed}"
             result = _finished_run(run_dir, run_cfg, run_steps) if resume else None
             if result is None:  # a run as long as the flat reference keeps the lr schedule of train.steps
-                trainer = Trainer(run_cfg, run_dir, data=data, save_model=save_models,
-                                  resume=resume and run_dir.is_dir(), stop_at_step=run_steps,
-                                  callbacks=[] if run_steps else [_flat_rule(cfg.train.warmup_steps)])
-                result = trainer.run()
+                result = Trainer(run_cfg, run_dir, data=data, save_model=save_models,
+                                 resume=resume and run_dir.is_dir(), stop_at_step=run_steps,
+                                 callbacks=[] if run_steps else [_flat_rule(cfg.train.warmup_steps)]).run()
             if run_steps is None:
                 run_steps = result.steps
             runs.append(_run_record(sched, seed, build_schedule(run_cfg), result, run_dir))
@@ -211,7 +178,6 @@ def run_compare(
 
 
 def _run_record(sched: str, seed: int, schedule: Any, result: TrainResult, run_dir: Path) -> dict[str, Any]:
-    """One run's row of ``compare.json``."""
     return {"schedule": sched, "seed": seed, "params": result.params, "steps": result.steps,
             "heads": list(schedule.heads), "head_dims": list(schedule.head_dims),
             "final_val_loss": result.final_val_loss, "final_train_loss": result.final_train_loss,
@@ -235,13 +201,8 @@ def write_outputs(summary: dict[str, Any], out: Path, plot: bool = True) -> None
 
 
 def _finished_run(run_dir: Path, cfg: RunConfig, run_steps: int | None) -> TrainResult | None:
-    """The recorded result of a run of this comparison that finished, for ``resume`` (None: train it).
-
-    ``run_steps`` None is the run whose flat point decides the others' length: any finished run of it
-    stands (it stopped where it was flat).  A run that trained longer than this comparison asks is refused.
-    """
-    from headbudget.train.records import finished_result
-
+    """The recorded result of a finished run of this comparison, for ``resume`` (None: train it); with
+    ``run_steps`` None (the run whose flat point decides the others' length) any finished run stands."""
     result = finished_result(run_dir, cfg, steps=0 if run_steps is None else run_steps)
     if result is not None and run_steps is not None and result.steps > run_steps:
         raise ValueError(f"{run_dir} finished {result.steps} steps, but this comparison trains {run_steps}: "
@@ -250,9 +211,8 @@ def _finished_run(run_dir: Path, cfg: RunConfig, run_steps: int | None) -> Train
 
 
 def _flat_rule(warmup: int) -> Callable[[Trainer, int, dict | None], None]:
-    """Trainer callback: stop at the first flat eval point (:func:`is_flat`) of the run's whole history
-    (``trainer.history``: a resumed run's includes the records before its checkpoint, so it stops where an
-    uninterrupted run would)."""
+    """Trainer callback: stop at the first flat eval point (:func:`is_flat`) of ``trainer.history`` (a resumed
+    run's includes the records before its checkpoint, so it stops where an uninterrupted run would)."""
 
     def callback(trainer: Trainer, step: int, record: dict | None) -> None:
         if record is not None and record.get("val_loss") is not None:
@@ -263,14 +223,13 @@ def _flat_rule(warmup: int) -> Callable[[Trainer, int, dict | None], None]:
 
 def summarize_runs(runs: Sequence[dict[str, Any]], schedules: Sequence[str], reference: str,
                    margin: float | None = None) -> dict[str, Any]:
-    """Per schedule: layout, mean/std of the final val loss, tokens/s, peak memory, and the paired
-    differences to ``reference`` (:func:`paired_differences`, keyed ``paired``, with the ``decision`` of
-    :func:`decide` at ``margin`` and ``mdd_80``, the difference these seeds detect with 80% power)."""
+    """Per schedule: layout, mean/std of the final val loss, tokens/s, peak memory, and ``paired``: the
+    :func:`paired_differences` to ``reference`` with the ``decision`` of :func:`decide` and ``mdd_80``."""
     ref = {r["seed"]: r["final_val_loss"] for r in runs if r["schedule"] == reference}
     by_sched: dict[str, Any] = {}
     for sched in schedules:
         rs = [r for r in runs if r["schedule"] == sched]
-        vals = [r["final_val_loss"] for r in rs]
+        vals, tps = [r["final_val_loss"] for r in rs], [r["tokens_per_s"] for r in rs]
         paired = paired_differences({r["seed"]: r["final_val_loss"] for r in rs}, ref)
         paired["decision"] = "identical" if paired["n"] and not any(paired["diffs"]) else decide(paired["ci"], margin)
         paired["mdd_80"] = min_detectable_difference(paired["std"], paired["n"]) if paired["n"] >= 2 else None
@@ -278,14 +237,10 @@ def summarize_runs(runs: Sequence[dict[str, Any]], schedules: Sequence[str], ref
             "heads": rs[0]["heads"], "head_dims": rs[0]["head_dims"], "params": rs[0]["params"],
             "n_runs": len(rs), "val_loss_mean": float(np.mean(vals)), "val_loss_std": sample_std(vals),
             "delta_vs_baseline_mean": paired["mean"], "delta_vs_baseline_std": paired["std"],
-            "paired": paired,
-            "tokens_per_s_mean": float(np.mean([r["tokens_per_s"] for r in rs])),
-            "tokens_per_s_std": sample_std([r["tokens_per_s"] for r in rs]),
+            "paired": paired, "tokens_per_s_mean": float(np.mean(tps)), "tokens_per_s_std": sample_std(tps),
             "peak_memory_mb_mean": float(np.mean([r["peak_memory_mb"] for r in rs])),
         }
     return by_sched
-
-
 
 
 def _pm(mean: float, std: float, n: int, digits: int = 4) -> str:
@@ -294,23 +249,17 @@ def _pm(mean: float, std: float, n: int, digits: int = 4) -> str:
 
 def render_report(summary: dict[str, Any]) -> str:
     """Markdown report of a comparison (the table, paired deltas, and what the data supports)."""
-    cfg, meta = summary["config"], summary["data"]
-    seeds = summary["seeds"]
-    n = len(seeds)
-    t = cfg["train"]
+    cfg, meta, seeds = summary["config"], summary["data"], summary["seeds"]
+    n, t, flat = len(seeds), cfg["train"], summary.get("until_flat")
     steps = summary.get("steps_per_run") or t["steps"]
-    flat = summary.get("until_flat")
-    if flat:
-        how = (f" ({flat['decided_by']['schedule']} seed {flat['decided_by']['seed']} was flat at step "
-               f"{flat['flat_at_step']}: {flat['rule']}; the learning-rate schedule is that of "
-               f"{flat['max_steps']} steps)" if flat["flat_at_step"] else
-               f" (--until-flat: {flat['decided_by']['schedule']} seed {flat['decided_by']['seed']} was not "
-               f"flat within train.steps={flat['max_steps']}; raise it)")
-    else:
-        how = ""
+    how = "" if not flat else (
+        f" ({flat['decided_by']['schedule']} seed {flat['decided_by']['seed']} was flat at step "
+        f"{flat['flat_at_step']}: {flat['rule']}; the learning-rate schedule is that of "
+        f"{flat['max_steps']} steps)" if flat["flat_at_step"] else
+        f" (--until-flat: {flat['decided_by']['schedule']} seed {flat['decided_by']['seed']} was not "
+        f"flat within train.steps={flat['max_steps']}; raise it)")
     lines = [
-        f"# Schedule comparison: {cfg['name']}",
-        "",
+        f"# Schedule comparison: {cfg['name']}", "",
         f"Preset `{cfg['model']['preset']}`; data `{meta['source']}` tokenized with `{meta['tokenizer']}` "
         f"({meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens); {steps} steps x "
         f"{t['batch_size']} x {t['context']} tokens = {steps * t['batch_size'] * t['context']:,} tokens "
@@ -323,24 +272,21 @@ def render_report(summary: dict[str, Any]) -> str:
         f"Δ vs {summary['baseline']} (paired) | 95% CI of Δ | tokens/s | peak MB |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    best = min(summary["schedules"].items(), key=lambda kv: kv[1]["val_loss_mean"])
+    best = min(summary["schedules"].items(), key=lambda kv: kv[1]["val_loss_mean"])[0]
     for name, s in summary["schedules"].items():
         delta = "—" if name == summary["baseline"] else _pm(s["delta_vs_baseline_mean"], s["delta_vs_baseline_std"], n)
         ci = (s.get("paired") or {}).get("ci")
         ci_text = "—" if name == summary["baseline"] or not ci else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
-        lines.append(
-            f"| {'**' + name + '**' if name == best[0] else name} | {','.join(map(str, s['heads']))} | "
-            f"{s['params']:,} | {_pm(s['val_loss_mean'], s['val_loss_std'], n)} | {delta} | {ci_text} | "
-            f"{s['tokens_per_s_mean']:,.0f} | {s['peak_memory_mb_mean']:,.0f} |"
-        )
-    lines += ["", "## Reading", ""]
-    lines += verdicts(summary)
-    lines += ["", "Tokens/s is each run's mean over its logged steps, the runs trained one after another: on a "
+        lines.append(f"| {'**' + name + '**' if name == best else name} | {','.join(map(str, s['heads']))} | "
+                     f"{s['params']:,} | {_pm(s['val_loss_mean'], s['val_loss_std'], n)} | {delta} | "
+                     f"{ci_text} | {s['tokens_per_s_mean']:,.0f} | {s['peak_memory_mb_mean']:,.0f} |")
+    lines += ["", "## Reading", "", *verdicts(summary), "",
+              "Tokens/s is each run's mean over its logged steps, the runs trained one after another: on a "
               "machine shared with other work it measures the load as much as the schedule (for a speed "
               "comparison, `python benchmarks/throughput.py --loop` times the schedules interleaved). "
               "Peak memory is the CUDA allocator peak on GPU; on CPU it is the process RSS sampled every "
-              "50 ms (approximate, includes the Python runtime and the data memmaps)."]
-    lines += ["", "![loss curves](loss_curves.png)", ""]
+              "50 ms (approximate, includes the Python runtime and the data memmaps).",
+              "", "![loss curves](loss_curves.png)", ""]
     if len(summary["schedules"]) > 1:
         if n > 1:
             lines += ["The final paired differences, per seed and with their 95% intervals"
@@ -355,9 +301,7 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
     """One sentence per non-baseline schedule: is its paired difference larger than the seed noise?
 
     A paired t-test over seeds at 95% (two-sided); with 2 seeds only very consistent differences pass."""
-    out = []
-    n = len(summary["seeds"])
-    base = summary["baseline"]
+    out, n, base = [], len(summary["seeds"]), summary["baseline"]
     for name, s in summary["schedules"].items():
         if name == base:
             continue
@@ -378,11 +322,10 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
         se = sd / math.sqrt(n)
         t = abs(d) / se if se > 0 else math.inf
         crit = float(stats.t.ppf(0.975, n - 1))
-        sig = t >= crit
+        sig, ci = t >= crit, [d - crit * se, d + crit * se]
         verdict = ("lower than" if d < 0 else "higher than") if sig else "not distinguishable from"
         extra = (f" (paired t = {t:.1f} >= {crit:.2f}, 95% two-sided)" if sig
                  else f" (paired t = {t:.1f} < {crit:.2f} needed at 95% with {n} seeds)")
-        ci = [d - crit * se, d + crit * se]
         line = (f"- {name} vs {base}: Δ = {d:+.4f} ± {sd:.4f} over {n} paired seeds, 95% CI "
                 f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {verdict} {base}{extra}.")
         margin = summary.get("margin")
@@ -402,7 +345,7 @@ def paired_curves(curves: dict[str, dict[int, Sequence[dict[str, Any]]]], refere
 
     ``curves`` maps schedule -> seed -> eval records (``step``, ``tokens``, ``val_loss``). Returns, per
     schedule but the reference, ``{"tokens": [...], "per_seed": {seed: [...]}, "mean": [...]}`` over the
-    steps every seed shares: whether a difference is still growing or shrinking when training ends.
+    steps every seed shares.
 
         >>> c = {"uniform": {0: [{"step": 1, "tokens": 8, "val_loss": 5.0}]},
         ...      "prism": {0: [{"step": 1, "tokens": 8, "val_loss": 4.5}]}}
@@ -415,11 +358,9 @@ def paired_curves(curves: dict[str, dict[int, Sequence[dict[str, Any]]]], refere
     for name, by_seed in curves.items():
         if name == reference:
             continue
-        per: dict[int, dict[int, tuple[int, float]]] = {}
-        for seed, h in by_seed.items():
-            if seed in ref:
-                per[seed] = {r["step"]: (r["tokens"], r["val_loss"] - ref[seed][r["step"]]) for r in h
-                             if r.get("val_loss") is not None and r["step"] in ref[seed]}
+        per = {seed: {r["step"]: (r["tokens"], r["val_loss"] - ref[seed][r["step"]]) for r in h
+                      if r.get("val_loss") is not None and r["step"] in ref[seed]}
+               for seed, h in by_seed.items() if seed in ref}
         steps = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
         if not steps:
             continue

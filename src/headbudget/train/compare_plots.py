@@ -18,13 +18,18 @@ from headbudget.io import save_figure
 __all__ = ["plot_curves", "plot_paired_curves", "plot_paired_differences"]
 
 
-def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Validation (left) and training (right) loss against tokens: per-seed thin, mean thick."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Validation (left) and training (right) loss against tokens: per-seed thin, mean thick."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, curves) in enumerate(summary["curves"].items()):
@@ -51,13 +56,8 @@ def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
 
 def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) -> Path:
     """The final paired differences as a forest plot: per schedule its per-seed differences (dots), their mean
-    and 95% interval (bar), zero (the reference) and the ``--margin`` band when one was set, so that
-    "equivalent" (the bar inside the band) and "inconclusive" (a bar reaching past it) are seen at a glance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    and 95% interval (bar), zero (the reference) and the ``--margin`` band when one was set."""
+    plt = _pyplot()
     base, margin = summary["baseline"], summary.get("margin")
     rows = [(name, s["paired"]) for name, s in summary["schedules"].items() if name != base]
     fig, ax = plt.subplots(figsize=(7, 1.4 + 0.55 * len(rows)))
@@ -72,7 +72,7 @@ def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) ->
     ax.set_yticks(range(len(rows)), [f"{name} - {base}" for name, _ in reversed(rows)])
     ax.set(xlabel="final val loss difference (nats/token); dots: seeds, bar: 95% interval",
            title=f"paired by seed, {len(summary['seeds'])} seeds")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))  # tick labels of 4-digit losses overlap
+    ax.xaxis.set_major_locator(plt.MaxNLocator(6))  # tick labels of 4-digit losses overlap
     ax.grid(axis="x", alpha=0.3)
     if margin is not None:
         ax.legend(fontsize=8, loc="best")
@@ -83,11 +83,7 @@ def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) ->
 def plot_paired_curves(paired: dict[str, dict[str, Any]], reference: str, path: str | os.PathLike,
                        title: str | None = None) -> Path:
     """:func:`paired_curves` as a figure: thin lines per seed, thick the mean, zero is the reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for k, (name, d) in enumerate(paired.items(), start=1):
         for v in d["per_seed"].values():

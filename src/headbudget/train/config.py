@@ -1,17 +1,9 @@
 """Run configuration: nested dataclasses loaded from YAML, overridable with ``--set a.b=value``.
 
-A config file has up to five sections (``distill`` optional) plus top-level keys::
-
-    name: quickstart
-    seed: 0
-    model: {preset: cpu-tiny, schedule: uniform}
-    data:  {source: "synthetic:300000", tokenizer: "bpe:512"}
-    train: {steps: 200, batch_size: 16, context: 128, lr: 2.0e-3}
-
 Every field declares its type, default and help once (:func:`headbudget.typed_config.option`); the config
-file, ``--set`` and the commands' ``--section.key`` flags are read through it: every value is coerced to the
-field's type (YAML reads ``3e-4`` as a string; it becomes a float here), and an unknown key is one error line
-naming it, the file and the nearest valid key.
+file (sections ``model``, ``data``, ``train``, ``distill``; top-level ``name``, ``seed``, ``out``), ``--set``
+and the commands' ``--section.key`` flags are read through it: values are coerced to the field's type and an
+unknown key is one error line naming the nearest valid key.  See docs/training.md ("Configs").
 
     >>> cfg = RunConfig.from_dict({"train": {"lr": "3e-4"}})
     >>> cfg = apply_overrides(cfg, ["train.steps=50", "model.schedule=prism"])
@@ -45,12 +37,10 @@ class ModelSection:
     n_positions: int | None = option(None, help="longest sequence (null: train.context)")
     dropout: float = option(0.0, help="dropout probability")
     bias: bool = option(True, help="biases in linear layers and layer norms")
-    # the two activations of models.configuration_headbudget.ACTIVATIONS["gelu"] worth a flag (not imported:
-    # that would load transformers with the config)
+    # two of models.configuration_headbudget.ACTIVATIONS (not imported: that would load transformers)
     hidden_act: str = option("gelu_new", choices=("gelu_new", "gelu"),
                              help="MLP activation: gelu_new (GPT-2's tanh GELU) or gelu (the exact erf GELU of "
                                   "nanoGPT and BERT; 4-5% of a cpu-small training step cheaper on an AVX2 CPU)")
-    # optional overrides of the preset's shape (null keeps the preset's value)
     n_layers: int | None = option(None, help="layers (null: the preset's)")
     d_model: int | None = option(None, help="model width (null: the preset's)")
     n_heads: int | None = option(None, help="heads per layer of the uniform schedule (null: the preset's)")
@@ -126,9 +116,7 @@ class TrainSection:
 @dataclass
 class DistillSection:
     """Logit distillation from a teacher (``headbudget distill``, ``train --teacher``); off while teacher is null.
-
-    The training loss per token is ``alpha * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) * CE``
-    (t, s: teacher and student logits, T: temperature); val_loss stays the plain LM cross-entropy."""
+    The loss per token is ``alpha * T^2 * KL(softmax(t/T) || softmax(s/T)) + (1 - alpha) * CE``."""
 
     teacher: str | None = option(None, help="model folder, run folder or GGUF of the teacher (same tokenizer as "
                                             "the student); null: no teacher")
@@ -187,21 +175,14 @@ class RunConfig:
         if "steps" in sections.get("train", {}) and "tokens" not in sections["train"]:
             d["train"]["tokens"] = None
         for k, v in sections.items():
-            if isinstance(v, dict):
-                d[k].update(v)
-            else:
-                d[k] = v
+            d[k] = {**d[k], **v} if isinstance(v, dict) else v
         return type(self).from_dict(d)
 
 
 @dataclass
 class CompareSection:
     """What ``headbudget compare`` adds to a run config: the ``compare:`` section of its config file (a plain
-    run config reads the file too and leaves it out).
-
-        run_compare(cfg, parse_schedules(c.schedules), c.seeds, out, reference=c.reference,
-                    until_flat=c.until_flat, save_models=c.save_models)
-    """
+    run config reads the file too and leaves it out)."""
 
     schedules: str = option("uniform,prism", flag="--schedules", metavar="LIST",
                             help="comma list, e.g. uniform,prism,reverse,uniform@128 (use ';' between schedules "
@@ -239,9 +220,7 @@ class CompareConfig(RunConfig):
 
     def run_config(self) -> RunConfig:
         """The run config every run of the comparison starts from."""
-        d = self.to_dict()
-        d.pop("compare")
-        return RunConfig.from_dict(d)
+        return RunConfig.from_dict({k: v for k, v in self.to_dict().items() if k != "compare"})
 
 
 #: the most tokens a run may read: ~30x the largest language-model pretraining runs (~3e13 tokens); more is a typo
@@ -297,8 +276,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
                 cls: type[RunConfig] = RunConfig) -> RunConfig:
     """Load a config file (or the defaults when ``path`` is None) and apply overrides; ``cls=CompareConfig``
     also reads the file's ``compare:`` section."""
-    cfg = cls.load(path) if path is not None else cls()
-    return apply_overrides(cfg, overrides)
+    return apply_overrides(cls.load(path) if path is not None else cls(), overrides)
 
 
 def bundled_configs() -> dict[str, Path]:
@@ -310,10 +288,8 @@ def bundled_configs() -> dict[str, Path]:
 
 
 def resolve_config_path(name: str) -> Path:
-    """A config file, or the name of a bundled config: ``quickstart``, ``cpu-small``, ``gpt2-124m``, ...
-
-    ``configs/cpu-small.yaml`` (the README's spelling) also finds the bundled file when there is no
-    such file, so the README's commands work from a wheel install too.
+    """A config file, or the name of a bundled config (``cpu-small``; the README's ``configs/cpu-small.yaml``
+    too when there is no such file, so its commands work from a wheel install).
 
         >>> resolve_config_path("cpu-small").name
         'cpu-small.yaml'
@@ -322,8 +298,8 @@ def resolve_config_path(name: str) -> Path:
     if p.is_file():
         return p
     bundled = bundled_configs()
-    stem = p.name[:-len(".yaml")] if p.name.endswith(".yaml") else p.name
-    if stem in bundled and (p.parent == Path(".") or p.parent == Path("configs")):
+    stem = p.name.removesuffix(".yaml")
+    if stem in bundled and p.parent in (Path("."), Path("configs")):
         return bundled[stem]
     raise FileNotFoundError(f"config {name!r} not found: not a file, nor a bundled config "
                             f"({', '.join(bundled)})")

@@ -1,22 +1,19 @@
 """Logit distillation for the trainer: the teacher (loaded frozen), the same-tokenizer check and the loss.
 
-:class:`~headbudget.train.trainer.Trainer` uses these when ``distill.teacher`` is set
-(``headbudget distill STUDENT --teacher TEACHER ...`` or ``headbudget train CONFIG --init STUDENT --teacher
-TEACHER``); the loop, checkpoints, resume and DDP/FSDP2 are the trainer's own.
+:class:`~headbudget.train.trainer.Trainer` uses these when ``distill.teacher`` is set (``headbudget distill``,
+``train --teacher``).  The teacher is one full copy per process (never sharded), so it must fit on each
+device next to the student's shard.  See docs/training.md ("Recovering ... by distillation").
 
     >>> import torch
     >>> from headbudget.train.distill import distillation_kl
     >>> s, t = torch.zeros(1, 2, 5), torch.zeros(1, 2, 5)
     >>> float(distillation_kl(s, t, temperature=2.0))          # same distribution: no divergence
     0.0
-
-The teacher runs in eval mode under ``no_grad`` on the student's device, one full copy per process: under
-DDP every rank loads it, under FSDP2 it is *not* sharded (only the student is), so it must fit on each
-device next to the student's shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -80,9 +77,8 @@ def check_distill_section(d: DistillSection) -> None:
 
 
 def load_teacher(teacher: str, student_tok: Any, device: torch.device, dtype: torch.dtype = torch.float32):
-    """The teacher model of ``distill.teacher``: frozen (no parameter requires grad), eval mode, on ``device``.
-
-    Refuses in one line a teacher whose tokenizer differs from ``student_tok`` or that has none saved.
+    """The teacher model of ``distill.teacher``: frozen, eval mode, on ``device``; refused in one line when
+    its tokenizer differs from ``student_tok`` or is not saved.
 
     >>> tok = load_tokenizer(model_dir="runs/pruned/model")                        # doctest: +SKIP
     >>> t = load_teacher("runs/quickstart-dense/model", tok, torch.device("cpu"))  # doctest: +SKIP
@@ -171,13 +167,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 class TeacherCache:
     """The teacher's last hidden states, computed once per batch and read back by every later student
-    (``distill.teacher_cache``): a hit runs only the teacher's output layer on them, so the logits -- and the loss --
-    are exactly those of the full forward pass, for about a fifth of a 135M teacher's cost.
-
-    One file per batch of token ids, under a folder named by the teacher's fingerprint, so a cache never answers
-    for another teacher (or another dtype of it); files are written atomically, so a killed run leaves none
-    half-written.  A teacher whose logits are not its output layer applied to that input (a soft-capped head, say)
-    is refused on the first batch.
+    (``distill.teacher_cache``): a hit runs only the teacher's output layer on them, so the logits -- and the
+    loss -- are exactly those of the full forward pass.  One file per batch of token ids (written atomically),
+    under a folder named by the teacher's fingerprint; a teacher whose logits are not its output layer applied
+    to that input (a soft-capped head, say) is refused on the first batch.
 
         >>> cache = TeacherCache("runs/teacher-cache", teacher)       # doctest: +SKIP
         >>> logits = cache.logits(x)        # the teacher's body runs only for a batch it has not seen
@@ -221,11 +214,9 @@ class TeacherCache:
 def distill_step_loss(student: torch.nn.Module, teacher: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                       temperature: float, alpha: float, vocab: int,
                       cache: TeacherCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate, detached [kl, ce]) of one micro-batch: ``alpha * kl + (1 - alpha) * ce``.
-
-    ``alpha == 0`` backpropagates the cross-entropy alone (bit-identical to plain LM training; the KL is
-    still measured, without gradient).  Logits of different widths (vocabularies padded differently) are
-    compared over the tokenizer's ``vocab`` ids.  With a ``cache`` the teacher's logits come from it."""
+    """(loss to backpropagate, detached [kl, ce]) of one micro-batch: ``alpha * kl + (1 - alpha) * ce``;
+    ``alpha == 0`` is bit-identical to plain LM training (the KL measured without gradient).  Logits of
+    different widths are compared over the tokenizer's ``vocab`` ids."""
     logits = student(input_ids=x, use_cache=False).logits
     if alpha == 1:  # the cross-entropy is only reported: no graph, no vocabulary-wide float32 copy
         with torch.no_grad():
@@ -234,16 +225,11 @@ def distill_step_loss(student: torch.nn.Module, teacher: torch.nn.Module, x: tor
         ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
     with torch.no_grad():
         t_logits = cache.logits(x) if cache is not None else teacher(input_ids=x, use_cache=False).logits
-    s_logits = logits
-    if t_logits.size(-1) != s_logits.size(-1):
-        s_logits, t_logits = s_logits[..., :vocab], t_logits[..., :vocab]
-    if alpha == 0:
-        with torch.no_grad():
-            kl = distillation_kl(s_logits, t_logits, y, temperature)
-        loss = ce
-    else:
-        kl = distillation_kl(s_logits, t_logits, y, temperature)
-        loss = kl if alpha == 1 else alpha * kl + (1 - alpha) * ce
+    if t_logits.size(-1) != logits.size(-1):
+        logits, t_logits = logits[..., :vocab], t_logits[..., :vocab]
+    with torch.no_grad() if alpha == 0 else contextlib.nullcontext():
+        kl = distillation_kl(logits, t_logits, y, temperature)
+    loss = ce if alpha == 0 else kl if alpha == 1 else alpha * kl + (1 - alpha) * ce
     return loss, torch.stack([kl.detach(), ce.detach()])
 
 

@@ -1,9 +1,4 @@
-"""torchrun workers that die with their launcher: :func:`die_with_launcher`.
-
-Without it the workers of a killed launcher train on as orphans to the end of the run and race a later
-``--resume`` in the same folder.  :class:`~headbudget.train.trainer.Trainer` calls it in every process of a
-multi-process run.
-"""
+"""torchrun workers that die with their launcher: :func:`die_with_launcher`."""
 
 from __future__ import annotations
 
@@ -17,9 +12,8 @@ _WATCHING_LAUNCHER = False
 def die_with_launcher() -> None:
     """End this process (SIGTERM) when its parent, the ``torchrun`` launcher, dies, even by ``kill -9``.
 
-    Without it the workers of a killed launcher train on as orphans to the end of the run and race a
-    later ``--resume`` in the same folder.  Linux: ``prctl(PR_SET_PDEATHSIG)``; elsewhere a daemon
-    thread that notices the parent pid change.  Called by every :class:`~headbudget.train.trainer.Trainer` of a multi-process run.
+    Without it the workers of a killed launcher train on as orphans and race a later ``--resume`` in the same
+    folder.  Linux: ``prctl(PR_SET_PDEATHSIG)``; elsewhere a daemon thread that notices the parent pid change.
 
     >>> die_with_launcher()   # in a torchrun worker: gone within a second of its launcher
     """
@@ -33,8 +27,7 @@ def die_with_launcher() -> None:
         import ctypes
 
         try:
-            pr_set_pdeathsig = 1
-            if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) == 0:
+            if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0:  # PDEATHSIG
                 _WATCHING_LAUNCHER = True
                 if os.getppid() != parent:  # it died before the signal was armed
                     os.kill(os.getpid(), signal.SIGTERM)

@@ -1,11 +1,6 @@
-"""The one training loop of headbudget: parameter groups, learning-rate schedule, gradient accumulation,
-clipping, a NaN guard that reads the loss only at log steps, checkpoint hooks, DDP/FSDP2.
-
-Every trainer in the package runs through :class:`TrainLoop`: ``headbudget train``/``distill``
-(:class:`headbudget.train.trainer.Trainer`), classifier fine-tuning (:func:`headbudget.pruning.finetune.finetune`),
-LM recovery after pruning (:func:`headbudget.pruning.lm.finetune_lm`) and the synthetic experiments.
-A caller gives a model, an optimizer, an iterator of micro-batches and a loss function; hooks see
-the log steps, write checkpoints and may stop the run:
+"""The one training loop of headbudget (every trainer of the package runs through :class:`TrainLoop`):
+parameter groups, learning-rate schedule, gradient accumulation, clipping, a NaN guard, checkpoint hooks,
+DDP/FSDP2.
 
     >>> import torch
     >>> from headbudget.train.loop import TrainLoop, build_adamw, warmup_cosine
@@ -18,11 +13,8 @@ the log steps, write checkpoints and may stop the run:
     >>> result.steps, len(result.losses)
     (3, 3)
 
-The host reads the device only at log steps, checkpoint steps and the end (as nanoGPT does): losses stay
-on the device in between, so a GPU queue is never drained by a ``.item()``.  A non-finite loss therefore
-stops the run at the next of those points, with :class:`TrainingDivergedError` naming the first bad step;
-a checkpoint is only written after the losses of every step before it were checked, so none holds
-weights a NaN has reached.
+The host reads the losses only at log steps, checkpoint steps and the end (as nanoGPT does), so a GPU queue
+is never drained by a ``.item()``; a NaN stops the run at the next of those points, before any checkpoint.
 """
 
 from __future__ import annotations
@@ -39,8 +31,7 @@ import torch
 
 __all__ = ["LogRecord", "LoopResult", "TrainLoop", "TrainingDivergedError", "build_adamw", "distributed_env",
            "fused_adamw_available", "init_distributed", "param_groups", "shard_or_replicate", "training_device",
-           "warmup_cosine",
-           "warmup_linear"]
+           "warmup_cosine", "warmup_linear"]
 
 
 class TrainingDivergedError(RuntimeError, FloatingPointError):
@@ -58,32 +49,23 @@ def _clean_name(name: str) -> str:
 
 def param_groups(model: torch.nn.Module, weight_decay: float,
                  decay_names: set[str] | None = None) -> list[dict[str, Any]]:
-    """Weight decay on matrices (linear and embedding weights), none on biases and norms.
-
-    ``decay_names`` (computed on the unwrapped model) is needed under FSDP, whose flattened shards
-    no longer have the parameters' shapes.  Frozen parameters are left out."""
+    """Weight decay on matrices (linear and embedding weights), none on biases and norms; frozen parameters
+    left out.  ``decay_names`` (of the unwrapped model) is needed under FSDP, whose shards lose shapes."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():  # shared (tied) tensors are listed once
         if not p.requires_grad:
             continue
-        if decay_names is not None:
-            wd = _clean_name(name) in decay_names
-        else:
-            wd = p.dim() >= 2 and "LayerNorm" not in name and "layer_norm" not in name
+        wd = (_clean_name(name) in decay_names if decay_names is not None
+              else p.dim() >= 2 and "LayerNorm" not in name and "layer_norm" not in name)
         (decay if wd else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999),
                 decay_names: set[str] | None = None, fused: bool | None = None) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`.
-
-    ``fused=None`` (the default) takes torch's fused kernel wherever torch has it for every parameter (CUDA, and
-    CPU since torch 2.4: one pass per tensor over weight, gradient and both moments; 2.7x faster than the
-    for-loop AdamW on cpu-small, 6.5x on gpt2-124m at one thread) and the for-loop one elsewhere; ``True``
-    insists on it, ``False`` refuses it.  Same update rule and hyperparameters either way; the two round
-    differently (relative ~1e-7 per step).  A resumed run keeps the kind of its checkpoint (torch's
-    ``load_state_dict`` restores each group's ``fused`` flag), so resuming stays bit-identical."""
+    """AdamW over :func:`param_groups`; ``fused=None`` takes torch's fused kernel wherever torch has it for
+    every parameter (CUDA, and CPU since torch 2.4), ``True`` insists on it, ``False`` refuses it.  The two
+    round differently (~1e-7 per step); a resumed run keeps its checkpoint's kind (bit-identical)."""
     groups = param_groups(model, weight_decay, decay_names)
     available = fused_adamw_available(p for g in groups for p in g["params"])
     if fused and not available:
@@ -99,11 +81,10 @@ def fused_adamw_available(params: Iterable[torch.Tensor]) -> bool:
     check = getattr(importlib.import_module("torch.optim.optimizer"), "_device_dtype_check_for_fused", None)
     try:
         for p in params:
-            if check is None:
-                if not (p.is_cuda and p.is_floating_point()):
-                    return False
-            else:
+            if check is not None:
                 check(p)
+            elif not (p.is_cuda and p.is_floating_point()):
+                return False
     except RuntimeError:
         return False
     return True
@@ -175,10 +156,8 @@ def init_distributed(device: torch.device, world: int) -> bool:
 
 
 def shard_or_replicate(model: torch.nn.Module, device: torch.device, world: int, fsdp: bool) -> torch.nn.Module:
-    """FSDP2 (``fsdp``) or DDP for a multi-process run; the model itself on one process.
-
-    FSDP2 as torchtitan: each block of ``model.transformer.h`` is one all-gather unit and the root holds the
-    embeddings and the head; the module stays the same object (its parameters become DTensor shards)."""
+    """FSDP2 (``fsdp``; as torchtitan, each block of ``model.transformer.h`` one all-gather unit, the module
+    the same object) or DDP for a multi-process run; the model itself on one process."""
     if world <= 1:
         return model
     if fsdp:
@@ -204,9 +183,9 @@ def _world_size() -> int:
 # ---------------------------------------------------------------------------- the loop
 @dataclass
 class LogRecord:
-    """What a log step reads from the device: the loss of that optimizer step (mean over its micro-batches
-    and processes), the gradient norm before clipping, the learning rate, the loss function's extra terms
-    (``parts``), and the seconds the ``steps`` steps since the previous record took."""
+    """What a log step reads from the device: the step's loss (mean over micro-batches and processes), the
+    gradient norm before clipping, the lr, the loss function's extra terms and the seconds of the ``steps``
+    steps since the previous record."""
 
     step: int
     loss: float
@@ -286,16 +265,13 @@ class TrainLoop:
             if grad_norm is None:  # the iterator ended
                 break
             done, n_steps = step + 1, n_steps + 1
-            record = None
+            record, last = None, self.check() if logged else None
+            seconds += time.perf_counter() - t0
             if logged:
-                last = self.check()
-                seconds += time.perf_counter() - t0
                 rec = LogRecord(step=done, loss=last[0], grad_norm=float(grad_norm), lr=last[1], parts=last[2],
                                 seconds=seconds, steps=n_steps)
                 seconds, n_steps = 0.0, 0
                 record = on_log(rec) if on_log is not None else rec
-            else:
-                seconds += time.perf_counter() - t0
             if checkpoint_at is not None and checkpoint_at(done):
                 self.check()  # no checkpoint holds weights a NaN has reached
                 if on_checkpoint is not None:
@@ -308,8 +284,7 @@ class TrainLoop:
     def step(self, batches: Iterator[Any], step: int, need_norm: bool) -> torch.Tensor | None:
         """One optimizer step (the ``step``-th, from 0) on the next ``grad_accum`` batches; its gradient norm (a
         device tensor; 0 when neither clipping nor ``need_norm`` asks for it), or None when ``batches`` had nothing
-        left.  Its loss stays on the device until :meth:`check`; :meth:`run` drives both, a caller with its own
-        outer loop (benchmarks/throughput.py) may call them directly."""
+        left.  Its loss stays on the device until :meth:`check` (benchmarks/throughput.py calls both)."""
         if callable(self.lr_schedule) and not hasattr(self.lr_schedule, "step"):
             lr = self.lr_schedule(step)
             for g in self.optimizer.param_groups:
@@ -372,8 +347,7 @@ class TrainLoop:
         if not self._pending:
             return None
         losses = torch.stack([p.loss for p in self._pending])
-        has_parts = self._pending[-1].parts is not None
-        parts = torch.stack([p.parts for p in self._pending]) if has_parts else None
+        parts = torch.stack([p.parts for p in self._pending]) if self._pending[-1].parts is not None else None
         world = _world_size()
         if world > 1:
             import torch.distributed as dist

@@ -54,6 +54,5 @@ class PeakMemory:
 
     @property
     def peak_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        return self.peak_bytes / 2**20
+        cuda = self.device.type == "cuda"
+        return (torch.cuda.max_memory_allocated(self.device) if cuda else self.peak_bytes) / 2**20

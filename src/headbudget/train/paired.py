@@ -1,7 +1,6 @@
-"""Paired statistics of a comparison: schedules trained at the same seeds on identical batches differ by a
-per-seed difference, summarised by its mean and Student-t interval (:func:`paired_differences`), read by a
-decision rule with an equivalence margin (:func:`decide`), and bounded by what the seeds can detect
-(:func:`min_detectable_difference`).
+"""Paired statistics of a comparison: per-seed differences and their Student-t interval
+(:func:`paired_differences`), a decision rule with an equivalence margin (:func:`decide`) and what the seeds
+can detect (:func:`min_detectable_difference`).
 
     >>> from headbudget.train.paired import decide, paired_differences
     >>> d = paired_differences({0: 2.9, 1: 3.0, 2: 3.1}, {0: 3.0, 1: 3.2, 2: 3.4})

@@ -1,6 +1,5 @@
-"""What a training run leaves in its folder and reads back: the metrics of its log steps (``metrics.jsonl``,
-TensorBoard), its :class:`TrainResult` (``summary.json``), and whether a checkpoint fits the config a resume
-asks for.
+"""What a training run leaves in its folder and reads back: ``metrics.jsonl`` (and TensorBoard), its
+:class:`TrainResult` (``summary.json``), and whether a checkpoint fits the config a resume asks for.
 
     >>> from headbudget.train.records import finished_result
     >>> finished_result("runs/demo", cfg)  # the recorded result when runs/demo finished cfg's steps  # doctest: +SKIP
@@ -42,30 +41,23 @@ class TrainResult:
     read_back: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["out_dir"] = str(self.out_dir)
-        d["model_dir"] = str(self.model_dir) if self.model_dir else None
-        d.pop("history")
-        d.pop("read_back")
-        return d
+        d = {k: v for k, v in asdict(self).items() if k not in ("history", "read_back")}
+        return dict(d, out_dir=str(self.out_dir), model_dir=str(self.model_dir) if self.model_dir else None)
 
 
 # ---------------------------------------------------------------------------- metrics
 class MetricsLogger:
     """The trainer's side of the loop's log steps (evaluation, ``metrics.jsonl``, TensorBoard, the progress bar)
-    and of every step (the callbacks).  ``trainer`` is a :class:`headbudget.train.trainer.Trainer` (what the
-    logger uses of it is public: ``cfg``, ``out``, ``callbacks``, ``stop_requested``, ``is_eval_step(step)``,
-    ``validation_loss(run)``), ``run`` what it trains with (``is_main``, ``teacher``, ``metrics_path``)."""
+    and of every step (the callbacks); ``trainer`` is a :class:`~headbudget.train.trainer.Trainer`, ``run``
+    what it trains with."""
 
     def __init__(self, trainer: Any, run: Any, start_step: int) -> None:
         from headbudget.progress import ProgressBar
 
         t = trainer.cfg.train
         self.trainer, self.run = trainer, run
-        # a resumed run's history is the whole run's: the records up to its checkpoint (trim_metrics kept
-        # those) and then its own, as finished_result reads them back
-        # (every rank reads it, so a stopping rule over the history decides alike on all; the step filter makes
-        # a rank that reads the file before the main rank's trim see the same records)
+        # a resumed run's history is the whole run's, read by every rank (a stopping rule decides alike on
+        # all); the step filter makes a rank that reads before the main rank's trim_metrics see the same ones
         self.history: list[dict[str, Any]] = \
             [r for r in read_metrics(run.metrics_path) if r["step"] <= start_step] if start_step else []
         self.last_val: float | None = None
@@ -178,8 +170,7 @@ def check_compatible(cfg: RunConfig, path: Path, saved: dict[str, Any]) -> None:
 
 def finished_result(out: str | os.PathLike, cfg: RunConfig, steps: int | None = None) -> TrainResult | None:
     """The recorded result when ``out`` holds a run that finished ``train.steps`` (or more); ``steps``
-    replaces ``train.steps`` for a run stopped early on purpose (``compare --until-flat``: 0 accepts any
-    finished run)."""
+    replaces ``train.steps`` for a run stopped early on purpose (0 accepts any finished run)."""
     out = Path(out)
     path = out / "summary.json"
     if not path.is_file():
@@ -200,7 +191,6 @@ def finished_result(out: str | os.PathLike, cfg: RunConfig, steps: int | None = 
         check_compatible(cfg, out / "config.yaml", yaml.safe_load((out / "config.yaml").read_text()) or {})
     keys = {f.name for f in TrainResult.__dataclass_fields__.values()} - {"history", "read_back"}
     result = TrainResult(**{k: summary[k] for k in keys if k in summary}, read_back=True)
-    result.out_dir = out
+    result.out_dir, result.history = out, read_metrics(out / "metrics.jsonl")
     result.model_dir = Path(summary["model_dir"]) if summary.get("model_dir") else None
-    result.history = read_metrics(out / "metrics.jsonl")
     return result

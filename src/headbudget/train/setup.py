@@ -86,7 +86,6 @@ def build_model(cfg: RunConfig, vocab_size: int):
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``steps``
-    (:func:`headbudget.train.loop.warmup_cosine` of the config)."""
+    """The config's :func:`~headbudget.train.loop.warmup_cosine` at ``step``."""
     t = cfg.train
     return warmup_cosine(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)(step)

@@ -6,23 +6,9 @@ its steps run through :class:`headbudget.train.loop.TrainLoop` (AdamW, warmup + 
     ...                            "data": {"source": "synthetic:50000"}, "train": {"steps": 20}})
     >>> # result = train(cfg, "runs/demo")   # -> TrainResult(final_val_loss=..., model_dir=runs/demo/model)
 
-Outputs in the run directory: ``metrics.jsonl`` (one record per logged step: step, tokens, train_loss,
-val_loss, lr, grad_norm, tokens_per_s), ``checkpoints/step_*/`` (sharded DCP checkpoints, atomic, last K
-kept; see :mod:`headbudget.train.checkpoint`), ``model/``
-(Hugging Face format: ``AutoModelForCausalLM.from_pretrained`` loads it), ``tokenizer/``,
-``config.yaml`` (the resolved config) and ``summary.json``.
-
-Data order is a pure function of (seed, step) (see :mod:`headbudget.data.loader`), and checkpoints hold
-model, optimizer, step and every RNG state, so ``resume=True`` continues bit-for-bit on CPU.
-Under ``torchrun`` the trainer joins the process group (gloo on CPU, NCCL on CUDA) and splits each
-global batch across ranks; ``train.fsdp: true`` shards parameters, gradients and optimizer state with
-FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of replicating them with DDP; both are tested
-with 2 CPU processes (gloo).
-
-With ``distill.teacher`` set (``headbudget distill``), each micro-batch's loss is
-``alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE`` against a frozen teacher sharing the tokenizer
-(:mod:`headbudget.train.distill`); metrics then also record ``distill_kl`` and ``lm_loss``, and ``val_loss``
-stays the LM cross-entropy.
+Writes ``metrics.jsonl``, ``checkpoints/``, ``model/`` (Hugging Face format), ``tokenizer/``, ``config.yaml``
+and ``summary.json``.  Data order is a pure function of (seed, step) and checkpoints hold every RNG state, so
+``resume=True`` continues bit-for-bit on CPU.  See docs/training.md ("The trainer").
 """
 
 from __future__ import annotations
@@ -75,13 +61,7 @@ from headbudget.train.records import (  # TrainResult is also imported from here
     last_train_loss,
     trim_metrics,
 )
-from headbudget.train.setup import (
-    build_model,
-    build_schedule,
-    data_tokenizer_spec,
-    lr_at,
-    resolve_vocab_size,
-)
+from headbudget.train.setup import build_model, build_schedule, data_tokenizer_spec, lr_at, resolve_vocab_size
 
 __all__ = ["Trainer", "TrainResult", "build_model", "build_schedule", "lr_at", "train"]
 
@@ -114,37 +94,24 @@ class _Run:
 class Trainer:
     """Train one model from a :class:`RunConfig` into ``out_dir``.
 
-    ``callbacks`` are called as ``cb(trainer, step, record)`` after every optimizer step (``record`` is
-    the metrics dict of that step, or None when it was not logged); raising from one stops the run
-    (used by tests to simulate a kill); setting ``trainer.stop_requested = True`` from one ends the run
-    after that step as a finished one (validated, exported, ``summary.json`` with the steps done; used by
-    ``compare --until-flat``).  ``stop_at_step`` ends it so after that many steps, which are then an eval and
-    checkpoint step, keeping the learning-rate schedule of ``train.steps`` (``compare``'s runs as long as a
-    flat reference; a resume from its checkpoint trains nothing more).  ``data`` may pass an already
-    prepared dataset.
+    ``callbacks`` are called as ``cb(trainer, step, record)`` after every optimizer step (``record``: the
+    metrics dict of that step, or None when it was not logged); raising from one stops the run, setting
+    ``trainer.stop_requested = True`` ends it after that step as a finished one (validated, exported).
+    ``stop_at_step`` ends it so after that many steps (then an eval and checkpoint step), keeping the
+    learning-rate schedule of ``train.steps``.  ``data`` may pass an already prepared dataset.
     """
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        out_dir: str | os.PathLike,
-        *,
-        resume: bool = False,
-        callbacks: list[Callable[[Trainer, int, dict | None], None]] | None = None,
-        data: PreparedData | None = None,
-        save_model: bool = True,
-        stop_at_step: int | None = None,
-    ) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: str | os.PathLike, *, resume: bool = False,
+                 callbacks: list[Callable[[Trainer, int, dict | None], None]] | None = None,
+                 data: PreparedData | None = None, save_model: bool = True,
+                 stop_at_step: int | None = None) -> None:
         self.cfg = cfg
         if stop_at_step is not None and not 0 < stop_at_step <= cfg.train.steps:
             raise ValueError(f"stop_at_step={stop_at_step} must be in 1..train.steps ({cfg.train.steps})")
         #: the last step this run trains (``train.steps`` unless ``stop_at_step`` ends it earlier)
         self.end_step = stop_at_step or cfg.train.steps
-        self.out = Path(out_dir)
-        self.resume = resume
-        self.callbacks = list(callbacks or [])
-        self.data = data
-        self.save_model = save_model
+        self.out, self.resume, self.callbacks = Path(out_dir), resume, list(callbacks or [])
+        self.data, self.save_model = data, save_model
         self.rank, self.world, self.local_rank = distributed_env()
         if self.world > 1:  # a worker of torchrun: no orphan training on if the launcher is killed
             die_with_launcher()
@@ -153,8 +120,7 @@ class Trainer:
         self.summary: dict[str, Any] | None = None  # what summary.json records, once a run has finished
         #: a callback sets it to end the run after the current step (a stopping rule); see the class doc
         self.stop_requested = False
-        #: the step run() started training from: 0, or that of the checkpoint it resumed (``history`` still
-        #: holds the whole run's records)
+        #: the step run() started training from: 0, or that of the checkpoint it resumed
         self.start_step = 0
         self._check()
 
@@ -164,10 +130,8 @@ class Trainer:
             if getattr(t, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(t, name)}")
         if t.batch_size % (t.grad_accum * self.world):
-            raise ValueError(
-                f"train.batch_size={t.batch_size} must be divisible by train.grad_accum x processes = "
-                f"{t.grad_accum} x {self.world}"
-            )
+            raise ValueError(f"train.batch_size={t.batch_size} must be divisible by train.grad_accum x "
+                             f"processes = {t.grad_accum} x {self.world}")
         if t.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
         check_distill_section(self.cfg.distill)
@@ -175,30 +139,27 @@ class Trainer:
             build_schedule(self.cfg)  # schedule errors before any data work
 
     # ------------------------------------------------------------------ setup
-    def _device(self) -> torch.device:
-        return training_device(self.cfg.train.device, self.world, self.local_rank)
-
     def _prepare(self) -> PreparedData:
         if self.data is not None:
             return self.data
-        d = self.cfg.data
-        kw = dict(seed=d.seed, val_fraction=d.val_fraction, max_chars=d.max_chars,
-                  split_blank_lines=d.split_blank_lines)
-        tokenizer = data_tokenizer_spec(self.cfg)
-        if self.world > 1:
-            import torch.distributed as dist
+        d, tokenizer = self.cfg.data, data_tokenizer_spec(self.cfg)
 
-            if self.rank == 0:
-                data = prepare_data(d.source, tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
-            dist.barrier()
-            if self.rank != 0:
-                data = prepare_data(d.source, tokenizer, d.cache_dir, progress=False, **kw)
-            return data
-        return prepare_data(d.source, tokenizer, d.cache_dir, progress=self.cfg.train.progress, **kw)
+        def prepare(progress: bool) -> PreparedData:
+            return prepare_data(d.source, tokenizer, d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
+                                max_chars=d.max_chars, split_blank_lines=d.split_blank_lines,
+                                progress=progress)
+
+        if self.world == 1:
+            return prepare(self.cfg.train.progress)
+        import torch.distributed as dist
+
+        data = prepare(self.cfg.train.progress) if self.rank == 0 else None  # the others wait for its cache
+        dist.barrier()
+        return data if data is not None else prepare(False)
 
     # ------------------------------------------------------------------ main
     def run(self) -> TrainResult:
-        device = self._device()
+        device = training_device(self.cfg.train.device, self.world, self.local_rank)
         saved_threads = torch.get_num_threads()
         if device.type == "cpu":
             configure_threads(self.cfg.train.threads, self.world)  # 0: idle cores (headbudget.threads)
@@ -269,8 +230,7 @@ class Trainer:
                     ckpt_dir=self.out / "checkpoints", metrics_path=self.out / "metrics.jsonl")
 
     def _resume_step(self, run: _Run) -> int:
-        """The step to start from: that of the latest checkpoint (model, optimizer and RNG restored) with
-        ``resume``, else 0."""
+        """With ``resume``, the step of the latest checkpoint (model, optimizer and RNG restored), else 0."""
         if not self.resume:
             return 0
         path = latest_checkpoint(run.ckpt_dir)
@@ -283,8 +243,7 @@ class Trainer:
                 print(f"headbudget train: --resume: no checkpoint in {run.ckpt_dir}; starting from step 0",
                       file=sys.stderr, flush=True)
             return 0
-        saved = read_trainer_state(path)
-        check_compatible(self.cfg, path, saved.get("config") or {})
+        check_compatible(self.cfg, path, read_trainer_state(path).get("config") or {})
         state = load_checkpoint(path, run.model, run.optimizer)
         run.rng_restored = state["rng_restored"]
         if run.is_main:
@@ -430,7 +389,6 @@ class Trainer:
             plain = build_model(cfg, vocab)
         plain.load_state_dict(full)
         return plain
-
 
 
 def train(cfg: RunConfig, out_dir: str | os.PathLike, **kwargs: Any) -> TrainResult:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -54,21 +55,27 @@ def _rows_sq(weight: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 class AdapterBase:
     """Common machinery; subclasses describe one model family.
 
-    ``layers`` is the model's stack of blocks.  Subclasses implement ``attention_module(li)`` (the
-    module whose forward returns ``(output, attention_probs)``), ``out_proj(li)`` (the module whose
-    input is the concatenated head outputs), ``out_head_dim(li)`` (per-head width of that input),
-    ``qkv_weights(li)``, ``head_counts``, ``kv_head_counts`` when key/value heads are grouped, and
-    ``_remove(li, kept)`` (physical removal keeping current head indices ``kept``).
+    ``layers`` is the model's stack of blocks.  Subclasses name where a block's heads live (the class
+    attributes below, or overrides of the lookups that read them), and implement ``qkv_weights(li)``,
+    ``kv_head_counts`` when key/value heads are grouped, and ``_remove(li, kept)`` (physical removal
+    keeping current head indices ``kept``).
     """
 
     family: str = ""
     #: whether ``_remove(li, [])`` can take every head of a layer (the attention block then adds only its
     #: output-projection bias); the decoders refuse: their attention kernels and KV caches need a head per layer
     empty_layers: bool = False
+    #: dotted paths from a block to its attention module (whose forward returns ``(output, attention_probs)``)
+    #: and to its output projection (whose input is the concatenated head outputs); the attention module's
+    #: attributes holding its query-head count and the per-head width of the output projection's input
+    _attn_path = _out_path = _heads_attr = _dim_attr = ""
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList) -> None:
         self.model = model
         self.layers = layers
+
+    def _attns(self) -> list[nn.Module]:
+        return [self.attention_module(li) for li in range(self.num_layers)]
 
     # ----------------------------------------------------------------- bookkeeping
     @property
@@ -77,20 +84,17 @@ class AdapterBase:
 
     def head_counts(self) -> list[int]:
         """Current number of query heads in every layer."""
-        raise NotImplementedError
+        return [int(getattr(a, self._heads_attr)) for a in self._attns()]
 
     def kv_head_counts(self) -> list[int]:
         """Current number of (physically stored) key/value heads in every layer; one per query head
         unless the family groups them."""
         return self.head_counts()
 
-    def _initial_heads(self, layer: int) -> int:
-        return self.head_counts()[layer]
-
     def _state(self) -> dict[str, Any]:
         state = self.model.__dict__.get(_STATE_ATTR)
         if state is None:
-            state = {"kept": {li: list(range(self._initial_heads(li))) for li in range(self.num_layers)}}
+            state = {"kept": {li: list(range(n)) for li, n in enumerate(self.head_counts())}}
             self.model.__dict__[_STATE_ATTR] = state
         return state
 
@@ -104,10 +108,10 @@ class AdapterBase:
 
     # ----------------------------------------------------------------- weights
     def out_proj(self, layer: int) -> nn.Module:
-        raise NotImplementedError
+        return attrgetter(self._out_path)(self.layers[layer])
 
     def out_head_dim(self, layer: int) -> int:
-        raise NotImplementedError
+        return int(getattr(self.attention_module(layer), self._dim_attr))
 
     def qkv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -140,16 +144,11 @@ class AdapterBase:
         return out
 
     # ----------------------------------------------------------------- gating
-    def _param_ref(self) -> torch.Tensor:
-        return next(self.model.parameters())
-
     @contextlib.contextmanager
     def gate_hooks(self, gates: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-        """Multiply each head's output by the caller's ``gates[layer][head]`` inside the block (or, for
-        gates of shape ``(batch, heads)``, example b's output by ``gates[layer][b, head]``).
-
-        ``gates`` are the caller's own tensors (gate training passes trainable logits' gates);
-        :meth:`gates` and :meth:`set_gate_values` build them for the common cases."""
+        """Multiply each head's output by the caller's own ``gates[layer][head]`` inside the block (for gates
+        of shape ``(batch, heads)``, example b's by ``gates[layer][b, head]``); :meth:`gates` and
+        :meth:`set_gate_values` build them for the common cases."""
         counts = self.head_counts()
         if len(gates) != self.num_layers:
             raise ValueError(f"expected gate values for {self.num_layers} layers, got {len(gates)}")
@@ -184,11 +183,9 @@ class AdapterBase:
         ...     model(**batch).loss.backward()
         ...     importance = [g.grad.abs() for g in gates]
         """
-        ref = self._param_ref()
-        gates = [
-            torch.ones(n, dtype=torch.float32, device=ref.device, requires_grad=True)
-            for n in self.head_counts()
-        ]
+        device = next(self.model.parameters()).device
+        gates = [torch.ones(n, dtype=torch.float32, device=device, requires_grad=True)
+                 for n in self.head_counts()]
         with self.gate_hooks(gates) as g:
             yield g
 
@@ -197,30 +194,24 @@ class AdapterBase:
         self, values: Sequence[Sequence[float] | torch.Tensor] | Mapping[int, Sequence[float] | torch.Tensor]
     ) -> Iterator[list[torch.Tensor]]:
         """Fixed gate values (no grad) inside the block; a mapping leaves unnamed layers at 1.0."""
-        ref = self._param_ref()
-        counts = self.head_counts()
+        device = next(self.model.parameters()).device
         if isinstance(values, Mapping):
-            gates = [torch.ones(n, dtype=torch.float32, device=ref.device) for n in counts]
+            gates = [torch.ones(n, dtype=torch.float32, device=device) for n in self.head_counts()]
             for layer, v in values.items():
-                gates[_layer_key(layer, self.num_layers)] = torch.as_tensor(
-                    v, dtype=torch.float32, device=ref.device
-                ).detach()
+                gates[_layer_key(layer, self.num_layers)] = torch.as_tensor(v, dtype=torch.float32,
+                                                                            device=device).detach()
         else:
-            gates = [torch.as_tensor(v, dtype=torch.float32, device=ref.device).detach() for v in values]
+            gates = [torch.as_tensor(v, dtype=torch.float32, device=device).detach() for v in values]
         with self.gate_hooks(gates) as g:
             yield g
 
     # ----------------------------------------------------------------- attention probabilities
     def attention_module(self, layer: int) -> nn.Module:
-        raise NotImplementedError
+        return attrgetter(self._attn_path)(self.layers[layer])
 
     @contextlib.contextmanager
     def eager_attention(self) -> Iterator[None]:
-        configs: dict[int, Any] = {}
-        for li in range(self.num_layers):
-            cfg = getattr(self.attention_module(li), "config", None)
-            if cfg is not None:
-                configs[id(cfg)] = cfg
+        configs = {id(c): c for c in (getattr(a, "config", None) for a in self._attns()) if c is not None}
         saved = {k: c._attn_implementation_internal for k, c in configs.items()}
         try:
             for c in configs.values():
@@ -232,11 +223,8 @@ class AdapterBase:
 
     @torch.no_grad()
     def attention_probs(self, **inputs: Any) -> list[torch.Tensor]:
-        """Attention probabilities per layer, each ``(B, H_l, T, T)``, from one eager forward in eval mode.
-
-        Padded *key* columns get probability 0 when ``attention_mask`` is passed; rows of padded
-        queries are still returned (callers cut them away).
-        """
+        """Attention probabilities per layer, each ``(B, H_l, T, T)``, from one eager forward in eval mode;
+        padded key columns get probability 0, padded query rows are still returned (callers cut them away)."""
         captured: list[torch.Tensor | None] = [None] * self.num_layers
         handles = []
         for li in range(self.num_layers):
@@ -256,9 +244,8 @@ class AdapterBase:
             self.model.train(was_training)
         missing = [li for li, p in enumerate(captured) if p is None]
         if missing:
-            raise RuntimeError(
-                f"{self.family} adapter: no attention probabilities captured for layers {missing}"
-            )
+            raise RuntimeError(f"{self.family} adapter: no attention probabilities captured for layers "
+                               f"{missing}")
         return [p for p in captured if p is not None]
 
     # ----------------------------------------------------------------- removal
@@ -269,12 +256,9 @@ class AdapterBase:
         """Hook for family-specific refusals (before anything is modified)."""
 
     def prune_heads(self, heads: Mapping[int | str, Sequence[int]], **opts: Any) -> None:
-        """Physically remove heads, given as *current* indices per layer.
-
-        Everything is validated before any weight changes: a layer/head out of range or (in a family
-        without ``empty_layers``) removing a layer's last head raises ``ValueError`` naming the layer and
-        the model is left untouched.
-        """
+        """Physically remove heads, given as *current* indices per layer.  Everything is validated first:
+        a bad layer/head or (without ``empty_layers``) a layer's last head raises ``ValueError``, nothing
+        changed."""
         counts = self.head_counts()
         removals: dict[int, set[int]] = {}
         for layer, hs in heads.items():
@@ -292,8 +276,7 @@ class AdapterBase:
             if len(remove) >= counts[li] and not self.empty_layers:
                 raise ValueError(
                     f"layer {li}: cannot remove all {counts[li]} heads; every layer of a {self.family} model must "
-                    "keep at least one head (only BERT-family encoders can lose a whole layer's attention)"
-                )
+                    "keep at least one head (only BERT-family encoders can lose a whole layer's attention)")
             kept = [h for h in range(counts[li]) if h not in remove]
             self._check_removal(li, kept, **opts)
             plan[li] = kept
@@ -309,8 +292,7 @@ class AdapterBase:
         for layer, ks in kept.items():
             li = _layer_key(layer, self.num_layers)
             want = {int(h) for h in ks}
-            unknown = want - set(orig[li])
-            if unknown:
+            if unknown := want - set(orig[li]):
                 raise ValueError(f"layer {li}: heads {sorted(unknown)} are not present (present: {orig[li]})")
             spec[li] = [i for i, h in enumerate(orig[li]) if h not in want]
         self.prune_heads(spec, **opts)

@@ -16,7 +16,6 @@ from headbudget.models.surgery.base import _STATE_ATTR, KEPT_HEADS_FILE
 from headbudget.models.surgery.families import LlamaAdapter, get_adapter
 
 
-# ===================================================================== save / load
 def save_pruned(model: nn.Module, out_dir: str | os.PathLike[str], tokenizer: Any = None) -> Path:
     """``save_pretrained`` plus ``kept_heads.json`` (original kept heads per layer, re-applied by :func:`load_pruned`).
 
@@ -28,12 +27,9 @@ def save_pruned(model: nn.Module, out_dir: str | os.PathLike[str], tokenizer: An
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    record: dict[str, Any] = {
-        "family": adapter.family,
-        "architecture": type(model).__name__,
-        "head_counts": adapter.head_counts(),
-        "kept": {str(li): hs for li, hs in adapter.pruned_heads_record().items()},
-    }
+    record: dict[str, Any] = {"family": adapter.family, "architecture": type(model).__name__,
+                              "head_counts": adapter.head_counts(),
+                              "kept": {str(li): hs for li, hs in adapter.pruned_heads_record().items()}}
     if isinstance(adapter, LlamaAdapter):
         record["query_to_kv"] = {str(li): v for li, v in adapter.query_to_kv().items()}
         record["kv_head_counts"] = adapter.kv_head_counts()
@@ -49,9 +45,8 @@ def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(single))
     index = path / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         sd: dict[str, torch.Tensor] = {}
-        for shard in shards:
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
             sd.update(load_file(str(regular_file(path / shard))))  # the index may name any path
         return sd
     raise FileNotFoundError(f"{path}: no model.safetensors (or sharded index) to load")
@@ -90,20 +85,15 @@ def load_pruned(model_dir: str | os.PathLike[str], dtype: torch.dtype | None = N
         adapter.prune_to({int(li): v for li, v in record["kept"].items()})
     except ValueError as exc:
         raise ValueError(f"{record_path}: {exc}") from None
-    sd = _load_state_dict(path)
-    result = model.load_state_dict(sd, strict=False)
-    tied = set()
+    result = model.load_state_dict(_load_state_dict(path), strict=False)
     tied_keys = getattr(model, "_tied_weights_keys", None) or {}
-    tied.update(tied_keys if isinstance(tied_keys, (dict, list, set, tuple)) else [])
+    tied = set(tied_keys) if isinstance(tied_keys, (dict, list, set, tuple)) else set()
     missing = [k for k in result.missing_keys if k not in tied and not k.endswith("position_ids")]
     if missing or result.unexpected_keys:
-        raise ValueError(
-            f"{path}: weights do not match the pruned {arch}: missing {missing[:5]}, "
-            f"unexpected {list(result.unexpected_keys)[:5]}"
-        )
+        raise ValueError(f"{path}: weights do not match the pruned {arch}: missing {missing[:5]}, "
+                         f"unexpected {list(result.unexpected_keys)[:5]}")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if dtype is not None:
         model.to(dtype)
-    model.eval()
-    return model
+    return model.eval()
