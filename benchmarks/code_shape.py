@@ -7,7 +7,8 @@ flag code, for the working tree or any commit, side by side.
 Circles are counted on the module import graph, every import at any depth (lazy ones and ``if TYPE_CHECKING:``
 included), as strongly connected components of more than one module.  "Flag code" is the modules that build
 command-line flags (``cli/dataclass_flags.py``, ``typed_config.py``, ``cli/common.py`` where present) plus every
-hand-written ``add_argument`` call elsewhere in ``cli/``.  Writes a JSON next to the table with ``--json``.
+hand-written ``add_argument`` call elsewhere in ``cli/``.  The lines are also split into code, docstrings,
+comment-only and blank lines.  Writes a JSON next to the table with ``--json``.
 """
 
 from __future__ import annotations
@@ -127,10 +128,30 @@ def flag_code(tree: dict[str, str]) -> int:
     return lines + add_argument
 
 
+def line_kinds(text: str) -> dict[str, int]:
+    """One module's lines by kind, summing to all of them: docstring (module, class, function; its blank lines
+    included), comment-only, blank, and the rest (code)."""
+    lines = text.splitlines()
+    doc = set()
+    for n in ast.walk(ast.parse(text)):
+        body = getattr(n, "body", None)
+        if (isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            doc.update(range(body[0].lineno, body[0].end_lineno + 1))
+    blank = sum(1 for i, line in enumerate(lines, 1) if not line.strip() and i not in doc)
+    comment = sum(1 for i, line in enumerate(lines, 1) if line.strip().startswith("#") and i not in doc)
+    return {"code": len(lines) - blank - len(doc) - comment, "docstring": len(doc), "comment": comment,
+            "blank": blank}
+
+
 def shape(rev: str | None) -> dict[str, int]:
     tree = read_tree(rev)
     graph, in_functions = import_graph(tree)
-    return {"lines": sum(len(t.splitlines()) for t in tree.values()), "files": len(tree),
+    kinds = [line_kinds(t) for t in tree.values()]
+    return {"lines": sum(len(t.splitlines()) for t in tree.values()),
+            **{f"  {k} lines": sum(d[k] for d in kinds) for k in ("code", "docstring", "comment", "blank")},
+            "files": len(tree),
             "import circles": circles(graph), "internal imports": sum(map(len, graph.values())),
             "imports inside functions": in_functions, "functions over 50 lines": long_functions(tree, 50),
             "functions over 80 lines": long_functions(tree, 80), "flag code (lines + add_argument calls)":

@@ -257,3 +257,16 @@ def test_joint_protocols_need_the_pretrained_model_and_a_fitting_one(finetuned, 
     with pytest.raises(ValueError, match=names("pretrained", other, "bert.encoder.layer.2.")):
         run_prune(_job(finetuned, tmp_path / "x", method="joint-dsp", keep=5, pretrained=str(other),
                        limit_eval=4))
+
+
+def test_only_layer_floor_true_itself_is_left_out_of_the_fingerprint():
+    """Older runs resume because the default ``True`` is left out; any other value is recorded as given."""
+    import dataclasses
+
+    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.pipeline import _job_fingerprint
+
+    job = PruneJob("m", "lm", None, "o", method="fisher")
+    assert "layer_floor" not in _job_fingerprint(job)
+    assert _job_fingerprint(dataclasses.replace(job, layer_floor=False))["layer_floor"] is False
+    assert _job_fingerprint(dataclasses.replace(job, layer_floor=1))["layer_floor"] == 1

@@ -36,3 +36,10 @@ def test_long_functions_and_flag_code(cs):
     body = "".join(f"    x{i} = {i}\n" for i in range(50))
     assert cs.long_functions({"m.py": f"def long():\n{body}\ndef short():\n    pass\n"}, 50) == 1
     assert cs.flag_code(TREE) == 2 + 1  # cli/common.py's lines + one add_argument call elsewhere in cli/
+
+
+def test_line_kinds_sum_to_the_lines(cs):
+    text = ('"""Module.\n\nMore."""\n\n# why\nimport os\n\n\ndef f():\n    """One."""\n    return os  # inline\n')
+    kinds = cs.line_kinds(text)
+    assert kinds == {"code": 3, "docstring": 4, "comment": 1, "blank": 3}
+    assert sum(kinds.values()) == len(text.splitlines())

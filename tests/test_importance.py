@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import names
+
 
 def _bert():
     from transformers import BertConfig, BertForSequenceClassification
@@ -88,7 +90,7 @@ def test_fisher_and_random_through_registry():
     kept_f, scores_f = select_by_method("fisher", ctx, 5)
     assert len(kept_f) == 5 and scores_f.shape == (8,)
     assert {i // 4 for i in kept_f} == {0, 1}
-    with pytest.raises(ValueError, match="unknown importance 'foo'"):
+    with pytest.raises(ValueError, match=names("'foo'", "fisher")):
         select_by_method("foo", ctx, 3)
 
 
@@ -250,3 +252,25 @@ def test_magnitude_importance_and_two_pruning_rounds_on_a_plain_llama():
     model.set_attn_implementation("eager")  # repeats key/value heads by num_key_value_groups itself
     with torch.no_grad():
         assert (model(ids).logits - gated).abs().max() <= 1e-5
+
+
+def test_gate_gradient_bars_count_the_batches(monkeypatch):
+    """The bar's total is the number of batches (``max_batches`` when given), on both Fisher paths."""
+    from headbudget import progress
+    from headbudget.models.surgery import get_adapter
+    from headbudget.pruning.importance import gate_gradients
+
+    totals = []
+
+    class Spy(progress.ProgressBar):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            totals.append(self.total)
+
+    monkeypatch.setattr(progress, "ProgressBar", Spy)
+    model = _bert()
+    ad = get_adapter(model)
+    gate_gradients(ad, model, _batches(3), progress=False)
+    gate_gradients(ad, model, _batches(3), reduce="example_square", progress=False)  # the batched Fisher
+    gate_gradients(ad, model, _batches(3), max_batches=2, progress=False)
+    assert totals == [3, 3, 2]

@@ -128,13 +128,42 @@ def test_classifier_and_causal_mismatches_are_named(tiny_dirs):
         load_model(tiny_dirs["bert-cls"])
     with pytest.raises(ValueError, match=names(tiny_dirs["bert-enc"], "BertModel", "encoder", "causal")):
         load_model(tiny_dirs["bert-enc"], as_headbudget=True)
-    with pytest.raises(ValueError, match="needs num_labels"):
+    with pytest.raises(ValueError, match=names("classifier", "num_labels")):
         load_model(tiny_dirs["bert-cls"], "classifier")
     # an encoder gets a fresh, seeded head; a classifier keeps its own
     a = load_model(tiny_dirs["bert-enc"], "classifier", num_labels=3, seed=1)
     b = load_model(tiny_dirs["bert-enc"], "classifier", num_labels=3, seed=1)
     assert torch.equal(a.classifier.weight, b.classifier.weight) and a.config.num_labels == 3
     assert type(load_model(tiny_dirs["gpt2"], as_headbudget=True)).__name__ == "HeadBudgetForCausalLM"
+
+
+def test_a_classifier_of_another_label_count_is_refused_before_its_weights_load(tiny_dirs, monkeypatch):
+    import transformers
+
+    def weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the label count was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", weights)
+    with pytest.raises(ValueError, match=names(tiny_dirs["bert-cls"], "5-label", "3 labels")):
+        load_model(tiny_dirs["bert-cls"], "classifier", num_labels=3)
+
+
+def test_a_config_json_with_a_bom_is_invalid_json_naming_its_line(tmp_path):
+    (tmp_path / "config.json").write_bytes(b'\xef\xbb\xbf{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match=names(f"{tmp_path / 'config.json'}:1", "invalid JSON", "BOM")):
+        load_model(tmp_path)
+
+
+def test_bad_kind_and_missing_model_are_refused_before_transformers_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom headbudget.loading import load_model\n"
+            "for args in ((sys.argv[1], 'bogus'), (sys.argv[1] + '/none',)):\n"
+            "    try:\n        load_model(*args)\n    except (ValueError, FileNotFoundError):\n        pass\n"
+            "print('transformers' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False", run.stderr
 
 
 @pytest.mark.parametrize(("model", "task", "parts"), [

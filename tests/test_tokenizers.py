@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import names
 from headbudget.models.tokenizers import TokenizerError, make_tokenizer, read_tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
@@ -36,14 +37,23 @@ def test_bpe_trains_saves_and_reloads_identically(tmp_path):
 
 
 def test_bad_specs_are_one_line_errors():
-    with pytest.raises(TokenizerError, match="unknown tokenizer 'wordpiece'"):
+    with pytest.raises(TokenizerError, match=names("'wordpiece'")):
         make_tokenizer("wordpiece")
-    with pytest.raises(TokenizerError, match="bpe:VOCAB_SIZE"):
+    with pytest.raises(TokenizerError, match=names("'bpe:many'", "bpe:VOCAB_SIZE")):
         make_tokenizer("bpe:many", ["x"])
-    with pytest.raises(TokenizerError, match="must be trained"):
+    with pytest.raises(TokenizerError, match=names("'bpe:300'")):
         make_tokenizer("bpe:300")
-    with pytest.raises(TokenizerError, match="encoder.json"):
+    with pytest.raises(TokenizerError, match=names("/nonexistent/dir/encoder.json")):
         make_tokenizer("gpt2:/nonexistent/dir")
+
+
+def test_gpt2_hf_tokenizer_reports_encoder_json_before_vocab_bpe(tmp_path):
+    from headbudget.models.tokenizers import gpt2_hf_tokenizer
+
+    (tmp_path / "encoder.json").write_text("{not json", encoding="utf-8")
+    (tmp_path / "vocab.bpe").write_bytes(b"#version: 0.2\n\xff\xfe\n")  # not UTF-8 either
+    with pytest.raises(TokenizerError, match=names(f"{tmp_path / 'encoder.json'}:1")):
+        gpt2_hf_tokenizer(tmp_path)
 
 
 def test_gpt2_offline_matches_known_ids(tmp_path):

@@ -159,8 +159,14 @@ def _check_role(config: Any, kind: str, where: Any) -> None:
 
 def _read_config(src: ModelSource) -> Any:
     from transformers import AutoConfig
-    if src.is_local and (problem := model_files.json_problem(Path(src.where) / "config.json")):
-        raise ValueError(problem)
+    if src.is_local:
+        cfg_file = Path(src.where) / "config.json"
+        try:
+            json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cfg_file}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{cfg_file}: JSON nested too deeply to read") from None
     try:
         return AutoConfig.from_pretrained(str(src.where))
     except (OSError, ValueError, KeyError) as exc:
@@ -190,11 +196,11 @@ def load_model(path_or_name: str | os.PathLike[str], kind: str = "causal", *, gg
     labels; an encoder gets a fresh head of that size, initialised from ``seed`` without touching the
     global RNG.  ``label_names`` become ``config.id2label``.
     """
-    from headbudget.models import register_auto_classes
-
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; choose from {', '.join(KINDS)}")
     src = resolve_model(path_or_name, gguf_file)
+    from headbudget.models import register_auto_classes  # transformers: after the checks above
+
     register_auto_classes()
     if kind == "causal":
         model = _load_causal(src)
@@ -270,8 +276,10 @@ def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: 
     if model is None:
         config = _read_config(src)
         _check_role(config, "classifier", src.where)
-        if checkpoint_role(config) != "classifier":  # a classifier keeps its labels: checked below
-            config.num_labels = num_labels
+        if checkpoint_role(config) == "classifier" and config.num_labels != num_labels:  # before the weights
+            raise ValueError(f"{src.where}: the model is a {config.num_labels}-label classifier, "
+                             f"but the task has {num_labels} labels")
+        config.num_labels = num_labels
         verbosity = hf_logging.get_verbosity()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -87,7 +87,8 @@ class HeadBudgetLM(LM):
     ``torch.nn.Module`` (then ``tokenizer`` is the tokenizer object, and the model is cast to ``dtype`` but
     stays on its device).  ``dtype``/``device`` as lm-eval's hf backend.
 
-        >>> lm_eval.simple_evaluate(model=HeadBudgetLM(pretrained="runs/prism/model"), tasks=["piqa"])
+        >>> lm = HeadBudgetLM(pretrained="runs/prism/model")             # doctest: +SKIP
+        >>> lm_eval.simple_evaluate(model=lm, tasks=["piqa"])            # doctest: +SKIP
     """
 
     def __init__(self, pretrained: Any = None, tokenizer: Any = None, gguf_file: str | None = None,

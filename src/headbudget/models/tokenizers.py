@@ -219,9 +219,9 @@ def gpt2_hf_tokenizer(directory: str | os.PathLike) -> Any:
 
     hint = "a GPT-2 tokenizer folder holds encoder.json and vocab.bpe"
     enc_json, vocab_bpe = _gpt2_files(Path(directory), hint)
-    lines = read_text(vocab_bpe).splitlines()
+    vocab, lines = _read_json(enc_json), read_text(vocab_bpe).splitlines()  # encoder.json's errors first
     merges = [tuple(line.split()) for line in lines if line.strip() and not line.startswith("#version")]
-    tok = GPT2TokenizerFast(vocab=_read_json(enc_json), merges=merges)
+    tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
     tok.pad_token = tok.eos_token
     return tok
 

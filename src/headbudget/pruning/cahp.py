@@ -261,8 +261,8 @@ def cahp_select(adapter: HeadAdapter, signature_batches: Sequence[Mapping[str, A
     Class-conditional mode (``n_classes`` >= 2): JM features of per-class signatures.  Label-free mode
     (``n_classes=None``): JS divergence of pooled attention; ``loss_fn`` should then be the LM loss.
     ``settings`` (:class:`~headbudget.pruning.job.CahpSettings`, the ``prune`` flags of the same names)
-    default to the published implementation (docs/pruning.md); ``representative="fisher"`` scores heads by
-    the mean squared per-example gate gradient over ``signature_batches``.  ``representative``,
+    default to the published implementation (docs/pruning.md, "The algorithm"); ``representative="fisher"``
+    scores heads by the mean squared per-example gate gradient over ``signature_batches``.  ``representative``,
     ``allocation`` and ``n_clusters`` default to the published selection with classes and to
     :data:`LM_DEFAULTS` label-free.
 

@@ -108,8 +108,9 @@ def gate_gradients(adapter: HeadAdapter, model: torch.nn.Module, batches: Iterab
             for g, v in zip(gates, gate_values):
                 g.data.copy_(torch.as_tensor(v, dtype=g.dtype, device=g.device))
         totals = [torch.zeros(g.shape, dtype=torch.float64) for g in gates]
-        for batch in ProgressBar(itertools.islice(batches, max_batches), desc=desc, total=max_batches,
-                                 disable=not progress, leave=False):
+        for batch in ProgressBar(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
+            if max_batches is not None and n >= max_batches:  # the bar's total: len(batches) when not given
+                break
             parts = _examples(batch) if reduce == "example_square" else [batch]
             for part in parts:
                 for g in gates:
@@ -172,8 +173,9 @@ def _example_fisher(adapter: HeadAdapter, model: torch.nn.Module, batches: Itera
     totals = [torch.zeros(b.shape, dtype=torch.float64) for b in base]
     n = n_examples = 0
     with _model_mode(model, False), frozen_params(model):
-        for batch in ProgressBar(itertools.islice(batches, max_batches), desc=desc, total=max_batches,
-                                 disable=not progress, leave=False):
+        for batch in ProgressBar(batches, desc=desc, total=max_batches, disable=not progress, leave=False):
+            if max_batches is not None and n >= max_batches:
+                break
             part = batch_to_device(batch, device)
             bsz = int(part["labels"].shape[0]) if torch.is_tensor(part.get("labels")) else 0
             gates = [b.expand(bsz, -1).clone().requires_grad_(True) for b in base]

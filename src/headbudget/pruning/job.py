@@ -188,7 +188,9 @@ class PruneJob(AttAttrSettings, DspPassSettings, CahpSettings, _PruneSettings):
     """Everything one pruning run needs: the settings every method shares and each built-in method's own (a
     plug-in's join them, :func:`headbudget.pruning.methods.with_method_settings`).  Each field declares its
     flag once (:func:`headbudget.typed_config.option`): the flags of ``prune`` / ``prune-compare``,
-    ``--config`` files and ``--print_config`` are generated from these fields."""
+    ``--config`` files and ``--print_config`` are generated from these fields.  ``model`` is anything
+    :func:`headbudget.loading.load_model` opens; exactly one of ``keep`` (heads) / ``keep_ratio`` forces the
+    head count, else CAHP takes it from its knee."""
 
     def __post_init__(self) -> None:
         if self.finetune_epochs is None:  # resolved here, so Python callers, --config files and flags agree

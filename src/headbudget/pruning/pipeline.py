@@ -4,7 +4,7 @@
 A classifier (``sst5``, ``mnli``) keeps its Hugging Face class plus ``kept_heads.json``; ``task="lm"``
 prunes a causal LM label-free as a headbudget model (:mod:`headbudget.pruning.lm`).  Each run writes
 ``OUT/model`` (tokenizer at its root), ``OUT/report.json`` (:mod:`headbudget.pruning.report`),
-``OUT/details.json``, ``OUT/report.md`` and plots; see docs/pruning.md.
+``OUT/details.json``, ``OUT/report.md`` and plots; see docs/pruning.md, "Commands".
 
     >>> from headbudget.pruning.job import PruneJob
     >>> from headbudget.pruning.pipeline import run_prune
@@ -276,10 +276,11 @@ def _job_fingerprint(job: PruneJob) -> dict[str, Any]:
     d = {k: v for k, v in vars(job).items() if k not in ("out", "progress", "device", "extra")}
     # settings added later are left out while unset or at their default: older runs stay resumable
     for k, unset in (("representative", (None,)), ("allocation", (None,)), ("n_clusters", (None,)),
-                     ("granularity", ("head",)), ("layer_floor", (True,)), ("calib_seed", (None,)),
-                     ("eval_data", (None, ()))):
+                     ("granularity", ("head",)), ("calib_seed", (None,)), ("eval_data", (None, ()))):
         if k in d and d[k] in unset:
             del d[k]
+    if d.get("layer_floor") is True:  # True itself: 1 or another truthy value stays recorded
+        del d["layer_floor"]
     by_method = method_job_fields()  # other methods' own settings are no part of this one's result
     for k in {k for fields in by_method.values() for k in fields} - set(by_method.get(job.method, ())):
         d.pop(k, None)

@@ -8,8 +8,9 @@
      "cost": {"params": {"before", "after"}, "flops_per_token": {"before", "after"}, "context",
               "kv_cache_bytes_per_token": {"before", "after"}, "gguf_kv_cache_bytes_per_token": {"before", "after"}}}
 
-The KV-cache sizes are for decoders only; ``metric`` (the primary split's accuracy, task lm: perplexity)
-is ``null`` where a stage did not run; everything else goes to ``details.json``.  See docs/pruning.md.
+The KV-cache sizes are for decoders only (the GGUF one for those llama.cpp runs); ``metric`` (the primary
+split's accuracy, task lm: perplexity) is ``null`` where a stage did not run; everything else goes to
+``details.json``.  See docs/pruning.md, "Commands" and "Granularity on grouped-query models".
 
     >>> rep = build_report("cahp", 72, {0: [1, 4], 1: [0]}, knee_k=3, mss=[(2, 0.5), (3, 0.7)],
     ...                    metric={"dense": 0.5, "pruned": 0.3, "finetuned": 0.45}, seconds={"total": 9.0})
@@ -58,7 +59,8 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
 
 def depth_profile(kept: Mapping[int | str, Sequence[int]], n_layers: int) -> tuple[float, float]:
     """``(mean_depth, middle_third_share)`` of the kept heads (proximity bias): the mean normalised depth
-    ``l / (n_layers - 1)`` (0 with one layer) and the share with depth in [1/3, 2/3] (docs/pruning.md).
+    ``l / (n_layers - 1)`` (0 with one layer) and the share with depth in [1/3, 2/3] (docs/pruning.md,
+    "Commands").
 
         >>> depth_profile({0: [0, 1], 1: [2], 2: [], 3: [0]}, 4)
         (0.3333333333333333, 0.25)

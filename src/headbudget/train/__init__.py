@@ -17,8 +17,8 @@ _TRAINER = {"Trainer", "TrainResult", "build_model", "train"}
 
 def __getattr__(name: str) -> Any:
     # the trainer (torch) loads on first use, so reading configs (``headbudget.train.config``) stays light
-    if name in _TRAINER or name == "TrainingDivergedError":
-        from headbudget.train import loop, trainer
+    if name in _TRAINER or name == "TrainingDivergedError":  # the error: the loop alone, not transformers
+        from importlib import import_module
 
-        return getattr(trainer if name in _TRAINER else loop, name)
+        return getattr(import_module(f"headbudget.train.{'trainer' if name in _TRAINER else 'loop'}"), name)
     raise AttributeError(f"module 'headbudget.train' has no attribute {name!r}")
