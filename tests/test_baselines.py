@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import names
+
 FIX = Path(__file__).resolve().parent / "fixtures" / "cahp"
 DATA = FIX / "sst5"
 COUNTS = [4, 4, 4]
@@ -270,9 +272,9 @@ def test_attattr_refuses_lm_and_bad_settings():
     from headbudget.pruning.job import PruneJob
     from headbudget.pruning.pipeline import check_job
 
-    with pytest.raises(ValueError, match="attattr attributes a class probability"):
+    with pytest.raises(ValueError, match=names("attattr", "lm")):
         check_job(PruneJob("m", "lm", None, "o", method="attattr", keep=3, data="t.txt"))
-    with pytest.raises(ValueError, match="gate_cooldown must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=names("gate_cooldown", 1, 0)):
         check_job(PruneJob("m", "sst5", "d", "o", method="joint-dsp-finetuned", keep=3, gate_cooldown=0))
 
 

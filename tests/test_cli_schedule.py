@@ -1,5 +1,6 @@
 import json
 
+from conftest import assert_names, error_line
 from headbudget.cli.main import main
 
 
@@ -26,9 +27,8 @@ def test_schedule_json_schema(capsys):
 
 def test_schedule_errors_exit_2_with_one_line(capsys):
     assert main(["schedule", "--preset", "gpt9"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "unknown preset 'gpt9'" in err
+    assert_names(error_line(capsys.readouterr().err, "schedule"), "gpt9")
     assert main(["schedule", "--preset", "gpt2-124m", "--kind", "3,5,7"]) == 2
-    assert "head list has 3 entries but the model has 12 layers" in capsys.readouterr().err
+    assert_names(error_line(capsys.readouterr().err, "schedule"), 3, 12)  # 3 entries, 12 layers
     assert main(["schedule", "--preset", "gpt2-124m", "--kind", "prism", "--max-head-dim", "96"]) == 2
-    assert "max_head_dim must be a positive power of two, got 96" in capsys.readouterr().err
+    assert_names(error_line(capsys.readouterr().err, "schedule"), "max_head_dim", 96)

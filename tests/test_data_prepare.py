@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import names
 from headbudget.data import prepare as prep
 from headbudget.data.loader import train_batch, val_batches
 from headbudget.data.prepare import prepare_data, split_documents, token_dtype
@@ -78,9 +79,9 @@ def test_synthetic_with_bpe_saves_the_trained_tokenizer(tmp_path):
 def test_jsonl_source_and_error_naming_file_and_line():
     src = read_source(f"jsonl:{FIXTURES / 'tiny.jsonl'}:body")
     assert len(src.documents) == 40 and src.documents[3].startswith("document 3: ")
-    with pytest.raises(SourceError, match=r"bad.jsonl:2: no field 'body'"):
+    with pytest.raises(SourceError, match=names(f"{FIXTURES / 'bad.jsonl'}:2", "body")):
         read_source(f"jsonl:{FIXTURES / 'bad.jsonl'}:body")
-    with pytest.raises(SourceError, match="no such file"):
+    with pytest.raises(SourceError, match=names("/nonexistent/*.txt")):
         read_source("/nonexistent/*.txt")
 
 
@@ -113,7 +114,7 @@ def test_batches_are_a_function_of_seed_and_step_and_split_across_ranks():
                          world_size=2)[0] for m in range(2) for r in range(2)]
     assert all(p.shape == (2, 16) for p in parts)
     assert (np.concatenate(parts) == x1.numpy()).all()
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ValueError, match=names("train.batch_size=6", 4)):
         train_batch(toks, seed=1, step=0, batch_size=6, context=16, n_micro=4)
 
 
@@ -123,7 +124,7 @@ def test_val_batches_are_fixed_and_cover_the_split():
     assert len(vb) == 3 and int(vb[0][0][0, 0]) == 0 and int(vb[-1][1][-1, -1]) == 999
     r1 = val_batches(toks, n_batches=3, batch_size=4, context=10, rank=1, world_size=2)
     assert (r1[0][0] == vb[0][0][2:]).all()
-    with pytest.raises(ValueError, match="fewer than context"):
+    with pytest.raises(ValueError, match=names(5, 12)):  # 5 tokens, fewer than context + 2
         val_batches(toks[:5], n_batches=1, batch_size=1, context=10)
 
 
@@ -155,5 +156,5 @@ def test_streamed_hf_source_splits_every_kth_document(tmp_path, monkeypatch):
     assert prepare_data("hf:fake/corpus", "bpe:280", tmp_path, val_fraction=0.1, max_chars=10_000,
                         progress=False).reused
     monkeypatch.undo()
-    with pytest.raises(SourceError, match="set data.max_chars"):
+    with pytest.raises(SourceError, match=names("hf:some/dataset", "data.max_chars")):
         next(sources.iter_hf_documents("hf:some/dataset", None))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_benchmark
+from conftest import load_benchmark, names
 from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
 
 
@@ -28,7 +28,7 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line(decode):
     args = types.SimpleNamespace(contexts=[512, 100], batches=[1, 8], new_tokens=16)
     need = decode.live_cache_bytes({"dense": model}, 512, 8, 16)
     decode.check_memory({"dense": model}, args, available=2 * need)  # fits: no error
-    with pytest.raises(SystemExit, match=r"decode.py: the KV caches of 1 models at context 512 and batch 8 need"):
+    with pytest.raises(SystemExit, match=names("decode.py", "1 models", "context 512", "batch 8")):
         decode.check_memory({"dense": model}, args, available=need)
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import assert_names, error_line, names
 from headbudget.cli.main import main
 from headbudget.experiments.ngram import NgramConfig, OneLayerAttention, _batch, run_ngram
 from headbudget.experiments.saturation import SaturationConfig, SingleHead, _saturation_dim, run_saturation
@@ -53,7 +54,7 @@ def test_ngram_targets_and_model_shapes():
     t2 = tokens.clone()
     t2[:, -1] = (t2[:, -1] + 1) % 5
     assert torch.allclose(m(tokens)[:, :-1], m(t2)[:, :-1])
-    with pytest.raises(ValueError, match="does not divide --budget 8"):
+    with pytest.raises(ValueError, match=names("--heads", 3, "--budget", 8)):
         NgramConfig(budget=8, head_counts=(3,)).splits()
 
 
@@ -87,9 +88,9 @@ def test_experiment_cli_tiny(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "verdict:" in out and "wrote" in out
     assert main(["experiment", "ngram", "--budget", "8", "--heads", "3", "--out", str(tmp_path / "x")]) == 2
+    assert_names(error_line(capsys.readouterr().err, "experiment"), "--heads", 3, "--budget", 8)
     assert main(["experiment", "saturation", "--dims", "0,2", "--out", str(tmp_path / "x")]) == 2
-    err = capsys.readouterr().err
-    assert "--heads value 3 does not divide --budget 8" in err and "--dims: expected positive" in err
+    assert_names(error_line(capsys.readouterr().err, "experiment"), "--dims", "0,2")
 
 
 # ------------------------------------------------------------------ out / progress from a config file

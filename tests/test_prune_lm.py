@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_names, error_line
+
 TEXT = Path(__file__).resolve().parent / "fixtures" / "lm" / "tiny_corpus.txt"
 COMMON = ["--context", "32", "--calib-windows", "8", "--pool-size", "8", "--batch-size", "4", "--no-progress",
           "--device", "cpu"]
@@ -122,31 +124,31 @@ def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("extra", "values"),
     [
-        ([], "task lm needs a text file (data)"),
-        (["--data", str(TEXT), "--curve", "accuracy"], "the accuracy curve is for classification tasks"),
-        (["--data", str(TEXT), "--context", "999"], "context 999 exceeds the model's 64 positions"),
+        ([], ("lm", "data")),
+        (["--data", str(TEXT), "--curve", "accuracy"], ("accuracy", "lm")),
+        (["--data", str(TEXT), "--context", "999"], ("context", 999, 64)),
     ],
 )
-def test_prune_lm_one_line_errors(run_dir, tmp_path, capsys, extra, message):
+def test_prune_lm_one_line_errors(run_dir, tmp_path, capsys, extra, values):
     from headbudget.cli.main import main
 
     rc = main(["prune", str(run_dir), "--task", "lm", "--out", str(tmp_path / "o"), "--no-progress", *extra])
     err = capsys.readouterr().err
     assert rc == 2, err
-    lines = [line for line in err.splitlines() if line.startswith("headbudget prune: error:")]
-    assert len(lines) == 1 and message in lines[0], err
+    assert_names(error_line(err, "prune"), *values)
 
 
 def test_prune_lm_model_without_tokenizer_needs_flag(tmp_path, capsys):
     from headbudget.cli.main import main
 
     bare = _tiny_headbudget(tmp_path / "bare", with_tokenizer=False) / "model"
+    capsys.readouterr()  # the setup's own save bar
     rc = main(["prune", str(bare), "--task", "lm", "--data", str(TEXT), "--keep", "5", "--out", str(tmp_path / "o"),
                "--no-progress"])
     assert rc == 2
-    assert f"{bare}: no tokenizer found" in capsys.readouterr().err
+    assert_names(error_line(capsys.readouterr().err, "prune"), bare)
 
 
 def test_prune_lm_knee_warns_when_perplexity_blows_up(run_dir, tmp_path, capsys):

@@ -139,14 +139,14 @@ def test_registration_errors_and_a_scorer_of_the_wrong_shape(tiny, tmp_path, reg
 
     with pytest.raises(ValueError, match=names("'fisher'", "registered")):
         methods.register_importance("fisher", lambda ctx: SCORES)
-    with pytest.raises(ValueError, match="without ',', '@' or spaces"):
+    with pytest.raises(ValueError, match=names("'a,b'")):
         methods.register_importance("a,b", lambda ctx: SCORES)
-    with pytest.raises(TypeError, match="is not callable"):
+    with pytest.raises(TypeError, match=names("register_importance", "'broken'", 3)):
         methods.register_importance("broken", 3)
     assert "a,b" not in methods.available_importances() and "broken" not in methods.available_importances()
     methods.register_importance("short", lambda ctx: [np.ones(4)])
     registered.append("short")
-    with pytest.raises(ValueError, match="needs a head count"):
+    with pytest.raises(ValueError, match=names("short", "keep", "keep_ratio")):
         check_job(_job(tiny, tmp_path / "s", method="short"))
     with pytest.raises(ValueError, match=names("'short'", "[4]", "[4, 4]")):
         run_prune(_job(tiny, tmp_path / "s", method="short", keep=4))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from conftest import assert_names, error_line
 from headbudget.cli.main import main
 from headbudget.cli.quickstart_cmd import quickstart_config
 from headbudget.train.config import RunConfig
@@ -44,9 +45,7 @@ def test_tiny_quickstart_writes_report_and_timings(tmp_path, capsys):
     # a second run into the same folder is refused in one line, the results untouched ...
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"--out {out} already holds another run's results (" in err
-    assert "add --overwrite to replace them, or choose another --out" in err
+    assert_names(error_line(capsys.readouterr().err, "quickstart"), "--out", out, "--overwrite")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     # ... and with --overwrite replaces them, reusing the prepared data (data-cache/ is kept)
     assert main(["quickstart", "--tiny", "--out", str(out), "--set", "train.threads=1", "--overwrite"]) == 0

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import names
 from headbudget.pruning.signatures import MIN_WIDTH, _split_right_padded, collect_signatures
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "cahp"
@@ -180,7 +181,7 @@ def test_split_right_padded_rules():
 def test_missing_labels_fail_before_any_forward():
     calls = []
     batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long)}
-    with pytest.raises(ValueError, match="need 'labels' in every batch"):
+    with pytest.raises(ValueError, match=names("'labels'")):
         collect_signatures(lambda b: calls.append(1) or _fake_attention(b), [batch], [1, 1], 2, grid=4,
                            progress=False)
     assert calls == []

@@ -7,13 +7,14 @@ import os
 import pytest
 import torch
 
+from conftest import names
 from headbudget.cli.main import build_parser
 from headbudget.threads import THREADS_HELP, auto_threads, configure_threads, resolve_threads, torch_threads
 
 
 def test_requested_count_wins_and_bad_counts_name_the_flag():
     assert resolve_threads(3) == 3
-    with pytest.raises(ValueError, match="--threads must be a positive integer, got -1"):
+    with pytest.raises(ValueError, match=names("--threads", -1)):
         resolve_threads(-1)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import assert_names, error_line, names
 from headbudget.cli.main import main
 from headbudget.train import RunConfig
 from headbudget.train.compare import parse_schedules, run_compare
@@ -28,7 +29,7 @@ def tiny(tmp_path) -> RunConfig:
 def test_parse_schedules():
     assert parse_schedules("uniform, prism,uniform@32") == ["uniform", "prism", "uniform@32"]
     assert parse_schedules("2,2,4;prism") == ["2,2,4", "prism"]
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ValueError, match=names("--schedules", "prism,prism")):
         parse_schedules("prism,prism")
 
 
@@ -86,11 +87,11 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     cfgfile = tmp_path / "c.yaml"
     cfgfile.write_text(tiny(tmp_path).to_yaml())
     assert main(["compare", str(cfgfile), "--set", "train.lrate=1", "--out", str(tmp_path / "x")]) == 2
-    assert "unknown key 'train.lrate'" in capsys.readouterr().err
+    assert_names(error_line(capsys.readouterr().err, "compare"), "train.lrate")
     assert main(["compare", str(cfgfile), "--schedules", "uniform,wide", "--out", str(tmp_path / "x")]) == 2
-    assert "unknown schedule 'wide'" in capsys.readouterr().err
+    assert_names(error_line(capsys.readouterr().err, "compare"), "wide")
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2
-    assert "not found" in capsys.readouterr().err
+    assert_names(error_line(capsys.readouterr().err, "train"), tmp_path / "missing.yaml")
 
 
 def test_cli_prepare(tmp_path, capsys):
@@ -174,7 +175,7 @@ def test_steps_for_tokens():
     assert steps_for_tokens(1_000_000, 16, 128) == 489  # 2,048 a step: 488.28 rounded up
     assert steps_for_tokens(2048 * 10, 16, 128) == 10
     assert steps_for_tokens(2048 * 10 + 1, 16, 128) == 11
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match=names("tokens", 0)):
         steps_for_tokens(0, 16, 128)
 
 
@@ -233,10 +234,9 @@ def test_cli_compare_tokens_reference_and_paired_report(tmp_path, capsys):
     assert f"[{lo:+.4f}, {hi:+.4f}]" in report and "95% CI of Δ" in report
     capsys.readouterr()
     assert main(["compare", str(cfgfile), "--tokens", "lots", "--out", str(tmp_path / "x")]) == 2
-    assert "train.tokens (--tokens) 'lots': expected a positive number" in capsys.readouterr().err
+    assert_names(error_line(capsys.readouterr().err, "compare"), "train.tokens", "--tokens", "lots")
     assert main(["compare", str(cfgfile), "--reference", "reverse", "--out", str(tmp_path / "y")]) == 2
-    err = capsys.readouterr().err
-    assert "--reference 'reverse' is not among --schedules" in err and len(err.strip().splitlines()) == 1
+    assert_names(error_line(capsys.readouterr().err, "compare"), "--reference", "reverse", "--schedules")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
@@ -310,7 +310,7 @@ def test_resume_with_until_flat_keeps_the_flat_length_and_refuses_a_longer_run(t
     run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp2", plot=False, until_flat=True)
     shutil.rmtree(tmp_path / "cmp2" / "prism-seed0")
     shutil.copytree(tmp_path / "cmp" / "prism-seed0", tmp_path / "cmp2" / "prism-seed0")
-    with pytest.raises(ValueError, match=r"prism-seed0 finished 4 steps, but this comparison trains 2"):
+    with pytest.raises(ValueError, match=names(tmp_path / "cmp2" / "prism-seed0", 4, 2)):
         run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp2", plot=False, until_flat=True, resume=True)
 
 
@@ -323,8 +323,7 @@ def test_cli_compare_resume(tmp_path, capsys):
     first = json.loads((out / "compare.json").read_text())
     capsys.readouterr()
     assert main(args) == 2  # an existing comparison is not overwritten silently
-    err = capsys.readouterr().err
-    assert "--resume" in err and len(err.strip().splitlines()) == 1
+    assert_names(error_line(capsys.readouterr().err, "compare"), "--resume")
     assert main(args + ["--resume"]) == 0
     assert _outcome(json.loads((out / "compare.json").read_text())) == _outcome(first)
     printed = capsys.readouterr().out
@@ -386,8 +385,7 @@ def test_cli_compare_margin_reports_equivalence_and_what_the_seeds_detect(tmp_pa
         assert "![paired differences at the end](paired_differences.png)" in report
         assert "paired_differences.png" in printed
     assert main(["compare", str(cfgfile), "--margin", "-1", "--out", str(tmp_path / "bad")]) == 2
-    err = capsys.readouterr().err
-    assert "--margin" in err and "-1" in err and len(err.strip().splitlines()) == 1
+    assert_names(error_line(capsys.readouterr().err, "compare"), "--margin", "-1.0")
     assert not (tmp_path / "bad").exists()
 
 

@@ -187,7 +187,7 @@ def test_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match=names("train.batch_size=5", "train.grad_accum")):
         Trainer(tiny_config(tmp_path, batch_size=5), tmp_path / "x")
     cfg = tiny_config(tmp_path).replace(model={"schedule": "uniform@48"})
-    with pytest.raises(ValueError, match="head_dim=48"):
+    with pytest.raises(ValueError, match=names("head_dim=48")):
         Trainer(cfg, tmp_path / "x")
 
 
