@@ -125,7 +125,7 @@ def config_cost(config, context: int | None = None) -> ModelCost:
     flops = 2 * d * vocab
     for spec, hidden in zip(specs, config.intermediate_sizes()):
         rows = _qkv_rows(spec)
-        params += d * rows + spec.n_heads * spec.v_head_dim * d + 2 * norm
+        params += attention_parameters(spec, d, bias=False) + 2 * norm
         params += rows * config.qkv_bias + d * config.o_bias
         params += n_mat * d * hidden + config.mlp_bias * ((2 if gated else 1) * hidden + d)
         flops += attention_flops_per_token(spec, d, context) + 2 * n_mat * d * hidden

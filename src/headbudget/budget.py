@@ -171,16 +171,12 @@ def late_dim_decay(ref: HeadSchedule, fraction: float, decay: str = "linear",
     def total(keep: list[float]) -> float:
         return sum(g * s.width for g, s in zip(keep, ref.layers))
 
-    while True:
-        reachable = total(widths(float(n) if decay == "linear" else 0.0, k))
-        if reachable <= target + 1e-9:
-            break
-        if auto and k > 0:
-            k -= 1
-            continue
-        raise BudgetError(f"late_dim_decay: fraction {f:g} is below the smallest reachable "
-                          f"{reachable / ref.budget:.3f} with keep_layers={k}"
-                          + (" (lower keep_layers)" if k else " (head_dim cannot go below the multiple)"))
+    while (reachable := total(widths(float(n) if decay == "linear" else 0.0, k))) > target + 1e-9:
+        if not (auto and k > 0):
+            raise BudgetError(f"late_dim_decay: fraction {f:g} is below the smallest reachable "
+                              f"{reachable / ref.budget:.3f} with keep_layers={k}"
+                              + (" (lower keep_layers)" if k else " (head_dim cannot go below the multiple)"))
+        k -= 1
     if decay == "linear":
         # slopes above 1 push the first shrunk layers to the floor too (needed for small fractions)
         param = _bisect(lambda s: total(widths(s, k)), 0.0, float(n), target)

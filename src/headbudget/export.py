@@ -87,10 +87,10 @@ def kv_cache_costs(plan: Any, model: Any, src: Any) -> dict[str, Any]:
     from headbudget.accounting import kv_cache_bytes_per_token
 
     dtype = next(model.parameters()).dtype
-    dense = _dense_gguf_kv(src, dtype)
+    dense_gguf, dense_from = _dense_gguf_kv(src, dtype) or (None, None)
     return {"gguf": plan.kv_cache_bytes_per_token, "headbudget": kv_cache_bytes_per_token(model.config, dtype),
-            "headbudget_dtype": str(dtype).removeprefix("torch."), "dense_gguf": dense[0] if dense else None,
-            "dense_from": dense[1] if dense else None}
+            "headbudget_dtype": str(dtype).removeprefix("torch."), "dense_gguf": dense_gguf,
+            "dense_from": dense_from}
 
 
 def kv_cache_line(kv: dict[str, Any]) -> str:

@@ -86,11 +86,14 @@ def previous_results(directory: str | os.PathLike, keep: tuple[str, ...] = ()) -
     return sorted(e.name for e in d.iterdir() if e.name != LOCK_NAME and e.name not in keep and _is_result(e))
 
 
-def _first_existing(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
+def _existing_base(path: Path, start: Path, flag: str) -> Path:
+    """The first existing entry at or above ``start``: a folder, else OutputDirError naming ``path``."""
+    base = start.absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise OutputDirError(f"{flag} {path}: {base} is a file, not a folder")
+    return base
 
 
 def _reason(exc: OSError) -> str:
@@ -109,9 +112,7 @@ def check_output_file(path: str | os.PathLike, flag: str = "--json",
     path = Path(path)
     if path.is_dir():
         raise OutputDirError(f"{flag} {path} is a folder, not a file")
-    base = _first_existing(path.parent)
-    if not base.is_dir():
-        raise OutputDirError(f"{flag} {path}: {base} is a file, not a folder")
+    base = _existing_base(path, path.parent, flag)
     try:  # a real write probe: access() says yes to root on a read-only mount
         fd, probe = tempfile.mkstemp(dir=base, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
@@ -168,9 +169,7 @@ def claim_output_dir(path: str | os.PathLike, *, flag: str = "--out", command: s
     check_not_an_input(path, inputs, flag)
     if path.exists() and not path.is_dir():
         raise OutputDirError(f"{flag} {path} is a file, not a folder")
-    base = _first_existing(path)
-    if not base.is_dir():
-        raise OutputDirError(f"{flag} {path}: {base} is a file, not a folder")
+    _existing_base(path, path, flag)
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,7 @@ def _kind_linear(p: ModelPreset, max_head_dim: int | None = None, min_head_dim: 
                  **_: Any) -> HeadSchedule:
     lo = p.d_model // (max_head_dim or p.prism_max_head_dim)
     hi = p.d_model // (min_head_dim or p.prism_min_head_dim)
-    return replace(linear(p.n_layers, p.d_model, max(1, lo), hi), name="linear")
+    return linear(p.n_layers, p.d_model, max(1, lo), hi)
 
 
 def _budget_kind(strategy: str) -> ScheduleFactory:

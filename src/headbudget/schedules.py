@@ -278,12 +278,9 @@ def linear(n_layers: int, d_model: int, min_heads: int, max_heads: int) -> HeadS
     valid = [h for h in range(1, d_model + 1) if d_model % h == 0 and (d_model // h) % 8 == 0]
     if not valid:
         raise ScheduleError(f"d_model={d_model} has no head count with head_dim a multiple of 8")
-    layers = []
-    for i in range(n_layers):
-        target = min_heads + (max_heads - min_heads) * (i / max(1, n_layers - 1))
-        h = min(valid, key=lambda v: (abs(v - target), v))
-        layers.append(LayerSpec(h, d_model // h))
-    return HeadSchedule(d_model, tuple(layers), name="linear")
+    targets = [min_heads + (max_heads - min_heads) * (i / max(1, n_layers - 1)) for i in range(n_layers)]
+    heads = [min(valid, key=lambda v: (abs(v - t), v)) for t in targets]
+    return HeadSchedule(d_model, tuple(LayerSpec(h, d_model // h) for h in heads), name="linear")
 
 
 def from_list(heads: str | Sequence[int], d_model: int, n_layers: int | None = None) -> HeadSchedule:

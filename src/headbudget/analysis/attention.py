@@ -55,10 +55,8 @@ def attention_stats(probs: torch.Tensor, local_window: int = 8,
         raise ValueError(f"attention probs must be (B, H, T, T), got shape {tuple(probs.shape)}")
     if local_window < 1:
         raise ValueError(f"local_window must be >= 1, got {local_window}")
-    if query_mask is None:
-        w = torch.ones(probs.shape[0], probs.shape[-2], device=probs.device)
-    else:
-        w = query_mask[:, -probs.shape[-2]:].float().to(probs.device)
+    w = (torch.ones(probs.shape[0], probs.shape[-2], device=probs.device) if query_mask is None
+         else query_mask[:, -probs.shape[-2]:].float().to(probs.device))
     return {k: [float(v) for v in (x * w[:, None, :]).sum(dim=(0, 2)) / w.sum().clamp_min(1.0)]
             for k, x in zip(_STATS, _per_query(probs, local_window))}  # (B, H, Tq) each
 

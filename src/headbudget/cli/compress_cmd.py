@@ -67,10 +67,9 @@ def _check_merge_kv_flags(job: CompressJob) -> None:
         raise ValueError(f"{'--sweep' if job.sweep else '--groups'} does not apply to --method merge-kv")
 
 
-def _fraction(value: float, flag: str) -> float:
+def _fraction(value: float, flag: str) -> None:
     if not 0 < value <= 1:
         raise ValueError(f"{flag} must be in (0, 1], got {value}")
-    return value
 
 
 def read_groups(path: str) -> list | dict:

@@ -229,16 +229,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             how = f"{len(seeds)} calibration seeds, mean ± std" if len(seeds) > 1 else "one calibration seed"
             print(f"{stage} ({how}):\n  " + "\n  ".join(lines))
             print(f"ranking ({stage}, rule {rank['rule']}): {rank['label']}")
-        print(f"table in {job.out}/compare.md")
-        return 0
-    for r in summary["rows"]:
-        if r.get("warning"):
-            print(f"warning: {r['label']}: {r['warning']}", file=sys.stderr)
-        print(f"{r['label']}: {r['heads_kept']} heads; " + ", ".join(
-            f"{s} pruned {a['pruned']:.4f} fine-tuned {'-' if a['finetuned'] is None else format(a['finetuned'], '.4f')}"
-            for s, a in r["metric"].items()))
-        if (r.get("cost") or {}).get("kv_cache_bytes_per_token"):
-            print("  " + _sizes(r["cost"]))
+    else:
+        for r in summary["rows"]:
+            if r.get("warning"):
+                print(f"warning: {r['label']}: {r['warning']}", file=sys.stderr)
+            print(f"{r['label']}: {r['heads_kept']} heads; " + ", ".join(
+                f"{s} pruned {a['pruned']:.4f} fine-tuned "
+                f"{'-' if a['finetuned'] is None else format(a['finetuned'], '.4f')}"
+                for s, a in r["metric"].items()))
+            if (r.get("cost") or {}).get("kv_cache_bytes_per_token"):
+                print("  " + _sizes(r["cost"]))
     print(f"table in {job.out}/compare.md")
     return 0
 

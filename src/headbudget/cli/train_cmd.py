@@ -270,10 +270,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     data = prepare_data(d.source, d.tokenizer, d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
                         max_chars=d.max_chars, split_blank_lines=d.split_blank_lines, force=args.force)
-    m = data.meta
     print(f"{'reused' if data.reused else 'prepared'} {data.directory} in {time.perf_counter() - t0:.1f}s")
-    print(json.dumps({k: m[k] for k in ("source", "tokenizer", "vocab_size", "dtype", "train_tokens",
-                                        "val_tokens", "content_hash")}, indent=2))
+    print(json.dumps({k: data.meta[k] for k in ("source", "tokenizer", "vocab_size", "dtype", "train_tokens",
+                                                "val_tokens", "content_hash")}, indent=2))
     return 0
 
 

@@ -369,17 +369,15 @@ def allocate_kv(allowed: Sequence[Sequence[int]], unit: Sequence[int], budget: f
     full = total = sum(a[0] * u for a, u in zip(allowed, unit))
     idx = [0] * len(allowed)
     order = {layer: r for r, layer in enumerate(_spread_order(len(allowed)))}
+
+    def step(i: int, a: list[int]) -> tuple[tuple[float, int], int, int]:  # ((cost, tie-break), layer, saved)
+        cur, nxt = a[idx[i]], a[idx[i] + 1]
+        saved = (cur - nxt) * unit[i]
+        cost = -cur / a[0] if sensitivity is None else (sensitivity[i][nxt] - sensitivity[i][cur]) / saved
+        return (cost, order[i]), i, saved
+
     while total > budget * full + 1e-9:
-        best = None
-        for i, a in enumerate(allowed):
-            if idx[i] + 1 >= len(a):
-                continue
-            cur, nxt = a[idx[i]], a[idx[i] + 1]
-            saved = (cur - nxt) * unit[i]
-            cost = -cur / a[0] if sensitivity is None else (sensitivity[i][nxt] - sensitivity[i][cur]) / saved
-            key = (cost, order[i])
-            if best is None or key < best[0]:
-                best = (key, i, saved)
+        best = min((step(i, a) for i, a in enumerate(allowed) if idx[i] + 1 < len(a)), default=None)
         if best is None:
             smallest = sum(a[-1] * u for a, u in zip(allowed, unit)) / full
             raise CompressionError(f"--kv-budget {budget}: the smallest reachable KV cache is {smallest:.4f} of "

@@ -123,7 +123,7 @@ class HeadBudgetLM(LM):
         self.scorer = Scorer(model, tok, batch_size=_batch_size(batch_size), strategy=strategy,
                              max_length=int(max_length) if max_length else None,
                              add_bos_token=_bool_or_none(add_bos_token), device=device,
-                             progress=bool(_bool_or_none(progress) is not False))
+                             progress=_bool_or_none(progress) is not False)
         self.records: dict[tuple[str, Any, int], tuple[float, bool]] = {}  # (task, doc, idx) -> prediction
         self.seconds = 0.0  # seconds spent scoring (model time), summed over calls
 
@@ -291,7 +291,7 @@ def _malformed_yaml(include_path: Any, name: str) -> ValueError | None:
                 bad.append((name in text, f"{f}{where}: invalid YAML ({problem})"))
     if not bad:
         return None
-    problem = sorted(bad, key=lambda b: not b[0])[0][1]
+    problem = min(bad, key=lambda b: not b[0])[1]
     return ValueError(f"{problem}; lm-eval skips such a file, so task {name!r} is not defined")
 
 

@@ -94,7 +94,7 @@ def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | lis
         >>> r["loss"], r["gain_vs_shortest"]                                # doctest: +SKIP
     """
     ids_t = torch.as_tensor(input_ids, dtype=torch.long).flatten()
-    lengths = tuple(sorted(set(int(k) for k in lengths)))
+    lengths = tuple(sorted({int(k) for k in lengths}))
     if not lengths or lengths[0] < 1 or every < 1:
         raise ValueError(f"lengths must be >= 1 and every >= 1, got lengths={lengths}, every={every}")
     targets = torch.arange(lengths[-1], max(len(ids_t), lengths[-1]), every)[:max_targets]

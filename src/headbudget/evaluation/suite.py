@@ -142,7 +142,7 @@ def _builtin_report(model: Any, tokenizer: Any, tasks: Sequence[str], details: d
         rep["results"][name] = {"name": name, "alias": name, "sample_len": res["n"], **metrics}
         rep["versions"][name] = BUILTIN_TASK_VERSION
         rep["n-shot"][name] = 0
-        rep["higher_is_better"][name] = {m: True for m in spec.metrics}
+        rep["higher_is_better"][name] = dict.fromkeys(spec.metrics, True)
         rep["n-samples"][name] = {"original": _builtin_size(name, data_dir, run["limit"], res["n"]),
                                   "effective": res["n"]}
         rep["configs"][name] = {

@@ -254,9 +254,8 @@ def to_hf(model: HeadBudgetForCausalLM) -> nn.Module:
                 out[dst + f"self_attn.{name}_proj.weight"] = w
                 if b is not None:
                     out[dst + f"self_attn.{name}_proj.bias"] = b
-            for key in sd:
-                if key.startswith(src + "mlp."):
-                    out[dst + key[len(src):]] = sd[key]
+            out.update({dst + key[len(src):]: value for key, value in sd.items()
+                        if key.startswith(src + "mlp.")})
     missing, unexpected = hf.load_state_dict(out, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)
                and ".attn.bias" not in k and "masked_bias" not in k]

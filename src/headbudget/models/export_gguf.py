@@ -236,11 +236,10 @@ def _copy_tokenizer(writer: Any, gguf: Any, source_gguf: str | os.PathLike) -> N
     """Every ``tokenizer.*`` key of a GGUF file, as written there."""
     reader = gguf.GGUFReader(source_gguf)
     for key, fld in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = fld.types[0]
-        sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, fld.contents(), vtype, sub)
+        if key.startswith("tokenizer."):
+            vtype = fld.types[0]
+            sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, fld.contents(), vtype, sub)
 
 
 # ----------------------------------------------------------------------------- the writer
@@ -248,15 +247,12 @@ def _tensors(model: Any, plan: GGUFPlan, outtype: str) -> list[tuple[str, np.nda
     """(GGUF name, array) of every tensor, in the converter's naming and rotary order."""
     wide = np.float16 if outtype == "f16" else np.float32
 
-    def arr(t: torch.Tensor) -> np.ndarray:
-        a = t.detach().to("cpu", torch.float32).contiguous().numpy()
-        return a.astype(wide) if a.ndim > 1 else a  # 1-D tensors (norms, biases) stay float32, as the converter
-
     out: list[tuple[str, np.ndarray]] = []
 
     def add(name: str, t: torch.Tensor | None) -> None:  # absent biases are skipped
-        if t is not None:
-            out.append((name, arr(t)))
+        if t is not None:  # 1-D tensors (norms, biases) stay float32, as the converter
+            a = t.detach().to("cpu", torch.float32).contiguous().numpy()
+            out.append((name, a.astype(wide) if a.ndim > 1 else a))
 
     tf, hd = model.transformer, plan.head_dim
     add("token_embd.weight", tf.wte.weight)

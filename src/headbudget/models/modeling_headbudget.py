@@ -198,17 +198,15 @@ class HeadBudgetAttention(nn.Module):
         keep, kv_keep, groups = self.plan_pruning(heads)
         p = self.projections()
 
-        def rows(t, idx, width):
-            return None if t is None else t.view(-1, width, *t.shape[1:])[idx].flatten(0, 1)
+        def rows(wb, idx, dim):  # heads idx of a (weight, bias) pair
+            return tuple(None if t is None else t.view(-1, dim, *t.shape[1:])[idx].flatten(0, 1) for t in wb)
 
         dq, dv = self.qk_head_dim, self.v_head_dim
         o_w = self.o_proj.weight.view(-1, self.n_heads, dv)[:, keep].flatten(1)
         spec = dict(self.spec, n_heads=len(keep), n_kv_heads=len(kv_keep),
                     kv_groups=groups if len(set(groups)) > 1 else None)
-        self.set_projections(
-            spec, (rows(p["q"][0], keep, dq), rows(p["q"][1], keep, dq)),
-            (rows(p["k"][0], kv_keep, dq), rows(p["k"][1], kv_keep, dq)),
-            (rows(p["v"][0], kv_keep, dv), rows(p["v"][1], kv_keep, dv)), (o_w, p["o"][1]))
+        self.set_projections(spec, rows(p["q"], keep, dq), rows(p["k"], kv_keep, dq),
+                             rows(p["v"], kv_keep, dv), (o_w, p["o"][1]))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Checkpoints written before q/k/v were fused store them separately: fuse on load.

@@ -29,6 +29,7 @@ from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_json, follow_umask, save_figure
 from headbudget.models.surgery import get_adapter, save_pruned
 from headbudget.progress import ProgressBar, quiet_unless_progress
+from headbudget.pruning.importance import _model_mode
 from headbudget.pruning.job import FinetuneJob, FinetuneRecipe
 from headbudget.train.loop import LogRecord, TrainLoop, build_adamw, warmup_linear
 
@@ -43,17 +44,13 @@ def predict(model: nn.Module, tokenizer: Any, examples: Sequence[Example], batch
             max_length: int = 128, progress: bool = False, desc: str = "eval") -> torch.Tensor:
     """Predicted labels for ``examples`` (eval mode; the model's training flag is restored)."""
     device = _device_of(model)
-    was_training = model.training
-    model.eval()
     preds = []
-    try:
+    with _model_mode(model, False):
         loader = make_loader(examples, tokenizer, batch_size=batch_size, shuffle=False, max_length=max_length)
         for batch in ProgressBar(loader, desc=desc, leave=False, disable=not progress):
             batch.pop("labels")
             logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
             preds.append(logits.argmax(-1).cpu())
-    finally:
-        model.train(was_training)
     return torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
 
 
@@ -146,8 +143,7 @@ def finetune(model: nn.Module, tokenizer: Any, task_data: TaskData | Mapping[str
     }
     start = time.perf_counter()
     step = 0
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         torch.manual_seed(r.seed)
         for epoch in range(1, r.epochs + 1):
             if step >= total:

@@ -60,21 +60,26 @@ def lm_data(tokenizer: Any, data: str | os.PathLike[str], *, context: int = 128,
             calib_seed: int | None = None) -> LMData:
     """Tokenize ``data`` (a text file) with a Hugging Face ``tokenizer`` (no special tokens added) and split
     it into calibration windows (the first ones, or seeded ones: ``calib_seed``) and a held-out tail."""
-    from headbudget.io import read_text
-
     if context < 2:
         raise ValueError(f"context must be >= 2 tokens, got {context}")
     if calib_windows < 1:
         raise ValueError(f"calib_windows must be >= 1, got {calib_windows}")
     if not 0 < heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
-    text = read_text(str(data))
+    return split_lm_ids(_token_ids(tokenizer, data, vocab_size), str(data), context=context,
+                        calib_windows=calib_windows, heldout_fraction=heldout_fraction, calib_seed=calib_seed)
+
+
+def _token_ids(tokenizer: Any, path: str | os.PathLike[str], vocab_size: int | None) -> torch.Tensor:
+    """Token ids of a whole text file (no special tokens), refused when an id exceeds ``vocab_size``."""
+    from headbudget.io import read_text
+
+    text = read_text(str(path))
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if len(ids) and vocab_size is not None and int(ids.max()) >= vocab_size:
-        raise ValueError(f"{data}: token id {int(ids.max())} >= the model's vocab_size {vocab_size} "
+        raise ValueError(f"{path}: token id {int(ids.max())} >= the model's vocab_size {vocab_size} "
                          "(wrong tokenizer for this model?)")
-    return split_lm_ids(ids, str(data), context=context, calib_windows=calib_windows,
-                        heldout_fraction=heldout_fraction, calib_seed=calib_seed)
+    return ids
 
 
 def split_lm_ids(ids: torch.Tensor, source: str, *, context: int, calib_windows: int, heldout_fraction: float,

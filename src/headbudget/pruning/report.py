@@ -201,8 +201,7 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
     ({split: {dense, pruned, finetuned}}), seconds, kept."""
     has_from = any("count_from" in r for r in rows)
     head = ["method", "heads"] + (["count from"] if has_from else [])
-    for s in splits:
-        head += [f"{s} pruned", f"{s} fine-tuned"]
+    head += [f"{s} {stage}" for s in splits for stage in ("pruned", "fine-tuned")]
     has_depth = any("mean_depth" in r for r in rows)
     head += (["mean depth", "middle third"] if has_depth else []) + ["select s", "finetune s"]
     cost_labels = {"params": "params", "flops_per_token": "FLOPs / token",
@@ -213,9 +212,8 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [str(r["method"]), str(r["heads_kept"])] + ([str(r.get("count_from", ""))] if has_from else [])
-        for s in splits:
-            a = (r.get("accuracy") or r.get("metric") or {}).get(s, {})
-            cells += [_fmt(a.get("pruned")), _fmt(a.get("finetuned"))]
+        metric = r.get("accuracy") or r.get("metric") or {}
+        cells += [_fmt(metric.get(s, {}).get(k)) for s in splits for k in ("pruned", "finetuned")]
         sec = r.get("seconds") or {}
         if has_depth:
             cells += [_fmt(r.get("mean_depth")), _fmt(r.get("middle_third_share"))]

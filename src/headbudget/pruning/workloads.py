@@ -28,26 +28,42 @@ def _placement(job: PruneJob) -> tuple[Any, Any]:
     return resolve_device(job.device, flag="device"), resolve_dtype(job.dtype, flag="dtype")
 
 
-def _save(model: Any, tokenizer: Any, out: Path, sidecar: bool) -> None:
-    """``save_pretrained`` of model and tokenizer into one folder, atomically; ``sidecar`` adds
-    ``kept_heads.json`` (encoders, whose HF class cannot record per-layer head counts)."""
-    from headbudget.models.surgery import save_pruned
+class _Loaded:
+    """What both workloads share: the loaded model, deep-copied per method, and how a pruned one is saved."""
 
-    def write(tmp: Path) -> None:
-        if sidecar:
-            save_pruned(model, tmp, tokenizer)
-        else:
-            model.save_pretrained(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
+    _sidecar: bool  # save_pruned's kept_heads.json: encoders, whose HF class cannot record per-layer heads
+    tokenizer: Any
+    device: Any
 
-    atomic_write_dir(out, write)
+    def _loaded(self, model: Any, t0: float) -> None:
+        self._pristine = model  # a fresh deep copy per method (prune-compare)
+        self.heads_total = sum(model_adapter(model).head_counts())
+        self.load_seconds = time.perf_counter() - t0
+        self.dense_acc: dict[str, float] | None = None
+
+    def fresh_model(self, job: PruneJob) -> Any:
+        return copy.deepcopy(self._pristine).to(self.device).eval()
+
+    def save(self, model: Any, out: Path) -> None:
+        """``save_pretrained`` of model and tokenizer into one folder, atomically."""
+        from headbudget.models.surgery import save_pruned
+
+        def write(tmp: Path) -> None:
+            if self._sidecar:
+                save_pruned(model, tmp, self.tokenizer)
+            else:
+                model.save_pretrained(str(tmp))
+                self.tokenizer.save_pretrained(str(tmp))
+
+        atomic_write_dir(out, write)
 
 
-class ClassificationWorkload:
+class ClassificationWorkload(_Loaded):
     """Model, tokenizer and data of a classification job (loaded once, shared by prune-compare's methods)."""
 
     metric_name = "accuracy"
     n_classes: int | None
+    _sidecar = True
 
     def __init__(self, job: PruneJob) -> None:
         from headbudget.data.classification import get_task, load_task, subsample
@@ -60,19 +76,13 @@ class ClassificationWorkload:
         model, self.tokenizer = load_model_and_tokenizer(
             job.model, "classifier", tokenizer=job.tokenizer, num_labels=self.spec.num_labels,
             label_names=self.spec.label_names, seed=job.seed, dtype=dtype)
-        self._pristine = model  # a fresh deep copy per method (prune-compare)
         self.train = subsample(self.data.train, job.limit_train, job.seed)
         self.evals = {s: subsample(self.data.splits[s], job.limit_eval, job.seed) for s in self.data.eval_splits}
         if not self.evals:
             raise ValueError(f"task {job.task}: no evaluation split found in {job.data_dir}")
         self.primary = next(iter(self.evals))
-        self.heads_total = sum(model_adapter(model).head_counts())
-        self.load_seconds = time.perf_counter() - t0
-        self.dense_acc: dict[str, float] | None = None
+        self._loaded(model, t0)
         self.n_classes = self.spec.num_labels
-
-    def fresh_model(self, job: PruneJob) -> Any:
-        return copy.deepcopy(self._pristine).to(self.device).eval()
 
     def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
         from headbudget.pruning.finetune import evaluate_accuracy
@@ -106,20 +116,18 @@ class ClassificationWorkload:
         """What the run's details.json adds for this task: nothing beyond the accuracies."""
         return {}
 
-    def save(self, model: Any, out: Path) -> None:
-        _save(model, self.tokenizer, out, sidecar=True)
 
-
-class LMWorkload:
+class LMWorkload(_Loaded):
     """A causal LM, its tokenizer and the tokenized text of a ``task="lm"`` job (label-free CAHP;
     metric: held-out perplexity, lower is better)."""
 
     metric_name = "perplexity"
     n_classes = None
+    _sidecar = False
 
     def __init__(self, job: PruneJob) -> None:
         from headbudget.loading import load_model_and_tokenizer
-        from headbudget.pruning.lm import split_lm_ids
+        from headbudget.pruning.lm import _token_ids, split_lm_ids
 
         t0 = time.perf_counter()
         self.device, dtype = _placement(job)
@@ -141,14 +149,8 @@ class LMWorkload:
                 raise ValueError(f"eval_data {path}: a second text named {name!r} (names are file stems)")
             self.evals[name] = _token_ids(self.tokenizer, path, vocab)
         self.primary = "heldout"
-        self._pristine = model  # a fresh deep copy per method (prune-compare)
-        self.heads_total = sum(model_adapter(model).head_counts())
-        self.load_seconds = time.perf_counter() - t0
-        self.dense_acc: dict[str, float] | None = None
+        self._loaded(model, t0)
         self.last_eval: dict[str, Any] = {}
-
-    def fresh_model(self, job: PruneJob) -> Any:
-        return copy.deepcopy(self._pristine).to(self.device).eval()
 
     def use_calibration_seed(self, job: PruneJob, seed: int | None) -> None:
         """Re-cut the calibration windows with ``seed`` (:func:`headbudget.pruning.lm.calibration_offsets`);
@@ -159,7 +161,6 @@ class LMWorkload:
                                  heldout_fraction=job.heldout_fraction, calib_seed=seed)
 
     def evaluate(self, model: Any, job: PruneJob, stage: str) -> dict[str, float]:
-        from headbudget.evaluation.perplexity import perplexity
         from headbudget.pruning.lm import lm_perplexity
 
         res = lm_perplexity(model, self.data, max_windows=job.limit_eval, progress=job.progress)
@@ -169,8 +170,8 @@ class LMWorkload:
             if name == "heldout":
                 continue
             # scored like the held-out tail: windows of context tokens every context - 1 tokens
-            r = perplexity(model, None, input_ids=ids, context=self.data.context, stride=max(1, self.data.context - 1),
-                           max_windows=job.limit_eval, progress=job.progress)
+            r = lm_perplexity(model, replace(self.data, heldout=ids), max_windows=job.limit_eval,
+                              progress=job.progress)
             self.last_eval[f"{stage} {name}"] = r
             out[name] = float(r["ppl"])
         return out
@@ -211,9 +212,6 @@ class LMWorkload:
         """The perplexity runs behind the last evaluation (tokens and windows of each text)."""
         return {"perplexity_runs": dict(self.last_eval)}
 
-    def save(self, model: Any, out: Path) -> None:
-        _save(model, self.tokenizer, out, sidecar=False)
-
 
 class Workload(Protocol):
     """What :func:`headbudget.pruning.pipeline.run_prune` needs of a job's model and data, whatever the task
@@ -239,19 +237,6 @@ def eval_text_name(path: str | Path) -> str:
     """The name an eval text goes by in tables: its file stem (``../data/wikitext2_valid.tokens`` ->
     ``wikitext2_valid``)."""
     return Path(path).stem
-
-
-def _token_ids(tokenizer: Any, path: str | Path, vocab_size: int) -> Any:
-    """Token ids of a whole text file (no special tokens), refused when an id exceeds the model's vocabulary."""
-    import torch
-
-    from headbudget.io import read_text
-
-    ids = torch.tensor(tokenizer(read_text(str(path)), add_special_tokens=False)["input_ids"], dtype=torch.long)
-    if len(ids) and int(ids.max()) >= vocab_size:
-        raise ValueError(f"{path}: token id {int(ids.max())} >= the model's vocab_size {vocab_size} "
-                         "(wrong tokenizer for this model?)")
-    return ids
 
 
 def load_workload(job: PruneJob) -> Workload:

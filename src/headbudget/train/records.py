@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -133,10 +134,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     records = [json.loads(line) for line in lines[:-1]]
-    try:
+    with contextlib.suppress(json.JSONDecodeError):
         records += [json.loads(line) for line in lines[-1:]]
-    except json.JSONDecodeError:
-        pass
     return records
 
 
@@ -189,7 +188,7 @@ def finished_result(out: str | os.PathLike, cfg: RunConfig, steps: int | None = 
         import yaml
 
         check_compatible(cfg, out / "config.yaml", yaml.safe_load((out / "config.yaml").read_text()) or {})
-    keys = {f.name for f in TrainResult.__dataclass_fields__.values()} - {"history", "read_back"}
+    keys = set(TrainResult.__dataclass_fields__) - {"history", "read_back"}
     result = TrainResult(**{k: summary[k] for k in keys if k in summary}, read_back=True)
     result.out_dir, result.history = out, read_metrics(out / "metrics.jsonl")
     result.model_dir = Path(summary["model_dir"]) if summary.get("model_dir") else None

@@ -53,9 +53,8 @@ def resolve_vocab_size(cfg: RunConfig, tokenizer_vocab: int) -> int:
     if cfg.model.vocab_size is None:
         return int(math.ceil(tokenizer_vocab / 64) * 64)
     if cfg.model.vocab_size < tokenizer_vocab:
-        raise ValueError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens"
-        )
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                         f"{tokenizer_vocab} tokens")
     return cfg.model.vocab_size
 
 

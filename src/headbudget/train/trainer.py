@@ -289,7 +289,7 @@ class Trainer:
         if result.steps < t.steps and (logger.last_record is None or logger.last_record["val_loss"] is None):
             last_val = self.validation_loss(run)  # a callback's stopping rule ended the run between evaluations
         last_train = result.losses[-1] if result.losses else None
-        return (result.steps if result.steps < t.steps else t.steps), last_val, last_train
+        return min(result.steps, t.steps), last_val, last_train
 
     def _micro_batches(self, run: _Run, start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The micro-batches of steps ``start_step..``: a pure function of (seed, step, micro, rank)."""

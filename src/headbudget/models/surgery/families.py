@@ -203,20 +203,19 @@ def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             att = getattr(layers[0], "attention", None)
             sa = getattr(att, "self", None)  # a layer without heads has no query projection left
-            if att is not None and (hasattr(sa, "query") or isinstance(sa, NoHeadSelfAttention)) \
-                    and hasattr(att, "output"):
+            if (hasattr(sa, "query") or isinstance(sa, NoHeadSelfAttention)) and hasattr(att, "output"):
                 return "bert", layers
         blocks = getattr(mod, "h", None)
         if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
             attn = getattr(blocks[0], "attn", None)
-            if attn is not None and hasattr(attn, "c_attn") and hasattr(attn, "c_proj"):
+            if hasattr(attn, "c_attn") and hasattr(attn, "c_proj"):
                 return "gpt2", blocks
         layers = getattr(mod, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             attn = getattr(layers[0], "self_attn", None)
-            if attn is not None and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-                if hasattr(attn, "head_dim") and hasattr(attn, "num_key_value_groups"):
-                    return "llama", layers
+            if all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
+                                              "num_key_value_groups")):
+                return "llama", layers
     return None
 
 
