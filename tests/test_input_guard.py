@@ -64,6 +64,8 @@ COMMANDS = {
                               "--method", "random", "--finetune-epochs", "0", "--out", "{OUT}", "--overwrite"]),
     "finetune": ("model", ["finetune", "{IN}", "--task", "sst5", "--data-dir", "{T}", "--out", "{OUT}",
                            "--overwrite"]),
+    "finetune --config": ("config", ["finetune", "{M}", "--task", "sst5", "--data-dir", "{T}", "--config", "{IN}",
+                                     "--out", "{OUT}", "--overwrite"]),
     "compress": ("model", ["compress", "{IN}", "--keep-ratio", "0.5", "--out", "{OUT}", "--overwrite"]),
     "compress merge-kv --calib-data": ("text", ["compress", "{M}", "--method", "merge-kv", "--kv-heads", "1",
                                                 "--calib-data", "{IN}", "--out", "{OUT}", "--overwrite"]),
@@ -102,7 +104,7 @@ def test_no_command_writes_over_what_it_reads(command, relation, model_dir, tmp_
     shutil.copy(TEXT, text)
     config = home / "configs" / "run.yaml"
     config.parent.mkdir()
-    config.write_text("steps: 1\n" if command.startswith("experiment") else "name: guard\n")
+    config.write_text({"experiment": "steps: 1\n", "finetune": "epochs: 1\n"}.get(command.split()[0], "name: guard\n"))
     the_input = {"model": model, "text": text, "config": config}[kind]
     out = {"is": the_input, "contains": the_input.parent, "lies inside": the_input / "sub",
            "symlink": tmp_path / "link"}[relation]

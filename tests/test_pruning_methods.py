@@ -281,6 +281,18 @@ def test_builtin_methods_register_their_settings_and_the_job_is_composed_of_them
     assert_names(str(info.value), "'needs'")
 
 
+def test_a_method_whose_settings_clash_is_refused_when_registered_so_the_cli_still_builds(registered):
+    from headbudget.cli.main import build_parser
+
+    registered.append("clashing")
+    mine = dataclasses.make_dataclass("Mine", [("seed", int, dataclasses.field(default=0))])
+    with pytest.raises(TypeError) as info:  # an installed plug-in: load_plugins' one warning line, left out
+        methods.register_importance("clashing", lambda ctx: [], settings=mine)
+    assert_names(str(info.value), "seed", "PruneJob's")
+    assert "clashing" not in methods.available_importances()
+    build_parser("prune")  # was a TypeError traceback for every prune, prune-compare and finetune
+
+
 # ---------------------------------------------------------------------------- the registry is the one table
 def test_the_importance_table_is_a_live_read_only_view_of_the_registry():
     from headbudget.pruning import importance

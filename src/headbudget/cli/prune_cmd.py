@@ -101,7 +101,7 @@ def _job(args: argparse.Namespace, cls: type[PruneJob] = PruneJob) -> Any:
 
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
-    job: FinetuneJob = getattr(args, "job", None) or dataclass_from_args(FinetuneJob, args, positional=("model",))
+    job: FinetuneJob = args.job
     if args.print_config:
         return print_config(job)
     from headbudget.devices import resolve_device
@@ -111,7 +111,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         raise ValueError(f"--epochs must be >= 1, got {job.epochs}")
     resolve_device(job.device)  # the flags first, then the folders
     with claim_output_dir(job.out, command="headbudget finetune", overwrite=args.overwrite,
-                          inputs={"MODEL": job.model, "--data-dir": job.data_dir}) as out:
+                          inputs={"MODEL": job.model, "--data-dir": job.data_dir,
+                                  "--config": getattr(args, "config", None)}) as out:
         summary = run_finetune(dataclasses.replace(job, out=str(out)))
     accs = ", ".join(f"{s} {a:.4f}" for s, a in summary.get("final", {}).items())
     print(f"fine-tuned {job.model} on {job.task}: {accs}; saved to {job.out}")
