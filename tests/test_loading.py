@@ -158,6 +158,7 @@ def test_bad_kind_and_missing_model_are_refused_before_transformers_is_imported(
     import subprocess
     import sys
 
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')  # a model folder: only the kind is wrong
     code = ("import sys\nfrom headbudget.loading import load_model\n"
             "for args in ((sys.argv[1], 'bogus'), (sys.argv[1] + '/none',)):\n"
             "    try:\n        load_model(*args)\n    except (ValueError, FileNotFoundError):\n        pass\n"
