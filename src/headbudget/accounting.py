@@ -111,7 +111,8 @@ def config_cost(config, context: int | None = None) -> ModelCost:
     gated MLPs have three matrices, RMSNorm has no bias, rotary models have no position table and an
     untied output head counts its own parameters.
 
-        >>> config_cost(HeadBudgetConfig.from_preset("gpt2-124m", "prism")).params    # headbudget.models'
+        >>> from headbudget.models import HeadBudgetConfig
+        >>> config_cost(HeadBudgetConfig.from_preset("gpt2-124m", "prism")).params
         124439808
     """
     d, vocab = config.n_embd, config.vocab_size
@@ -137,7 +138,10 @@ def kv_cache_bytes_per_token(config, dtype="float32") -> int:
     (``n_kv_heads x qk_head_dim``) and value heads (``n_kv_heads x v_head_dim``) at the element size of
     ``dtype`` (a torch dtype or its name).
 
-        >>> kv_cache_bytes_per_token(cfg, "bfloat16")   # cfg: 3 layers with 2 kv heads of 16 (k and v)
+        >>> from headbudget.models import HeadBudgetConfig
+        >>> cfg = HeadBudgetConfig(schedule={"d_model": 64, "layers": [{"n_heads": 4, "head_dim": 16,
+        ...                                                             "n_kv_heads": 2}] * 3})
+        >>> kv_cache_bytes_per_token(cfg, "bfloat16")   # 3 layers x 2 (k, v) x 2 heads x 16 x 2 bytes
         384
     """
     import torch

@@ -1,7 +1,7 @@
 """``headbudget compress MODEL --method merge-kv``: load, calibrate, merge key/value heads, measure, write.
 
-    >>> report = run_merge_kv("runs/smol", "runs/smol-kv1", kv_heads=1,
-    ...                       data="../shared/data/text/tinyshakespeare.txt")   # doctest: +SKIP
+    >>> report = run_merge_kv(CompressJob("runs/smol", "runs/smol-kv1", method="merge-kv", kv_heads=1,
+    ...                                   data="../shared/data/text/tinyshakespeare.txt"))   # doctest: +SKIP
     >>> report["kv_bytes_per_token_before"], report["kv_bytes_per_token_after"]  # doctest: +SKIP
     (92160, 30720)
 
