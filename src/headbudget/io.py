@@ -247,14 +247,16 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
     return _atomic_write(path, write, folder=True)
 
 
-def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """A matplotlib figure on the Agg canvas (no global backend change), with its axes."""
+def new_figure(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | None = None,
+               **subplot_kw: Any) -> tuple[Any, Any]:
+    """``plt.subplots(nrows, ncols, figsize=..., sharey=...)`` on the Agg canvas, without pyplot: no global
+    backend change, and no figure kept alive after :func:`save_figure`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(*args, **kwargs)
+    fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
-    return fig, fig.subplots()
+    return fig, fig.subplots(nrows, ncols, **subplot_kw)
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:

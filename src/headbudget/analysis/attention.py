@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from headbudget.io import atomic_write_json, save_figure
+from headbudget.io import atomic_write_json, new_figure, save_figure
 
 __all__ = ["attention_stats", "attention_summary", "attention_summary_from_text",
            "plot_distance", "plot_distance_comparison", "write_json"]
@@ -155,15 +155,6 @@ def write_json(summary: Mapping[str, Any], path: str | Path) -> Path:
     return atomic_write_json(path, summary)
 
 
-def _subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(*args, **kwargs)
-
-
 def _draw(ax: Any, summary: Mapping[str, Any], label: str, color: str) -> None:
     for row in summary["layers"]:
         ax.scatter([row["layer"]] * row["n_heads"], row["distance"], s=12, alpha=0.5, color=color)
@@ -185,7 +176,7 @@ def _draw_plain(ax: Any, summary: Mapping[str, Any]) -> None:
 
 def plot_distance(summary: Mapping[str, Any], path: str | Path, title: str | None = None) -> Path:
     """PNG of mean attention distance per layer: one dot per head, the line is the layer mean."""
-    fig, ax = _subplots(figsize=(6, 4))
+    fig, ax = new_figure(figsize=(6, 4))
     _draw(ax, summary, "heads", "C0")
     ax.set_ylabel("mean attention distance (tokens)")
     ax.set_title(title or f"attention distance ({summary['n_sequences']}x{summary['n_tokens']} tokens)")
@@ -200,7 +191,7 @@ def plot_distance_comparison(summaries: Mapping[str, Mapping[str, Any]], path: s
     if not summaries:
         raise ValueError("plot_distance_comparison needs at least one summary")
     n = len(summaries)
-    fig, axes = _subplots(1, n + 1, figsize=(4 * (n + 1), 4), sharey=True)
+    fig, axes = new_figure(1, n + 1, figsize=(4 * (n + 1), 4), sharey=True)
     for k, (name, s) in enumerate(summaries.items()):
         _draw(axes[k], s, name, f"C{k}")
         axes[k].set_title(name)

@@ -26,7 +26,7 @@ from torch import nn
 
 from headbudget.data.classification import Example, TaskData, get_task, load_task, make_loader, subsample
 from headbudget.devices import use_bf16_autocast
-from headbudget.io import atomic_write_json, follow_umask, save_figure
+from headbudget.io import atomic_write_json, follow_umask, new_figure, save_figure
 from headbudget.models.surgery import get_adapter, save_pruned
 from headbudget.progress import ProgressBar, quiet_unless_progress
 from headbudget.pruning.importance import _model_mode
@@ -172,12 +172,9 @@ def finetune(model: nn.Module, tokenizer: Any, task_data: TaskData | Mapping[str
 # --------------------------------------------------------------------------- command body
 def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Path:
     """Accuracy per epoch for every evaluated split, saved as a PNG (atomic write)."""
-    import matplotlib
+    from matplotlib.ticker import MaxNLocator
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = new_figure(figsize=(5, 3.5))
     initial = history.get("initial", {})
     splits = list(history["epochs"][0]["accuracy"]) if history["epochs"] else []
     for s in splits:
@@ -186,8 +183,6 @@ def plot_history(history: Mapping[str, Any], path: Path, title: str = "") -> Pat
         if s in initial:
             xs, ys = [0, *xs], [initial[s], *ys]
         ax.plot(xs, ys, marker="o", label=s)
-    from matplotlib.ticker import MaxNLocator
-
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="epoch (0 = before fine-tuning)" if initial else "epoch", ylabel="accuracy",
            title=title or "fine-tuning")

@@ -13,25 +13,17 @@ from typing import Any
 
 import numpy as np
 
-from headbudget.io import save_figure
+from headbudget.io import new_figure, save_figure
 
 __all__ = ["plot_curves", "plot_paired_curves", "plot_paired_differences"]
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
     """Validation (left) and training (right) loss against tokens: per-seed thin, mean thick."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    from matplotlib import rcParams
+
+    fig, axes = new_figure(1, 2, figsize=(11, 4.2))
+    colors = rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, curves) in enumerate(summary["curves"].items()):
         c = colors[i % len(colors)]
         for ax, key in zip(axes, ("val_loss", "train_loss")):
@@ -57,10 +49,11 @@ def plot_curves(summary: dict[str, Any], path: str | os.PathLike) -> Path:
 def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) -> Path:
     """The final paired differences as a forest plot: per schedule its per-seed differences (dots), their mean
     and 95% interval (bar), zero (the reference) and the ``--margin`` band when one was set."""
-    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     base, margin = summary["baseline"], summary.get("margin")
     rows = [(name, s["paired"]) for name, s in summary["schedules"].items() if name != base]
-    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.55 * len(rows)))
+    fig, ax = new_figure(figsize=(7, 1.4 + 0.55 * len(rows)))
     if margin is not None:
         ax.axvspan(-margin, margin, color="C2", alpha=0.12, label=f"±{margin:g} margin")
     ax.axvline(0.0, color="C0", lw=1)
@@ -72,7 +65,7 @@ def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) ->
     ax.set_yticks(range(len(rows)), [f"{name} - {base}" for name, _ in reversed(rows)])
     ax.set(xlabel="final val loss difference (nats/token); dots: seeds, bar: 95% interval",
            title=f"paired by seed, {len(summary['seeds'])} seeds")
-    ax.xaxis.set_major_locator(plt.MaxNLocator(6))  # tick labels of 4-digit losses overlap
+    ax.xaxis.set_major_locator(MaxNLocator(6))  # tick labels of 4-digit losses overlap
     ax.grid(axis="x", alpha=0.3)
     if margin is not None:
         ax.legend(fontsize=8, loc="best")
@@ -83,8 +76,7 @@ def plot_paired_differences(summary: dict[str, Any], path: str | os.PathLike) ->
 def plot_paired_curves(paired: dict[str, dict[str, Any]], reference: str, path: str | os.PathLike,
                        title: str | None = None) -> Path:
     """:func:`paired_curves` as a figure: thin lines per seed, thick the mean, zero is the reference."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = new_figure(figsize=(6.5, 4))
     for k, (name, d) in enumerate(paired.items(), start=1):
         for v in d["per_seed"].values():
             ax.plot(d["tokens"], v, color=f"C{k}", alpha=0.25, lw=0.8)
