@@ -492,9 +492,9 @@ def test_prune_report_and_export_give_kv_bytes_per_runtime_against_dense(tmp_pat
     cost = rep["cost"]
     assert cost["kv_cache_bytes_per_token"] == {"before": 2 * 16 * 8 * 4, "after": 2 * 15 * 8 * 4}  # 1024 -> 960
     assert cost["gguf_kv_cache_bytes_per_token"] == {"before": 2 * 16 * 8 * 2, "after": 2 * 20 * 8 * 2}  # 512 -> 640
-    assert "KV-cache bytes/token 1,024 -> 960; as llama.cpp GGUF (f16) 512 -> 640" in printed
+    assert "KV-cache bytes / token 1,024 -> 960; KV-cache bytes / token (llama.cpp GGUF, f16) 512 -> 640" in printed
     md = (out / "report.md").read_text()
-    assert "| KV-cache bytes / token (headbudget) | 1,024 | 960 | 0.938 |" in md
+    assert "| KV-cache bytes / token | 1,024 | 960 | 0.938 |" in md
     assert "| KV-cache bytes / token (llama.cpp GGUF, f16) | 512 | 640 | 1.250 |" in md
 
     for report_kind in ("current", "older"):  # an older report has only headbudget's bytes (float32): recounted

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from headbudget.cli.dataclass_flags import (
@@ -29,33 +28,11 @@ from headbudget.cli.dataclass_flags import (
     print_config,
     settings_mapping,
 )
-from headbudget.pruning.job import CAHP, ENTRY_POINT_GROUP, FinetuneJob, PruneJob, join_settings
+from headbudget.pruning.job import CAHP, ENTRY_POINT_GROUP, FinetuneJob, PruneCompareJob, PruneJob
 from headbudget.run_dir import claim_output_dir
-from headbudget.typed_config import option
 
 #: the signature settings of headbudget's earlier releases (--legacy-signatures)
 LEGACY_SIGNATURES = {"ddof": 0, "var_floor": None, "var_eps": 1e-10, "tsne_dtype": "float64"}
-
-
-@dataclass
-class PruneCompareJob(PruneJob):
-    """``headbudget prune-compare``: a PruneJob (``method`` aside) and the comparison's own settings."""
-
-    methods: str = option("cahp,michel,fisher,magnitude,random",
-                          help="comma list; cahp@D sets CAHP's polynomial degree (e.g. cahp@2,cahp@6,michel)")
-    calibration_seeds: str | None = option(
-        None, help="lm: comma list of seeds, e.g. 0,1,2: the comparison once per seed (calibration windows drawn "
-                   "with it, in OUT/seed<s>), then mean, std and min-max per method and text and a ranking that "
-                   "names a method only if it is best on every text")
-    ranking_rule: str = option("mean", choices=("mean", "range"),
-                               help="with --calibration-seeds: best = better mean on every text (mean), or worst "
-                                    "seed better than every other method's best seed on every text (range)")
-
-    def prune_job(self) -> PruneJob:
-        """The settings every method of the comparison shares."""
-        # the plug-in settings this class was joined with (job_classes) join PruneJob the same way
-        cls = join_settings(PruneJob, [b for b in type(self).__bases__ if b is not PruneCompareJob])
-        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
 
 def job_classes() -> tuple[type[PruneJob], type[PruneCompareJob]]:
@@ -143,16 +120,12 @@ def _print_report(rep: dict[str, Any], out: str, metric_name: str = "accuracy",
         print("  " + sizes)
 
 
-#: report.json's cost entries as a reader says them
-_COST_NAMES = {"params": "params", "flops_per_token": "FLOPs/token",
-               "kv_cache_bytes_per_token": "KV-cache bytes/token",
-               "gguf_kv_cache_bytes_per_token": "as llama.cpp GGUF (f16)"}
-
-
 def _sizes(cost: dict[str, Any]) -> str:
-    """``params 9,000 -> 7,000; FLOPs/token ...``: the before/after of the costs a report holds."""
+    """``params 9,000 -> 7,000; FLOPs / token ...``: the before/after of the costs a report holds."""
+    from headbudget.pruning.report import COST_LABELS
+
     return "; ".join(f"{label} {cost[key]['before']:,} -> {cost[key]['after']:,}"
-                     for key, label in _COST_NAMES.items() if key in cost)
+                     for key, label in COST_LABELS.items() if key in cost)
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
@@ -181,48 +154,19 @@ def _print_stage(where: str, stage: str, seconds: float) -> None:
     print(f"{where + ': ' if where else ''}{STAGE_NAMES.get(stage, stage)} {seconds:.1f} s", flush=True)
 
 
-def _comma_list(flag: str, raw: str | None, cast: Any = str) -> list[Any] | None:
-    if raw is None:
-        return None
-    items = [x.strip() for x in raw.split(",") if x.strip()]
-    if not items:
-        raise ValueError(f"{flag} {raw!r}: empty list")
-    try:
-        return [cast(x) for x in items]
-    except ValueError:
-        raise ValueError(f"{flag} {raw!r}: not a comma list of integers") from None
-
-
 def _cmd_compare(args: argparse.Namespace) -> int:
     settings: PruneCompareJob = args.job
     if args.print_config:
         return print_config(settings)
-    from pathlib import Path
-
     from headbudget.evaluation.rankings import format_spread
-    from headbudget.pruning.compare import run_prune_compare
-    from headbudget.pruning.workloads import eval_text_name
+    from headbudget.pruning.compare import check_compare_job, run_prune_compare
 
-    job = settings.prune_job()
-    eval_data = job.eval_data
-    seeds = _comma_list("--calibration-seeds", settings.calibration_seeds, int)
-    if (eval_data or seeds is not None) and job.task != "lm":
-        raise ValueError(f"--eval-data / --calibration-seeds score and calibrate LMs: they need --task lm, "
-                         f"not {job.task}")
-    for path in eval_data:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--eval-data: no file {path}")
-    names = [eval_text_name(p) for p in eval_data]
-    if len(set(names)) != len(names) or "heldout" in names:
-        raise ValueError(f"--eval-data {','.join(eval_data)!r}: two texts share a name (file stem) or one is "
-                         "named 'heldout'")
-    if seeds is not None and len(set(seeds)) != len(seeds):
-        raise ValueError(f"--calibration-seeds {settings.calibration_seeds!r}: repeated seed")
-    with claim_output_dir(job.out, command="headbudget prune-compare", resume=args.resume,
-                          overwrite=args.overwrite, inputs=prune_inputs(job, args)) as out:
-        summary = run_prune_compare(dataclasses.replace(job, out=str(out)), settings.methods,
-                                    resume=args.resume, calibration_seeds=seeds,
-                                    ranking_rule=settings.ranking_rule, on_stage=_print_stage)
+    check_compare_job(settings)  # before the output folder is claimed
+    with claim_output_dir(settings.out, command="headbudget prune-compare", resume=args.resume,
+                          overwrite=args.overwrite, inputs=prune_inputs(settings, args)) as out:
+        summary = run_prune_compare(dataclasses.replace(settings, out=str(out)), resume=args.resume,
+                                    on_stage=_print_stage)
+    seeds = settings.calibration_seeds
     if seeds is not None:
         for stage, rank in summary["ranking"].items():
             lines = [f"{lbl}: " + ", ".join(f"{t} {format_spread(a, 4)}" for t, a in d.items())
@@ -240,7 +184,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 for s, a in r["metric"].items()))
             if (r.get("cost") or {}).get("kv_cache_bytes_per_token"):
                 print("  " + _sizes(r["cost"]))
-    print(f"table in {job.out}/compare.md")
+    print(f"table in {settings.out}/compare.md")
     return 0
 
 

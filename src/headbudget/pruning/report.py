@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from headbudget.io import atomic_write_text, save_figure
+from headbudget.io import atomic_write_text, new_figure, save_figure
 
 __all__ = ["REPORT_KEYS", "build_report", "compare_markdown", "depth_profile", "describe_k", "k_source_of",
            "plot_accuracy_vs_heads", "plot_embedding", "plot_heads_per_layer", "plot_mss", "report_markdown",
@@ -37,6 +37,10 @@ __all__ = ["REPORT_KEYS", "build_report", "compare_markdown", "depth_profile", "
 REPORT_KEYS = ("method", "heads_total", "heads_kept", "kept", "mean_depth", "middle_third_share", "knee_k", "k_source",
                "mss", "metric", "seconds", "cost")
 METRIC_KEYS = ("dense", "pruned", "finetuned")
+#: report.json's ``cost`` entries and their labels in report.md, compare.md and the printed summary
+COST_LABELS = {"params": "params", "flops_per_token": "FLOPs / token",
+               "kv_cache_bytes_per_token": "KV-cache bytes / token",
+               "gguf_kv_cache_bytes_per_token": "KV-cache bytes / token (llama.cpp GGUF, f16)"}
 
 
 def _jsonable(obj: Any) -> Any:
@@ -173,9 +177,7 @@ def report_markdown(report: Mapping[str, Any], details: Mapping[str, Any] | None
         c = report["cost"]
         lines += ["", f"## Size (forward FLOPs per token at context {c['context']})", "",
                   "| | before | after | ratio |", "| --- | --- | --- | --- |"]
-        for key, label in (("params", "parameters"), ("flops_per_token", "FLOPs / token"),
-                           ("kv_cache_bytes_per_token", "KV-cache bytes / token (headbudget)"),
-                           ("gguf_kv_cache_bytes_per_token", "KV-cache bytes / token (llama.cpp GGUF, f16)")):
+        for key, label in COST_LABELS.items():
             if key in c:  # encoders have no KV cache
                 b, a = c[key]["before"], c[key]["after"]
                 lines.append(f"| {label} | {b:,} | {a:,} | {a / b:.3f} |")
@@ -204,11 +206,8 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
     head += [f"{s} {stage}" for s in splits for stage in ("pruned", "fine-tuned")]
     has_depth = any("mean_depth" in r for r in rows)
     head += (["mean depth", "middle third"] if has_depth else []) + ["select s", "finetune s"]
-    cost_labels = {"params": "params", "flops_per_token": "FLOPs / token",
-                   "kv_cache_bytes_per_token": "KV-cache bytes / token",
-                   "gguf_kv_cache_bytes_per_token": "GGUF KV-cache bytes / token"}
-    cost_keys = [k for k in cost_labels if any(k in (r.get("cost") or {}) for r in rows)]
-    head += [cost_labels[k] for k in cost_keys]
+    cost_keys = [k for k in COST_LABELS if any(k in (r.get("cost") or {}) for r in rows)]
+    head += [COST_LABELS[k] for k in cost_keys]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [str(r["method"]), str(r["heads_kept"])] + ([str(r.get("count_from", ""))] if has_from else [])
@@ -228,19 +227,10 @@ def compare_markdown(rows: Sequence[Mapping[str, Any]], splits: Sequence[str]) -
 
 
 # --------------------------------------------------------------------------- plots
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_mss(mss: Sequence[tuple[int, float]], knee_k: int | None, path: str | os.PathLike[str],
              title: str = "Mean Simplified Silhouette") -> Path:
     """MSS vs k with the chosen k marked."""
-    fig, ax = _plt().subplots(figsize=(6, 3.6))
+    fig, ax = new_figure(figsize=(6, 3.6))
     ax.plot([k for k, _ in mss], [v for _, v in mss], marker=".", lw=1)
     if knee_k is not None:
         ax.axvline(knee_k, color="tab:red", ls="--", lw=1, label=f"k = {knee_k}")
@@ -256,7 +246,7 @@ def plot_embedding(embedding: np.ndarray, labels: Sequence[int], heads: Sequence
     heads ringed in black."""
     emb = np.asarray(embedding)
     layers = np.array([layer for layer, _ in heads])
-    fig, axes = _plt().subplots(1, 2, figsize=(11, 4.8))
+    fig, axes = new_figure(1, 2, figsize=(11, 4.8))
     kept_mask = np.zeros(len(heads), dtype=bool)
     kept_mask[list(kept)] = True
     for ax, colour, title, cmap in (
@@ -281,7 +271,7 @@ def plot_heads_per_layer(kept_by_method: Mapping[str, Mapping[Any, Sequence[int]
                          path: str | os.PathLike[str]) -> Path:
     """Grouped bars: heads kept in each layer by each method (the "proximity bias" figure)."""
     methods = list(kept_by_method)
-    fig, ax = _plt().subplots(figsize=(max(6, n_layers * 0.6 * max(1, len(methods)) / 2), 3.8))
+    fig, ax = new_figure(figsize=(max(6, n_layers * 0.6 * max(1, len(methods)) / 2), 3.8))
     width = 0.8 / max(1, len(methods))
     x = np.arange(n_layers)
     for i, m in enumerate(methods):
@@ -303,7 +293,7 @@ def plot_accuracy_vs_heads(points: Mapping[str, Sequence[tuple[int, float]]], pa
                            title: str = "Accuracy vs heads kept") -> Path:
     """Accuracy vs heads kept: one marker series per label (e.g. "cahp pruned"), the dense model
     as a star, and an optional measured curve (``--curve accuracy``)."""
-    fig, ax = _plt().subplots(figsize=(6, 4))
+    fig, ax = new_figure(figsize=(6, 4))
     if curve:
         cs = sorted(curve)
         ax.plot([c[0] for c in cs], [c[1] for c in cs], color="0.6", lw=1, marker=".", label="CAHP sweep (pruned)")
