@@ -21,7 +21,6 @@ from typing import Any
 from headbudget.budget_report import budget_step
 from headbudget.schedules import HeadSchedule, LayerSpec, ModelPreset, ScheduleError, get_preset, uniform
 
-STRATEGIES = ("uniform_shrink", "late_dim_decay", "front_loaded_heads", "custom")
 DECAYS = ("linear", "geometric")
 
 
@@ -297,11 +296,7 @@ def budgeted_schedule(base: str | ModelPreset | HeadSchedule | Sequence[int], bu
     elif ":" in strategy:  # options in spec form, e.g. late_dim_decay:decay=geometric:keep=2
         strategy, _, rest = strategy.partition(":")
         opts = {**parse_budget_spec(f"{strategy}:{budget_fraction or 1}:{rest}")[2], **opts}
-    build, allowed = {
-        "uniform_shrink": (uniform_shrink, ()), "late_dim_decay": (late_dim_decay, ("decay", "keep_layers")),
-        "front_loaded_heads": (front_loaded_heads, ("max_heads",)),
-        "custom": (custom_budget, ("layers", "profile")),
-    }.get(strategy, (None, ()))
+    build, allowed = STRATEGIES.get(strategy, (None, ()))
     if build is None:
         raise BudgetError(f"unknown budget strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if bad := sorted(set(opts) - set(allowed)):
@@ -312,9 +307,14 @@ def budgeted_schedule(base: str | ModelPreset | HeadSchedule | Sequence[int], bu
     return build(ref, budget_fraction, **opts)
 
 
+#: strategy -> (its function, the options it takes)
+STRATEGIES: dict[str, tuple[Callable[..., HeadSchedule], tuple[str, ...]]] = {
+    "uniform_shrink": (uniform_shrink, ()), "late_dim_decay": (late_dim_decay, ("decay", "keep_layers")),
+    "front_loaded_heads": (front_loaded_heads, ("max_heads",)), "custom": (custom_budget, ("layers", "profile"))}
+
+
 # ---------------------------------------------------------------------- spec parsing
-_OPTION_ALIASES = {"keep": "keep_layers", "decay": "decay", "max_heads": "max_heads", "profile": "profile",
-                   "layers": "layers", "keep_layers": "keep_layers"}
+_OPTION_ALIASES = {**{o: o for _, names in STRATEGIES.values() for o in names}, "keep": "keep_layers"}  # keep=2: the spec's short form
 
 
 def parse_budget_spec(spec: str) -> tuple[str, float | None, dict[str, Any]]:

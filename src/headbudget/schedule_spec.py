@@ -86,7 +86,7 @@ def _budget_kind(strategy: str) -> ScheduleFactory:
 
     def factory(p: ModelPreset, budget: float | None = None, spec_arg: str | None = None,
                 **options: Any) -> HeadSchedule:
-        known = {k: v for k, v in options.items() if k in ("decay", "keep_layers", "max_heads", "layers", "profile")}
+        known = {k: v for k, v in options.items() if any(k in names for _, names in STRATEGIES.values())}
         if spec_arg:
             _, fraction, opts = parse_budget_spec(f"{strategy}:{spec_arg}")
             known.update(opts)

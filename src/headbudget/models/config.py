@@ -26,15 +26,6 @@ class HeadBudgetConfig(standalone.HeadBudgetConfig):
     def head_schedule(self) -> HeadSchedule:
         return HeadSchedule.from_dict(self.schedule)
 
-    def set_schedule(self, schedule: HeadSchedule) -> None:
-        """Replace the schedule (e.g. after pruning); d_model and depth must not change."""
-        if schedule.d_model != self.n_embd or schedule.n_layers != self.n_layer:
-            raise ValueError(f"new schedule is {schedule.n_layers} x {schedule.d_model}, "
-                             f"model is {self.n_layer} x {self.n_embd}")
-        self.schedule = schedule.to_dict()
-        self.num_attention_heads = max(schedule.heads)
-        self.num_key_value_heads = max(schedule.kv_heads)
-
     @classmethod
     def from_preset(cls, preset: str, schedule: str | HeadSchedule = "uniform",
                     schedule_options: dict | None = None, **kwargs: Any) -> HeadBudgetConfig:
