@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.finetune import run_finetune
-    from headbudget.pruning.job import FinetuneJob, PruneJob
+    from headbudget.pruning.job import FinetuneJob, PruneCompareJob
     from headbudget.pruning.report import write_json
 
     out = Path(args.out)
@@ -107,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                                  limit_train=args.limit_train, limit_eval=args.limit_eval))
         seconds["dense_finetune"] = time.perf_counter() - t
         write_json(timing, seconds)
-    job = PruneJob(model=str(ft_dir), task="sst5", data_dir=args.data_dir, out=str(out / "compare"),
-                   finetune_epochs=args.finetune_epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-                   limit_train=args.limit_train, limit_eval=args.limit_eval, max_length=args.max_length,
-                   keep=args.keep, importance_batches=args.importance_batches)
+    job = PruneCompareJob(model=str(ft_dir), task="sst5", data_dir=args.data_dir, out=str(out / "compare"),
+                          finetune_epochs=args.finetune_epochs, lr=args.lr, batch_size=args.batch_size,
+                          seed=args.seed, limit_train=args.limit_train, limit_eval=args.limit_eval,
+                          max_length=args.max_length, keep=args.keep, importance_batches=args.importance_batches,
+                          methods=args.methods)
     rows: list[dict] = []
 
     def on_row(row: dict) -> None:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json(Path(args.results), results_summary(rows, args, seconds))
 
     t = time.perf_counter()
-    summary = run_prune_compare(job, args.methods, resume=not args.no_resume, on_row=on_row)
+    summary = run_prune_compare(job, resume=not args.no_resume, on_row=on_row)
     seconds["compare"] = time.perf_counter() - t
     if args.results:
         write_json(Path(args.results), results_summary(rows, args, seconds))

@@ -392,12 +392,13 @@ def test_gated_baselines_prune_a_causal_lm_label_free(tmp_path, method):
 
 def test_prune_compare_gives_the_baselines_the_preceding_cahp_knee(tiny, tmp_path):
     from headbudget.pruning.compare import run_prune_compare
-    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.job import PruneCompareJob
 
-    job = PruneJob(model=str(tiny), task="sst5", data_dir=str(DATA), out=str(tmp_path / "cmp"), pool_size=8,
-                   batch_size=16, finetune_epochs=0, progress=False, save_model=False, gate_cooldown=2,
-                   attattr_examples=2, attattr_steps=3, pretrained=str(tiny), joint_epochs=1)
-    summary = run_prune_compare(job, "cahp@6,pipelined-dsp,joint-dsp,pass,attattr")
+    job = PruneCompareJob(model=str(tiny), task="sst5", data_dir=str(DATA), out=str(tmp_path / "cmp"), pool_size=8,
+                          batch_size=16, finetune_epochs=0, progress=False, save_model=False, gate_cooldown=2,
+                          attattr_examples=2, attattr_steps=3, pretrained=str(tiny), joint_epochs=1,
+                          methods="cahp@6,pipelined-dsp,joint-dsp,pass,attattr")
+    summary = run_prune_compare(job)
     rows = summary["rows"]
     knee = rows[0]["heads_kept"]
     assert [(r["label"], r["heads_kept"], r["count_from"]) for r in rows[1:]] == [

@@ -58,12 +58,13 @@ def tiny_bert(tmp_path_factory):
 
 
 def _job(model, out, **kw):
-    from headbudget.pruning.job import PruneJob
+    """A PruneJob; with ``methods``, a PruneCompareJob."""
+    from headbudget.pruning.job import PruneCompareJob, PruneJob
 
     base = dict(model=str(model), task="sst5", data_dir=str(DATA), out=str(out), pool_size=8, batch_size=16,
                 finetune_epochs=0, progress=False, lr=1e-3)
     base.update(kw)
-    return PruneJob(**base)
+    return (PruneCompareJob if "methods" in kw else PruneJob)(**base)
 
 
 def test_signatures_from_model_ignore_padding(tiny_bert):
@@ -202,7 +203,7 @@ def test_prune_compare_same_head_count(tiny_bert, tmp_path):
     assert parse_methods("cahp@2, michel") == [("cahp-d2", "cahp", 2), ("michel", "michel", None)]
     with pytest.raises(ValueError, match=names("'foo'", "cahp", "michel")):
         parse_methods("cahp,foo")
-    summary = run_prune_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False), "cahp@2,magnitude,random")
+    summary = run_prune_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False, methods="cahp@2,magnitude,random"))
     counts = {r["label"]: r["heads_kept"] for r in summary["rows"]}
     assert len(set(counts.values())) == 1, counts
     assert (tmp_path / "cmp" / "compare.md").read_text().count("\n| ") >= 3
@@ -253,8 +254,8 @@ def test_prune_compare_each_cahp_its_own_knee(tiny_bert, tmp_path):
     from headbudget.pruning.compare import run_prune_compare
     from headbudget.pruning.pipeline import run_prune
 
-    summary = run_prune_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False),
-                          "cahp@6,magnitude,cahp@3,random")  # knees 5 and 4 at seed 42
+    summary = run_prune_compare(_job(tiny_bert, tmp_path / "cmp", save_model=False,
+                                     methods="cahp@6,magnitude,cahp@3,random"))  # knees 5 and 4 at seed 42
     rows = {r["label"]: r for r in summary["rows"]}
     assert rows["cahp-d6"]["count_from"] == "cahp-d6 knee"
     assert rows["cahp-d3"]["count_from"] == "cahp-d3 knee"
@@ -270,7 +271,7 @@ def test_prune_compare_each_cahp_its_own_knee(tiny_bert, tmp_path):
     assert rows["cahp-d6"]["knee_k"] != rows["cahp-d3"]["knee_k"], rows
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "count from" in md and "cahp-d3 knee" in md
-    forced = run_prune_compare(_job(tiny_bert, tmp_path / "f", save_model=False, keep=3), "cahp@6,cahp@3,random")
+    forced = run_prune_compare(_job(tiny_bert, tmp_path / "f", save_model=False, keep=3, methods="cahp@6,cahp@3,random"))
     assert [(r["heads_kept"], r["count_from"]) for r in forced["rows"]] == [(3, "keep=3")] * 3
 
 
@@ -352,8 +353,8 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
     import headbudget.pruning.pipeline as pl
     from headbudget.pruning.compare import run_prune_compare
 
-    job = _job(tiny_bert, tmp_path / "cmp", keep=4)
-    first = run_prune_compare(job, "cahp@6,random")
+    job = _job(tiny_bert, tmp_path / "cmp", keep=4, methods="cahp@6,random")
+    first = run_prune_compare(job)
     calls = []
     real = pl.run_prune
 
@@ -363,12 +364,12 @@ def test_prune_compare_resume_reuses_finished_methods(tiny_bert, tmp_path, monke
 
     monkeypatch.setattr(pl, "run_prune", spy)
     seen = []
-    again = run_prune_compare(job, "cahp@6,random,magnitude", resume=True, on_row=lambda r: seen.append(r["label"]))
+    again = run_prune_compare(dataclasses.replace(job, methods="cahp@6,random,magnitude"), resume=True, on_row=lambda r: seen.append(r["label"]))
     assert calls == ["magnitude"] and seen == ["cahp-d6", "random", "magnitude"]
     for a, b in zip(first["rows"], again["rows"]):
         assert a == b
     calls.clear()
-    run_prune_compare(dataclasses.replace(job, seed=7), "cahp@6", resume=True)
+    run_prune_compare(dataclasses.replace(job, seed=7, methods="cahp@6"), resume=True)
     assert calls == ["cahp"]  # another seed: not the finished run
 
 

@@ -546,7 +546,7 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
         out = Path(ns.out)
         has(out / "compare.md", out / "compare.json")
         rows = json.loads((out / "compare.json").read_text())["rows"]
-        seeds = ns.calibration_seeds.split(",") if getattr(ns, "calibration_seeds", None) else [None]
+        seeds = list(getattr(ns, "calibration_seeds", None) or [None])
         assert len(rows) == len(ns.methods.split(",")) * len(seeds), f"{w}: {len(rows)} rows"
         if seeds != [None]:  # one comparison per calibration seed, each with its own table
             assert [r["seed"] for r in rows] == [int(s) for s in seeds for _ in ns.methods.split(",")], w

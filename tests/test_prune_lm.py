@@ -100,15 +100,15 @@ def test_prune_compare_lm_on_tiny_gpt2(tmp_path):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from headbudget.pruning.compare import run_prune_compare
-    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.job import PruneCompareJob
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=257, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(
         tmp_path / "gpt2")
-    job = PruneJob(str(tmp_path / "gpt2"), "lm", None, str(tmp_path / "cmp"), data=str(TEXT), tokenizer="byte",
-                   context=32, calib_windows=8, pool_size=8, batch_size=4, keep=4, finetune_epochs=0,
-                   progress=False, device="cpu")
-    summary = run_prune_compare(job, "cahp,random")
+    job = PruneCompareJob(str(tmp_path / "gpt2"), "lm", None, str(tmp_path / "cmp"), data=str(TEXT),
+                          tokenizer="byte", context=32, calib_windows=8, pool_size=8, batch_size=4, keep=4,
+                          finetune_epochs=0, progress=False, device="cpu", methods="cahp,random")
+    summary = run_prune_compare(job)
     assert summary["metric_name"] == "perplexity"
     assert [r["heads_kept"] for r in summary["rows"]] == [4, 4]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "cmp" / "random" / "model")
@@ -258,7 +258,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
     """A comparison stopped after its first method has compare.json / compare.md with that method's row."""
     import headbudget.pruning.pipeline as pl
     from headbudget.pruning.compare import run_prune_compare
-    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.job import PruneCompareJob
 
     real = pl.run_prune
     calls = []
@@ -271,10 +271,11 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
 
     monkeypatch.setattr(pl, "run_prune", stop_at_second)
     out = tmp_path / "cmp"
-    job = PruneJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8, pool_size=8,
-                   batch_size=4, keep=6, progress=False, device="cpu")
+    job = PruneCompareJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8,
+                          pool_size=8, batch_size=4, keep=6, progress=False, device="cpu",
+                          methods="magnitude,random,fisher")
     with pytest.raises(KeyboardInterrupt):
-        run_prune_compare(job, "magnitude,random,fisher")
+        run_prune_compare(job)
     summary = json.loads((out / "compare.json").read_text())
     rep = json.loads((out / "magnitude" / "report.json").read_text())
     assert [r["label"] for r in summary["rows"]] == ["magnitude"]
@@ -286,7 +287,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
 
     # the finished comparison has every row and no partial marks
     monkeypatch.setattr(pl, "run_prune", real)
-    summary = run_prune_compare(job, "magnitude,random,fisher", resume=True)
+    summary = run_prune_compare(job, resume=True)
     assert [r["label"] for r in summary["rows"]] == ["magnitude", "random", "fisher"]
     assert "methods_planned" not in json.loads((out / "compare.json").read_text())
     assert "Partial" not in (out / "compare.md").read_text()
@@ -295,7 +296,7 @@ def test_prune_compare_cut_short_keeps_the_finished_methods(run_dir, tmp_path, m
 def test_prune_compare_seeds_cut_short_keep_the_finished_seeds(run_dir, tmp_path, monkeypatch):
     import headbudget.pruning.pipeline as pl
     from headbudget.pruning.compare import run_prune_compare
-    from headbudget.pruning.job import PruneJob
+    from headbudget.pruning.job import PruneCompareJob
 
     real = pl.run_prune
 
@@ -306,10 +307,11 @@ def test_prune_compare_seeds_cut_short_keep_the_finished_seeds(run_dir, tmp_path
 
     monkeypatch.setattr(pl, "run_prune", stop_in_seed_1)
     out = tmp_path / "cmp"
-    job = PruneJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8, pool_size=8,
-                   batch_size=4, keep=6, progress=False, device="cpu")
+    job = PruneCompareJob(str(run_dir), "lm", None, str(out), data=str(TEXT), context=32, calib_windows=8,
+                          pool_size=8, batch_size=4, keep=6, progress=False, device="cpu",
+                          methods="magnitude,random", calibration_seeds=(0, 1))
     with pytest.raises(KeyboardInterrupt):
-        run_prune_compare(job, "magnitude,random", calibration_seeds=[0, 1])
+        run_prune_compare(job)
     summary = json.loads((out / "compare.json").read_text())
     assert summary["calibration_seeds"] == [0] and summary["calibration_seeds_planned"] == [0, 1]
     seed0 = json.loads((out / "seed0" / "compare.json").read_text())

@@ -195,18 +195,21 @@ def test_seeded_compare_ranking_and_table(seeded_compare):
 @pytest.mark.parametrize(
     ("extra", "values"),
     [
-        (["--eval-data", "/nonexistent/x.txt"], ("--eval-data", "/nonexistent/x.txt")),
-        (["--calibration-seeds", "0,x"], ("--calibration-seeds", "0,x")),
-        (["--calibration-seeds", "1,1"], ("--calibration-seeds", "1,1")),
-        (["--eval-data", f"{EVAL_TEXTS[0]},{EVAL_TEXTS[0]}"], ("--eval-data", f"{EVAL_TEXTS[0]},{EVAL_TEXTS[0]}")),
+        (["--eval-data", "/nonexistent/x.txt"], ("eval_data", "/nonexistent/x.txt")),
+        (["--calibration-seeds", "0,x"], ("--calibration-seeds", "'x'")),
+        (["--calibration-seeds", "1,1"], ("calibration_seeds", "1,1")),
+        (["--eval-data", f"{EVAL_TEXTS[0]},{EVAL_TEXTS[0]}"], ("eval_data", f"{EVAL_TEXTS[0]},{EVAL_TEXTS[0]}")),
     ],
 )
 def test_prune_compare_seed_flags_one_line_errors(tmp_path, capsys, extra, values):
     from headbudget.cli.main import main
 
     out = tmp_path / "o"
-    rc = main(["prune-compare", str(tmp_path / "none"), "--task", "lm", "--data", str(TEXT), "--keep", "6",
-               "--out", str(out), "--no-progress", *extra])
+    try:
+        rc = main(["prune-compare", str(tmp_path / "none"), "--task", "lm", "--data", str(TEXT), "--keep", "6",
+                   "--out", str(out), "--no-progress", *extra])
+    except SystemExit as exc:  # a value of the wrong type: argparse's one-line error
+        rc = exc.code
     err = capsys.readouterr().err
     assert rc == 2, err
     assert_names(error_line(err, "prune-compare"), *values)
@@ -219,7 +222,7 @@ def test_prune_compare_seed_flags_need_task_lm(tmp_path, capsys):
     rc = main(["prune-compare", str(tmp_path / "none"), "--task", "sst5", "--data-dir", str(tmp_path),
                "--calibration-seeds", "0,1", "--keep", "3", "--out", str(tmp_path / "o"), "--no-progress"])
     assert rc == 2
-    assert_names(error_line(capsys.readouterr().err, "prune-compare"), "--calibration-seeds", "--task", "lm", "sst5")
+    assert_names(error_line(capsys.readouterr().err, "prune-compare"), "calibration_seeds", "task", "lm", "sst5")
 
 
 def test_ranking_table_of_one_seed_shows_no_spread():

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_names, error_line, names
 from headbudget.pruning import methods
-from headbudget.pruning.job import PruneJob
+from headbudget.pruning.job import PruneCompareJob, PruneJob
 from test_cahp_pipeline import DATA, _save_tiny  # tests/ is on sys.path under pytest
 
 BUILTINS = ("cahp", "michel", "fisher", "magnitude", "random", "pipelined-dsp", "joint-dsp", "joint-dsp-finetuned",
@@ -41,7 +41,7 @@ def _job(model, out, **kw):
     base = dict(model=str(model), task="sst5", data_dir=str(DATA), out=str(out), pool_size=8, batch_size=16,
                 finetune_epochs=0, progress=False, limit_train=32, limit_eval=16, save_model=False)
     base.update(kw)
-    return PruneJob(**base)
+    return (PruneCompareJob if "methods" in kw else PruneJob)(**base)  # with methods: a comparison
 
 
 def test_builtins_are_registered_in_the_old_order():
@@ -87,7 +87,7 @@ def test_user_scorer_in_a_comparison_and_a_class_registers_an_instance(tiny, tmp
 
     registered.append("by-class")
     assert isinstance(ByClass, type)  # the decorator gives the class back
-    summary = run_prune_compare(_job(tiny, tmp_path / "cmp", keep=4), "by-class,random")
+    summary = run_prune_compare(_job(tiny, tmp_path / "cmp", keep=4, methods="by-class,random"))
     rows = {r["label"]: r for r in summary["rows"]}
     assert rows["by-class"]["kept"] == {"0": [1], "1": [0, 2, 3]}
     assert rows["random"]["heads_kept"] == 4 and rows["by-class"]["count_from"] == "keep=4"
@@ -107,7 +107,7 @@ def test_user_selector_that_finds_its_own_count_leads_a_comparison(tiny, tmp_pat
 
     methods.register_selector("firsts", first_of_each_layer, finds_count=True)
     registered.append("firsts")
-    summary = run_prune_compare(_job(tiny, tmp_path / "cmp"), "firsts,magnitude")
+    summary = run_prune_compare(_job(tiny, tmp_path / "cmp", methods="firsts,magnitude"))
     rows = {r["label"]: r for r in summary["rows"]}
     assert targets == [None] and rows["firsts"]["kept"] == {"0": [0], "1": [0, 1]}
     assert rows["magnitude"]["heads_kept"] == 3 and rows["magnitude"]["count_from"] == "firsts knee"
@@ -169,7 +169,7 @@ def test_a_comparison_runs_every_methods_check_before_any_method(tiny, tmp_path,
     methods.register_importance("picky", lambda ctx: SCORES, check=refuse)
     registered.append("picky")
     with pytest.raises(ValueError, match=r"^method picky cannot run on task sst5 \(picky\)$"):
-        run_prune_compare(_job(tiny, tmp_path / "cmp", keep=4), "random,picky")
+        run_prune_compare(_job(tiny, tmp_path / "cmp", keep=4, methods="random,picky"))
     assert not (tmp_path / "cmp" / "random").exists()  # was: random ran (and wrote its folder) first
 
 
@@ -281,16 +281,18 @@ def test_builtin_methods_register_their_settings_and_the_job_is_composed_of_them
     assert_names(str(info.value), "'needs'")
 
 
-def test_a_method_whose_settings_clash_is_refused_when_registered_so_the_cli_still_builds(registered):
+@pytest.mark.parametrize("field", ["seed", "calibration_seeds"])  # PruneJob's, prune-compare's own
+def test_a_method_whose_settings_clash_is_refused_when_registered_so_the_cli_still_builds(registered, field):
     from headbudget.cli.main import build_parser
 
     registered.append("clashing")
-    mine = dataclasses.make_dataclass("Mine", [("seed", int, dataclasses.field(default=0))])
+    mine = dataclasses.make_dataclass("Mine", [(field, int, dataclasses.field(default=0))])
     with pytest.raises(TypeError) as info:  # an installed plug-in: load_plugins' one warning line, left out
         methods.register_importance("clashing", lambda ctx: [], settings=mine)
-    assert_names(str(info.value), "seed", "PruneJob's")
+    assert_names(str(info.value), field, "PruneCompareJob's")
     assert "clashing" not in methods.available_importances()
-    build_parser("prune")  # was a TypeError traceback for every prune, prune-compare and finetune
+    for command in ("prune", "prune-compare"):  # were a TypeError traceback for every prune command
+        build_parser(command)
 
 
 # ---------------------------------------------------------------------------- the registry is the one table

@@ -2,8 +2,8 @@
 with the per-seed values aggregated and ranked; each method runs through :func:`headbudget.pruning.pipeline.run_prune`.
 
     >>> from headbudget.pruning.compare import run_prune_compare
-    >>> run_prune_compare(PruneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cmp"),
-    ...             "cahp@2,cahp@6,michel,fisher,magnitude,random")                  # doctest: +SKIP
+    >>> run_prune_compare(PruneCompareJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/cmp",
+    ...                                   methods="cahp@2,cahp@6,michel,fisher,magnitude,random"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from headbudget.io import atomic_write_text
 from headbudget.progress import quiet_unless_progress
 from headbudget.pruning import pipeline
 from headbudget.pruning import report as rpt
-from headbudget.pruning.job import PruneJob
+from headbudget.pruning.job import PruneCompareJob, PruneJob
 from headbudget.pruning.methods import get_importance
 from headbudget.pruning.pipeline import _job_fingerprint, check_job
-from headbudget.pruning.workloads import LMWorkload, Workload, load_workload
+from headbudget.pruning.workloads import LMWorkload, Workload, eval_text_name, load_workload
 
 
 def parse_methods(spec: str) -> list[tuple[str, str, int | None]]:
@@ -67,11 +67,35 @@ def _finished(sub: PruneJob) -> dict[str, Any] | None:
     return {"report": report, "details": details}
 
 
+def check_compare_job(job: PruneCompareJob) -> list[tuple[str, str, int | None]]:
+    """A one-line error naming the first invalid setting of ``job`` (nothing is loaded); its parsed ``methods``."""
+    entries = parse_methods(job.methods)
+    forced = job.keep is not None or job.keep_ratio is not None
+    if not forced and not get_importance(entries[0][1]).finds_count:
+        raise ValueError(f"without a forced head count (keep / keep_ratio) the first method must find its own "
+                         f"head count, as cahp does ({entries[0][1]} needs one)")
+    seeds = job.calibration_seeds
+    if (job.eval_data or seeds is not None) and job.task != "lm":
+        raise ValueError(f"eval_data / calibration_seeds score and calibrate LMs: they need task lm, not {job.task}")
+    check_job(_as_method(job, "cahp"))
+    names = [eval_text_name(p) for p in job.eval_data]
+    if len(set(names)) != len(names) or "heldout" in names:
+        raise ValueError(f"eval_data {','.join(job.eval_data)!r}: two texts share a name (file stem) or one is "
+                         "named 'heldout'")
+    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"calibration_seeds {','.join(map(str, seeds))!r}: "
+                         + ("repeated seed" if seeds else "no seed given"))
+    for method in dict.fromkeys(m for _, m, _ in entries):  # e.g. attattr with task lm: before any method runs
+        check = get_importance(method).check
+        if check is not None:
+            check(_as_method(job, method))
+    return entries
+
+
 @quiet_unless_progress
-def run_prune_compare(job: PruneJob, methods: str, resume: bool = False,
-                on_row: Callable[[dict[str, Any]], None] | None = None,
-                calibration_seeds: Sequence[int] | None = None, ranking_rule: str = "mean",
-                on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
+def run_prune_compare(job: PruneCompareJob, resume: bool = False,
+                      on_row: Callable[[dict[str, Any]], None] | None = None,
+                      on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
     """Run several methods.  Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry
     finds its own knee and each baseline takes the count of the nearest ``cahp`` entry before it; with one,
     every entry uses it.  Each row records where its count came from (``count_from``).
@@ -83,21 +107,13 @@ def run_prune_compare(job: PruneJob, methods: str, resume: bool = False,
     ``seed<s>/<label>`` with calibration seeds, ``""`` for loading; ``stage``: a name of ``report.json``'s
     ``seconds``, or ``reused`` for a method ``resume`` read back).
 
-    ``calibration_seeds`` (task lm): the whole comparison once per seed in ``job.out/seed<s>``, then the
-    per-seed values, their spread and the ranking (``ranking_rule``) per text: docs/pruning.md, "Three
+    ``job.calibration_seeds`` (task lm): the whole comparison once per seed in ``job.out/seed<s>``, then the
+    per-seed values, their spread and the ranking (``job.ranking_rule``) per text: docs/pruning.md, "Three
     held-out texts, three calibration seeds"."""
-    entries = parse_methods(methods)
-    forced = job.keep is not None or job.keep_ratio is not None
-    if not forced and not get_importance(entries[0][1]).finds_count:
-        raise ValueError(f"without a forced head count (keep / keep_ratio) the first method must find its own "
-                         f"head count, as cahp does ({entries[0][1]} needs one)")
-    check_job(_as_method(job, "cahp"))
-    for method in dict.fromkeys(m for _, m, _ in entries):  # e.g. attattr with task lm: before any method runs
-        check = get_importance(method).check
-        if check is not None:
-            check(_as_method(job, method))
-    if calibration_seeds is not None:
-        return _run_compare_seeds(job, entries, list(calibration_seeds), resume, on_row, ranking_rule, on_stage)
+    entries = check_compare_job(job)
+    seeds, rule, job = job.calibration_seeds, job.ranking_rule, job.prune_job()
+    if seeds is not None:
+        return _run_compare_seeds(job, entries, list(seeds), resume, on_row, rule, on_stage)
     loaded = load_workload(job)
     if on_stage is not None:
         on_stage("", "load", loaded.load_seconds)
@@ -108,16 +124,6 @@ def run_prune_compare(job: PruneJob, methods: str, resume: bool = False,
 def _run_compare_seeds(job: PruneJob, entries: list[tuple[str, str, int | None]], seeds: list[int], resume: bool,
                        on_row: Callable[[dict[str, Any]], None] | None, rule: str,
                        on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
-    from headbudget.evaluation.rankings import RULES
-
-    if job.task != "lm":
-        raise ValueError(f"calibration seeds re-draw an LM's calibration windows: they need task lm, not {job.task}")
-    if not seeds:
-        raise ValueError("calibration seeds: no seed given")
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"calibration seeds {seeds}: repeated seed")
-    if rule not in RULES:
-        raise ValueError(f"ranking rule must be one of {', '.join(RULES)}, got {rule!r}")
     loaded = load_workload(replace(job, calib_seed=seeds[0]))
     assert isinstance(loaded, LMWorkload)
     if on_stage is not None:
@@ -280,4 +286,4 @@ def _write_compare(job: PruneJob, loaded: Workload, rows: list[dict[str, Any]],
     return summary
 
 
-__all__ = ["parse_methods", "run_prune_compare"]
+__all__ = ["check_compare_job", "parse_methods", "run_prune_compare"]

@@ -203,6 +203,32 @@ class PruneJob(AttAttrSettings, DspPassSettings, CahpSettings, _PruneSettings):
                               max_length=self.max_length, progress=self.progress)
 
 
+@dataclass
+class PruneCompareJob(PruneJob):
+    """``headbudget prune-compare``: the settings every method shares (a PruneJob, ``method`` aside) and the
+    comparison's own; :func:`headbudget.pruning.compare.run_prune_compare` takes it whole.
+
+        >>> PruneCompareJob("runs/ft", "sst5", "data/sst5", "runs/cmp", methods="cahp,random").prune_job().method
+        'cahp'
+    """
+
+    methods: str = option("cahp,michel,fisher,magnitude,random",
+                          help="comma list; cahp@D sets CAHP's polynomial degree (e.g. cahp@2,cahp@6,michel)")
+    calibration_seeds: tuple[int, ...] | None = option(
+        None, help="lm: comma list of seeds, e.g. 0,1,2: the comparison once per seed (calibration windows drawn "
+                   "with it, in OUT/seed<s>), then mean, std and min-max per method and text and a ranking that "
+                   "names a method only if it is best on every text")
+    ranking_rule: str = option("mean", choices=("mean", "range"),
+                               help="with --calibration-seeds: best = better mean on every text (mean), or worst "
+                                    "seed better than every other method's best seed on every text (range)")
+
+    def prune_job(self) -> PruneJob:
+        """The settings every method of the comparison shares."""
+        # the plug-in settings this class was joined with (with_method_settings) join PruneJob the same way
+        cls = join_settings(PruneJob, [b for b in type(self).__bases__ if b is not PruneCompareJob])
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+
 def join_settings(cls: type, settings: list[type]) -> type:
     """``cls`` (a job dataclass) with the fields of each of ``settings`` it lacks joined in, after its own: a
     plug-in method's settings become flags, config keys and ``--print_config`` lines like the built-ins'.
@@ -296,4 +322,4 @@ class FinetuneJob(FinetuneRecipe, _FinetuneInputs):
     device: str | None = device_option()
 
 
-__all__ = ["FinetuneJob", "FinetuneRecipe", "PruneJob", "default_finetune_epochs"]
+__all__ = ["FinetuneJob", "FinetuneRecipe", "PruneCompareJob", "PruneJob", "default_finetune_epochs"]

@@ -49,7 +49,7 @@ from headbudget.pruning.job import (
     AttAttrSettings,
     CahpSettings,
     DspPassSettings,
-    PruneJob,
+    PruneCompareJob,
     join_settings,
 )
 
@@ -188,8 +188,8 @@ def _register(method: PruningMethod, replace: bool) -> None:
     if name in _REGISTRY and not replace:
         raise ValueError(f"pruning method {name!r} is already registered (replace=True overrides it)")
     if method.settings is not None:  # a clash refused here (a plug-in: one warning), not when the CLI is built
-        join_settings(PruneJob, [m.settings for n, m in _REGISTRY.items() if m.settings is not None and n != name]
-                      + [method.settings])
+        join_settings(PruneCompareJob, [m.settings for n, m in _REGISTRY.items()  # PruneJob's fields with it
+                                        if m.settings is not None and n != name] + [method.settings])
     _REGISTRY[name] = method
 
 
