@@ -19,9 +19,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from headbudget.pruning.job import FinetuneRecipe
 
 __all__ = ["LMData", "calibration_offsets", "finetune_lm", "lm_batches", "lm_data", "lm_perplexity", "split_lm_ids"]
 
@@ -117,25 +120,25 @@ def lm_perplexity(model: torch.nn.Module, data: LMData, *, max_windows: int | No
                       max_windows=max_windows, progress=progress)
 
 
-def finetune_lm(model: torch.nn.Module, data: LMData, *, epochs: int, lr: float = 2e-5, warmup_ratio: float = 0.1,
-                weight_decay: float = 0.01, batch_size: int = 32, seed: int = 0, progress: bool = True) -> list[dict[str, float]]:
-    """Recovery fine-tuning on the calibration windows: AdamW, linear warmup then decay, ``epochs``
-    passes in a seeded order (:class:`headbudget.train.loop.TrainLoop`, gradients clipped to norm 1).
-    Returns the mean training loss of every epoch."""
+def finetune_lm(model: torch.nn.Module, data: LMData, recipe: FinetuneRecipe) -> list[dict[str, float]]:
+    """Recovery fine-tuning on the calibration windows with a classifier's recipe (``lr``, ``warmup_ratio``,
+    ``weight_decay``, ``batch_size``, ``seed``, ``max_grad_norm``, ``progress``): AdamW, linear warmup then
+    decay, ``recipe.epochs`` passes in a seeded order (:class:`headbudget.train.loop.TrainLoop`).  Returns the
+    mean training loss of every epoch."""
     from headbudget.progress import ProgressBar
     from headbudget.train.loop import TrainLoop, build_adamw, warmup_linear
 
-    device = next(model.parameters()).device
-    steps_per_epoch = math.ceil(len(data.calib) / batch_size)
-    total = max(1, epochs * steps_per_epoch)
-    loop = TrainLoop(model, build_adamw(model, lr=lr, weight_decay=weight_decay),
+    r, device = recipe, next(model.parameters()).device
+    steps_per_epoch = math.ceil(len(data.calib) / r.batch_size)
+    total = max(1, r.epochs * steps_per_epoch)
+    loop = TrainLoop(model, build_adamw(model, lr=r.lr, weight_decay=r.weight_decay),
                      lambda batch: model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss,
-                     grad_clip=1.0, lr_schedule=warmup_linear(lr, int(warmup_ratio * total), total))
+                     grad_clip=r.max_grad_norm, lr_schedule=warmup_linear(r.lr, int(r.warmup_ratio * total), total))
     history = []
     try:
-        bar = ProgressBar(total=total, desc="lm fine-tune", disable=not progress, leave=False)
-        for ep in range(epochs):
-            batches = lm_batches(data, batch_size, shuffle=True, seed=seed + ep)
+        bar = ProgressBar(total=total, desc="lm fine-tune", disable=not r.progress, leave=False)
+        for ep in range(r.epochs):
+            batches = lm_batches(data, r.batch_size, shuffle=True, seed=r.seed + ep)
             ran = loop.run(iter(batches), steps=(ep + 1) * steps_per_epoch, start_step=ep * steps_per_epoch,
                            on_step=lambda done, _: bar.update(1))
             history.append({"epoch": ep + 1, "train_loss": sum(ran.losses) / len(ran.losses)})

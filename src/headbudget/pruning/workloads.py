@@ -203,9 +203,7 @@ class LMWorkload(_Loaded):
     def finetune(self, model: Any, job: PruneJob) -> tuple[dict[str, float], Any]:
         from headbudget.pruning.lm import finetune_lm
 
-        hist = finetune_lm(model, self.data, epochs=job.finetune_epochs, lr=job.lr, warmup_ratio=job.warmup_ratio,
-                           weight_decay=job.weight_decay, batch_size=job.batch_size, seed=job.seed,
-                           progress=job.progress)
+        hist = finetune_lm(model, self.data, job.finetune_recipe())
         return self.evaluate(model, job, "finetuned"), hist
 
     def details(self) -> dict[str, Any]:
