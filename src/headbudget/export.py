@@ -4,8 +4,8 @@ Opens anything :func:`headbudget.loading.load_model_and_tokenizer` opens and wri
 :func:`headbudget.models.export_gguf.export_gguf`; a model read from a GGUF file keeps that file's tokenizer
 metadata unless another tokenizer is named.  See docs/export.md.
 
-    >>> from headbudget.export import export_model
-    >>> result = export_model("runs/smol-pruned/model", "smol-pruned.gguf", outtype="f16")   # doctest: +SKIP
+    >>> from headbudget.export import ExportJob, export_model
+    >>> result = export_model(ExportJob("runs/smol-pruned/model", "smol-pruned.gguf", outtype="f16"))  # doctest: +SKIP
     >>> result["arch"], result["warning"]                                                   # doctest: +SKIP
     ('deci', None)
 """
@@ -13,42 +13,59 @@ metadata unless another tokenizer is named.  See docs/export.md.
 from __future__ import annotations
 
 import json
-import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from headbudget.typed_config import option
 
 FORMATS = ("gguf",)
 
 
-def export_model(model: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "gguf", outtype: str = "f32",
-                 gguf_file: str | None = None, tokenizer: str | None = None, tokenizer_pre: str | None = None,
-                 overwrite: bool = False, name: str | None = None) -> dict[str, Any]:
-    """Write ``model`` to ``out``; returns what was written (``arch``, per-layer heads, ``bytes``, ``warning``:
-    the one-line cost of duplicated key/value heads, or None; ``kv_cache_bytes_per_token``: :func:`kv_cache_costs`;
-    ``kv_warning``: :func:`kv_warning`)."""
+@dataclass
+class ExportJob:
+    """``headbudget export``'s settings (each flag declared once, on its field)."""
+
+    model: str = option(help="model or run folder, or GGUF file", metavar="MODEL")
+    out: str = option(help="the file to write (e.g. model.gguf)")
+    fmt: str = option("gguf", help="output format (gguf)", flag="--format", choices=FORMATS)
+    outtype: str = option("f32", help="type of the 2-D weights (1-D norms stay f32, as llama.cpp's converter "
+                                      "writes them)", choices=("f32", "f16"))
+    gguf_file: str | None = option(None, help="the GGUF file to read, in a folder holding several")
+    tokenizer: str | None = option(None, help="tokenizer folder or spec (default: the model's own; a GGUF source "
+                                              "keeps its tokenizer metadata)")
+    tokenizer_pre: str | None = option(None, help="llama.cpp's pre-tokenizer name (gpt-2, smollm, llama-bpe, "
+                                                  "qwen2, ...) when the tokenizer's is not recognised")
+
+
+def export_model(job: ExportJob, *, overwrite: bool = False) -> dict[str, Any]:
+    """Write ``job.model`` to ``job.out`` (``overwrite``: replace an existing file); returns what was written
+    (``arch``, per-layer heads, ``bytes``, ``warning``: the one-line cost of duplicated key/value heads, or None;
+    ``kv_cache_bytes_per_token``: :func:`kv_cache_costs`; ``kv_warning``: :func:`kv_warning`)."""
     from headbudget.loading import load_model_and_tokenizer, resolve_model
     from headbudget.models.export_gguf import OUTTYPES, export_gguf
     from headbudget.run_dir import check_not_an_input, check_output_file
 
     # a GGUF exported onto itself, or into the model folder it reads, would replace or mix with its input
-    check_not_an_input(out, {"MODEL": str(model), "--tokenizer": tokenizer}, "--out")
-    if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
-    if outtype not in OUTTYPES:
-        raise ValueError(f"--outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
-    out = Path(out)
+    check_not_an_input(job.out, {"MODEL": str(job.model), "--tokenizer": job.tokenizer}, "--out")
+    if job.fmt not in FORMATS:
+        raise ValueError(f"--format {job.fmt!r} is not one of {', '.join(FORMATS)}")
+    if job.outtype not in OUTTYPES:
+        raise ValueError(f"--outtype {job.outtype!r} is not one of {', '.join(OUTTYPES)}")
+    out = Path(job.out)
     if out.is_dir():
         raise ValueError(f"--out {out}: is a folder (name the .gguf file to write)")
     if out.exists() and not overwrite:
         raise ValueError(f"--out {out}: exists (pass --overwrite to replace it)")
     check_output_file(out, "--out")  # a real write probe (a read-only folder): now, not after loading the model
-    src = resolve_model(model, gguf_file)
-    source_gguf = Path(src.where) / src.gguf_file if src.gguf_file is not None and tokenizer is None else None
-    hf_model, tok = load_model_and_tokenizer(model, tokenizer=tokenizer, gguf_file=gguf_file, as_headbudget=True)
-    plan = export_gguf(hf_model, tok, out, outtype, source_gguf=source_gguf, tokenizer_pre=tokenizer_pre,
-                       name=name or Path(str(model)).name)
+    src = resolve_model(job.model, job.gguf_file)
+    source_gguf = Path(src.where) / src.gguf_file if src.gguf_file is not None and job.tokenizer is None else None
+    hf_model, tok = load_model_and_tokenizer(job.model, tokenizer=job.tokenizer, gguf_file=job.gguf_file,
+                                             as_headbudget=True)
+    plan = export_gguf(hf_model, tok, out, job.outtype, source_gguf=source_gguf, tokenizer_pre=job.tokenizer_pre,
+                       name=Path(str(job.model)).name)
     kv = kv_cache_costs(plan, hf_model, src)
-    return {"out": str(out), "format": fmt, "outtype": outtype, "arch": plan.arch, "head_dim": plan.head_dim,
+    return {"out": str(out), "format": job.fmt, "outtype": job.outtype, "arch": plan.arch, "head_dim": plan.head_dim,
             "n_heads": plan.n_heads, "n_kv_heads": plan.n_kv_heads, "source_kv_heads": plan.source_kv_heads,
             "feed_forward": plan.feed_forward, "extra_bytes": plan.extra_bytes, "bytes": out.stat().st_size,
             "tokenizer": "copied from " + str(source_gguf) if source_gguf else "written from the tokenizer",
@@ -117,4 +134,4 @@ def kv_warning(kv: dict[str, Any]) -> str | None:
             "with duplicated key/value heads; prune with --granularity group or balanced for equal groups")
 
 
-__all__ = ["FORMATS", "export_model", "kv_cache_costs", "kv_cache_line", "kv_warning"]
+__all__ = ["ExportJob", "FORMATS", "export_model", "kv_cache_costs", "kv_cache_line", "kv_warning"]

@@ -8,27 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 
 from headbudget.cli.dataclass_flags import add_settings, printed
+from headbudget.export import ExportJob
 from headbudget.progress import library_bars
-from headbudget.typed_config import option
-
-
-@dataclass
-class ExportSettings:
-    """``headbudget export`` (each flag declared once, on its field)."""
-
-    model: str = option(help="model or run folder, or GGUF file", metavar="MODEL")
-    out: str = option(help="the file to write (e.g. model.gguf)")
-    fmt: str = option("gguf", help="output format (gguf)", flag="--format", choices=("gguf",))
-    outtype: str = option("f32", help="type of the 2-D weights (1-D norms stay f32, as llama.cpp's converter "
-                                      "writes them)", choices=("f32", "f16"))
-    gguf_file: str | None = option(None, help="the GGUF file to read, in a folder holding several")
-    tokenizer: str | None = option(None, help="tokenizer folder or spec (default: the model's own; a GGUF source "
-                                              "keeps its tokenizer metadata)")
-    tokenizer_pre: str | None = option(None, help="llama.cpp's pre-tokenizer name (gpt-2, smollm, llama-bpe, "
-                                                  "qwen2, ...) when the tokenizer's is not recognised")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "GGUF file as an f32/f16 GGUF: llama.cpp's llama architecture when every layer is alike, its deci "
         "architecture (per-layer head counts and MLP widths, one head size) otherwise. Unequal query groups are "
         "written with duplicated key/value heads (the cost is printed); per-layer head widths are refused.")
-    add_settings(p, ExportSettings, "the export's settings", positional=("model",))
+    add_settings(p, ExportJob, "the export's settings", positional=("model",))
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=run)
 
@@ -52,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from headbudget.export import export_model, kv_cache_line
 
-    result = export_model(args.model, args.out, fmt=args.fmt, outtype=args.outtype, gguf_file=args.gguf_file,
-                          tokenizer=args.tokenizer, tokenizer_pre=args.tokenizer_pre, overwrite=args.overwrite)
+    result = export_model(args.settings, overwrite=args.overwrite)
     for warning in (result["warning"], result["kv_warning"]):
         if warning:
             print(f"headbudget export: warning: {warning}", file=sys.stderr)
