@@ -710,9 +710,8 @@ def draw(data: dict[str, Any]) -> Any:
     dense = cells.get("dense", {}).get("stages", {})
     texts = list(dense.get("score", {}).get("ppl", {})) or sorted(
         {t for d in cells.values() for t in d["stages"].get("score", {}).get("ppl", {})})
-    fig, ax0 = new_figure(figsize=(5 * max(1, len(texts)), 7.6), layout="constrained")
-    fig.delaxes(ax0)
-    grid = fig.subplots(2, max(1, len(texts)), squeeze=False)
+    fig, grid = new_figure(2, max(1, len(texts)), figsize=(5 * max(1, len(texts)), 7.6), layout="constrained",
+                           squeeze=False)
     methods = [m for m in METHODS if m != "dense" and any(d.get("method") == m for d in cells.values())]
     rows = (("score", "-", "o", "before recovery"), ("rescore", "--", "s", "after 200k tokens of distillation"))
     for axes, (stage, style, marker, when) in zip(grid, rows):

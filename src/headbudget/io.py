@@ -248,13 +248,13 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], Any]) -> P
 
 
 def new_figure(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | None = None,
-               **subplot_kw: Any) -> tuple[Any, Any]:
-    """``plt.subplots(nrows, ncols, figsize=..., sharey=...)`` on the Agg canvas, without pyplot: no global
-    backend change, and no figure kept alive after :func:`save_figure`."""
+               layout: str | None = None, **subplot_kw: Any) -> tuple[Any, Any]:
+    """``plt.subplots(nrows, ncols, figsize=..., layout=..., sharey=...)`` on the Agg canvas, without pyplot: no
+    global backend change, and no figure kept alive after :func:`save_figure`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=figsize)
+    fig = Figure(figsize=figsize, layout=layout)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(nrows, ncols, **subplot_kw)
 
