@@ -15,6 +15,7 @@ Why the numbers move at all: a batch of another shape runs the same fp32 matmuls
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 
@@ -31,19 +32,19 @@ def main() -> None:
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
 
-    from headbudget.evaluation.suite import evaluate_suite
+    from headbudget.evaluation.suite import SuiteSettings, evaluate_suite
     from headbudget.loading import load_model_and_tokenizer
     from headbudget.threads import configure_threads
 
     configure_threads(args.threads)
     model, tok = load_model_and_tokenizer(args.model, gguf_file=args.gguf_file)
-    tasks = args.tasks.split(",")
+    suite = SuiteSettings(tasks=args.tasks, data_dir=args.data_dir, limit=args.limit, log_samples=True)
+    tasks = suite.tasks
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     lls: dict[int, dict[str, np.ndarray]] = {}
     preds: dict[int, dict[str, list[int]]] = {}
     for bs in sizes:
-        rep = evaluate_suite(model, tok, tasks, data_dir=args.data_dir, limit=args.limit, batch_size=bs,
-                             log_samples=True, progress=False)
+        rep = evaluate_suite(model, tok, dataclasses.replace(suite, batch_size=bs), progress=False)
         lls[bs] = {t: np.array([r[0] for s in sorted(rep["samples"][t], key=lambda s: s["doc_id"])
                                 for r in s["filtered_resps"]]) for t in tasks}
         preds[bs] = rep["predictions"]

@@ -156,17 +156,19 @@ def test_hub_task_offline_is_one_line(model_dir, capsys):
 def test_predictions_do_not_depend_on_batch_size(model_dir):
     """Built-in and lm-eval tasks, zero- and few-shot: identical predictions (and log-likelihoods
     to float rounding) at batch sizes 1, 7 and 32."""
-    from headbudget.evaluation.suite import evaluate_suite
+    from headbudget.evaluation.suite import SuiteSettings, evaluate_suite
     from headbudget.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(str(model_dir))
     runs = {}
     for bs in (1, 7, 32):
-        rep = evaluate_suite(model, tok, ["piqa", "arc_easy", "hb_mc", "hb_rolling"], data_dir=str(FIXTURES),
-                             include_path=str(TASKS_DIR), batch_size=bs, log_samples=True,
-                             bootstrap_iters=0, progress=False)
-        few = evaluate_suite(model, tok, ["hb_mc"], include_path=str(TASKS_DIR), num_fewshot=3,
-                             batch_size=bs, log_samples=True, bootstrap_iters=0, progress=False)
+        rep = evaluate_suite(model, tok, SuiteSettings(tasks=("piqa", "arc_easy", "hb_mc", "hb_rolling"),
+                                                       data_dir=str(FIXTURES), include_path=str(TASKS_DIR),
+                                                       batch_size=bs, log_samples=True, bootstrap_iters=0),
+                             progress=False)
+        few = evaluate_suite(model, tok, SuiteSettings(tasks=("hb_mc",), include_path=str(TASKS_DIR),
+                                                       num_fewshot=3, batch_size=bs, log_samples=True,
+                                                       bootstrap_iters=0), progress=False)
         runs[bs] = (rep, few)
     base, base_few = runs[1]
     assert set(base["predictions"]) == {"piqa", "arc_easy", "hb_mc"}

@@ -180,12 +180,13 @@ def test_samples_lines_equal_lm_eval_trackers_own(model_dir, tmp_path):
     from lm_eval.loggers import EvaluationTracker
 
     from headbudget.evaluation.lm_eval_files import task_hashes, write_lm_eval_files
-    from headbudget.evaluation.suite import evaluate_suite
+    from headbudget.evaluation.suite import SuiteSettings, evaluate_suite
     from headbudget.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(str(model_dir))
-    rep = evaluate_suite(model, tok, ["piqa", "winogrande", "hb_mc", "hb_rolling"], data_dir=str(FIXTURES),
-                         include_path=str(TASKS_DIR), log_samples=True, bootstrap_iters=0, progress=False)
+    rep = evaluate_suite(model, tok, SuiteSettings(tasks=("piqa", "winogrande", "hb_mc", "hb_rolling"),
+                                                   data_dir=str(FIXTURES), include_path=str(TASKS_DIR),
+                                                   log_samples=True, bootstrap_iters=0), progress=False)
     ours = write_lm_eval_files(rep, model_name="m", output_path=tmp_path / "ours", date_id="D")
     tracker = EvaluationTracker(output_path=str(tmp_path / "theirs"))
     tracker.general_config_tracker.model_name_sanitized = "m"
@@ -205,7 +206,7 @@ def test_builtin_piqa_records_equal_lm_evals_piqa(model_dir, tmp_path):
     """Built-in piqa and lm-eval's piqa YAML on the same rows: the same doc, target, arguments and hashes
     in the samples file (the scores to float rounding)."""
     from headbudget.evaluation.lm_eval_files import write_lm_eval_files
-    from headbudget.evaluation.suite import evaluate_suite
+    from headbudget.evaluation.suite import SuiteSettings, evaluate_suite
     from headbudget.loading import load_model_and_tokenizer
 
     yaml = (Path(__file__).resolve().parents[1] / "benchmarks" / "lm_eval_tasks" / "piqa_local.yaml").read_text()
@@ -213,8 +214,9 @@ def test_builtin_piqa_records_equal_lm_evals_piqa(model_dir, tmp_path):
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "piqa_local.yaml").write_text(yaml)
     model, tok = load_model_and_tokenizer(str(model_dir))
-    rep = evaluate_suite(model, tok, ["piqa", "piqa_local"], data_dir=str(FIXTURES),
-                         include_path=str(tmp_path / "tasks"), log_samples=True, bootstrap_iters=0, progress=False)
+    rep = evaluate_suite(model, tok, SuiteSettings(tasks=("piqa", "piqa_local"), data_dir=str(FIXTURES),
+                                                   include_path=str(tmp_path / "tasks"), log_samples=True,
+                                                   bootstrap_iters=0), progress=False)
     write_lm_eval_files(rep, model_name="m", output_path=tmp_path / "o", date_id="D")
     a, b = ([json.loads(x) for x in (tmp_path / "o" / "m" / f"samples_{t}_D.jsonl").read_text().splitlines()]
             for t in ("piqa", "piqa_local"))
@@ -274,11 +276,12 @@ def test_bad_output_flags_fail_before_any_work(tmp_path, capsys, flags, values):
 def test_a_failed_write_leaves_no_files(model_dir, tmp_path, monkeypatch):
     """The results file fails to write: the samples files of that call are removed too."""
     import headbudget.evaluation.lm_eval_files as files
-    from headbudget.evaluation.suite import evaluate_suite
+    from headbudget.evaluation.suite import SuiteSettings, evaluate_suite
     from headbudget.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(str(model_dir))
-    rep = evaluate_suite(model, tok, ["piqa"], data_dir=str(FIXTURES), log_samples=True, progress=False)
+    rep = evaluate_suite(model, tok, SuiteSettings(tasks=("piqa",), data_dir=str(FIXTURES), log_samples=True),
+                         progress=False)
     real = files.atomic_write_text
 
     def fail_on_results(path, text):
@@ -297,13 +300,13 @@ def test_builtin_stderr_is_na_where_lm_eval_gives_none(model_dir):
     a null there made it raise), a number otherwise."""
     from lm_eval.utils import make_table
 
-    from headbudget.evaluation.suite import evaluate_suite, format_report
+    from headbudget.evaluation.suite import SuiteSettings, evaluate_suite, format_report
     from headbudget.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(str(model_dir))
     for limit, iters, want_na in ((None, 0, True), (1, 100000, True), (None, 100000, False)):
-        rep = evaluate_suite(model, tok, ["piqa"], data_dir=str(FIXTURES), limit=limit, bootstrap_iters=iters,
-                             progress=False)
+        rep = evaluate_suite(model, tok, SuiteSettings(tasks=("piqa",), data_dir=str(FIXTURES), limit=limit,
+                                                       bootstrap_iters=iters), progress=False)
         res = rep["results"]["piqa"]
         assert rep["n-samples"]["piqa"] == {"original": 3, "effective": limit or 3}  # the file has 3 rows
         assert (res["acc_stderr,none"] == res["acc_norm_stderr,none"] == "N/A") == want_na

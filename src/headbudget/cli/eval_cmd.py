@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from headbudget.cli.dataclass_flags import add_overwrite_flag, add_settings, printed
+from headbudget.evaluation.suite import SuiteSettings
 from headbudget.io import atomic_write_json
 from headbudget.progress import library_bars
 from headbudget.run_dir import check_not_an_input, check_output_file
@@ -36,32 +37,9 @@ class ModelSettings:
 
 
 @dataclass(kw_only=True)
-class EvalSettings(ModelSettings):
-    """``headbudget eval``."""
+class EvalSettings(SuiteSettings, ModelSettings):  # this base order lists MODEL's flags first in --help
+    """``headbudget eval``: the model, the tasks and their scoring (:class:`SuiteSettings`), the output."""
 
-    tasks: str = option("piqa,hellaswag,arc_easy,winogrande",
-                        help="comma-separated: built in (piqa,hellaswag,arc_easy,arc_challenge,openbookqa,winogrande,"
-                             "copa) or lm-eval task/group names and YAML files (pip install \"headbudget[lmeval]\")")
-    include_path: str | None = option(
-        None, help="folder of lm-eval task YAML files of your own (as lm-eval's flag)")
-    allow_code: bool = option(False, help="let your task YAML files (in --tasks, under --include-path, or pulled "
-                                          "in by include: or a group) run the Python they name with !function; "
-                                          "without it such a task is refused before anything loads")
-    num_fewshot: int | None = option(None, help="few-shot examples for lm-eval tasks (as lm-eval; a built-in "
-                                                "name with N > 0 runs lm-eval's task of that name)")
-    seed: str | None = option(None, help="lm-eval's seeds: one integer for all, or PYTHON,NUMPY,TORCH,FEWSHOT "
-                                         "(default 0,1234,1234,1234)")
-    log_samples: bool = option(False, help="also write lm-eval's per-document samples_<task>_<datetime>.jsonl "
-                                           "files (needs --output-path or --json)")
-    bootstrap_iters: int = option(100000, help="lm-eval's bootstrap resamples for non-mean stderrs (0: none)")
-    data_dir: str | None = option(None, help="local JSONL files (e.g. ../shared/data/zeroshot); default: the "
-                                             "Hugging Face hub")
-    limit: int | None = option(None, help="first N examples per task")
-    batch_size: int = option(16, help="sequences per forward pass")
-    strategy: str = option("prefix", choices=("prefix", "full"),
-                           help="prefix: each document's choices (and documents sharing a few-shot context) as one "
-                                "token trie, shared tokens run once (default); full: every choice in full, batched "
-                                "by length")
     output_path: str | None = option(
         None, help="folder for lm-eval's files, as lm-eval's --output_path: DIR/<model>/results_<datetime>.json "
                    "(+ samples_<task>_<datetime>.jsonl with --log-samples); headbudget's own fields under the key "
@@ -126,8 +104,7 @@ def _inputs(args: argparse.Namespace) -> dict[str, Any]:
     return {"MODEL": args.model, "--tokenizer": arg if kind in ("gpt2", "hf") else args.tokenizer,
             "--data": getattr(args, "data", None), "--data-dir": getattr(args, "data_dir", None),
             "--include-path": getattr(args, "include_path", None), "--compare": getattr(args, "compare", None),
-            "--tasks": [t.strip() for t in str(getattr(args, "tasks", "") or "").split(",")
-                        if t.strip().endswith((".yaml", ".yml"))],
+            "--tasks": [t for t in getattr(args, "tasks", ()) if t.endswith((".yaml", ".yml"))],
             "--config": getattr(args, "config", None)}
 
 
@@ -144,15 +121,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:  # a real write probe too (a read-only folder), before the evaluation, not after it
         check_output_file(args.json, "--json", inputs=_inputs(args))
     _check_model_flags(args)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    suite = {k: getattr(args, k) for k in ("data_dir", "include_path", "num_fewshot", "seed", "limit",
-                                           "log_samples", "allow_code")}  # preparing and scoring take them
     with library_bars(not args.quiet):
-        harness_tasks = prepare_suite(tasks, **suite)
+        harness_tasks = prepare_suite(args.settings)
         model, tok = _load(args)
-        report = evaluate_suite(model, tok, tasks, batch_size=args.batch_size, strategy=args.strategy,
-                                device=args.device, bootstrap_iters=args.bootstrap_iters,
-                                progress=not args.quiet, harness_tasks=harness_tasks, **suite)
+        report = evaluate_suite(model, tok, args.settings, device=args.device, progress=not args.quiet,
+                                harness_tasks=harness_tasks)
     if not args.quiet:
         _print_report(report, format_report)
     report["details"]["model"] = str(args.model)

@@ -6,21 +6,24 @@ without it (an optional extra) the built-in tasks run zero-shot through
 are the same either way.  The report has ``lm_eval.simple_evaluate``'s keys plus headbudget's
 ``predictions``, ``seconds`` and ``details``; see docs/evaluation.md.
 
-    >>> rep = evaluate_suite(model, tok, ["piqa", "arc_easy_mmlu_style"], data_dir="../shared/data/zeroshot",
-    ...                      include_path="benchmarks/lm_eval_tasks", limit=100)   # doctest: +SKIP
+    >>> settings = SuiteSettings(tasks=("piqa", "arc_easy_mmlu_style"), data_dir="../shared/data/zeroshot",
+    ...                          include_path="benchmarks/lm_eval_tasks", allow_code=True, limit=100)
+    >>> rep = evaluate_suite(model, tok, settings)   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from headbudget.evaluation.harness import SEED_KEYS, parse_seed
+# harness and zeroshot import torch, so they are imported where used: the CLI imports SuiteSettings from
+# here to build its flags, and --help and --print_config stay free of torch
 from headbudget.evaluation.tasks import TASKS, get_task, load_examples
-from headbudget.evaluation.zeroshot import evaluate_tasks, format_table
+from headbudget.typed_config import coerce, option
 
 #: the ``metadata.version`` of every built-in task file (lm-eval's own tasks of the same names say 1.0)
 BUILTIN_TASK_VERSION = 1.0
@@ -34,73 +37,109 @@ def lm_eval_installed() -> bool:
         return False
 
 
-def check_eval_args(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
-                    num_fewshot: int | None = None, seed: Any = None, limit: int | None = None,
-                    log_samples: bool = False) -> None:
+@dataclass(kw_only=True)
+class SuiteSettings:
+    """The tasks of one evaluation and how they are scored: ``headbudget eval``'s flags of the same names
+    (:class:`headbudget.cli.eval_cmd.EvalSettings` adds the model's and the output's).  ``tasks`` may also be
+    given as one comma-separated string, as on the command line.
+
+        >>> settings = SuiteSettings(tasks=("piqa", "arc_easy"), data_dir="../shared/data/zeroshot", limit=200)
+        >>> rep = evaluate_suite(model, tok, settings, device="cuda")   # doctest: +SKIP
+    """
+
+    tasks: tuple[str, ...] = option(
+        ("piqa", "hellaswag", "arc_easy", "winogrande"),
+        help="comma-separated: built in (piqa,hellaswag,arc_easy,arc_challenge,openbookqa,winogrande,"
+             "copa) or lm-eval task/group names and YAML files (pip install \"headbudget[lmeval]\")")
+    include_path: str | None = option(
+        None, help="folder of lm-eval task YAML files of your own (as lm-eval's flag)")
+    allow_code: bool = option(False, help="let your task YAML files (in --tasks, under --include-path, or pulled "
+                                          "in by include: or a group) run the Python they name with !function; "
+                                          "without it such a task is refused before anything loads")
+    num_fewshot: int | None = option(None, help="few-shot examples for lm-eval tasks (as lm-eval; a built-in "
+                                                "name with N > 0 runs lm-eval's task of that name)")
+    seed: str | None = option(None, help="lm-eval's seeds: one integer for all, or PYTHON,NUMPY,TORCH,FEWSHOT "
+                                         "(default 0,1234,1234,1234)")
+    log_samples: bool = option(False, help="also write lm-eval's per-document samples_<task>_<datetime>.jsonl "
+                                           "files (needs --output-path or --json)")
+    bootstrap_iters: int = option(100000, help="lm-eval's bootstrap resamples for non-mean stderrs (0: none)")
+    data_dir: str | None = option(None, help="local JSONL files (e.g. ../shared/data/zeroshot); default: the "
+                                             "Hugging Face hub")
+    limit: int | None = option(None, help="first N examples per task")
+    batch_size: int = option(16, help="sequences per forward pass")
+    strategy: str = option("prefix", choices=("prefix", "full"),
+                           help="prefix: each document's choices (and documents sharing a few-shot context) as one "
+                                "token trie, shared tokens run once (default); full: every choice in full, batched "
+                                "by length")
+
+    def __post_init__(self) -> None:
+        # a caller's "piqa,arc_easy" or list becomes the tuple the flag gives (a string would iterate by letter)
+        self.tasks = coerce(self.tasks, tuple[str, ...], "tasks")
+
+
+def check_eval_args(settings: SuiteSettings) -> None:
     """The checks that need no model and no task building (one-line errors naming the flag), and
     without lm-eval that only what the built-in path does is asked for."""
-    if not tasks:
+    from headbudget.evaluation.harness import parse_seed
+
+    s = settings
+    if not s.tasks:
         raise ValueError("--tasks is empty")
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {limit}")
-    if num_fewshot is not None and num_fewshot < 0:
-        raise ValueError(f"--num-fewshot must be >= 0, got {num_fewshot}")
-    parse_seed(seed)
-    if data_dir is not None and not Path(data_dir).is_dir():
-        raise FileNotFoundError(f"--data-dir: no directory {data_dir}")
-    if include_path is not None and not Path(include_path).is_dir():
-        raise FileNotFoundError(f"--include-path: no directory {include_path}")
+    if s.limit is not None and s.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {s.limit}")
+    if s.num_fewshot is not None and s.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be >= 0, got {s.num_fewshot}")
+    parse_seed(s.seed)
+    if s.data_dir is not None and not Path(s.data_dir).is_dir():
+        raise FileNotFoundError(f"--data-dir: no directory {s.data_dir}")
+    if s.include_path is not None and not Path(s.include_path).is_dir():
+        raise FileNotFoundError(f"--include-path: no directory {s.include_path}")
     if lm_eval_installed():
         return
-    other = [t for t in tasks if t not in TASKS]
+    other = [t for t in s.tasks if t not in TASKS]
     need = (f"task {other[0]!r} is not built in ({', '.join(TASKS)}); lm-eval tasks" if other else
-            "--num-fewshot" if num_fewshot else "--include-path" if include_path is not None else
-            "--log-samples (lm-eval's per-document records)" if log_samples else None)
+            "--num-fewshot" if s.num_fewshot else "--include-path" if s.include_path is not None else
+            "--log-samples (lm-eval's per-document records)" if s.log_samples else None)
     if need:
         raise ValueError(f"{need} need the optional extra: pip install \"headbudget[lmeval]\"")
 
 
-def prepare_suite(tasks: Sequence[str], *, data_dir: str | None = None, include_path: Any = None,
-                  num_fewshot: int | None = None, seed: Any = None, limit: int | None = None,
-                  log_samples: bool = False, allow_code: bool = False) -> dict[str, Any] | None:
-    """Check the arguments and load the tasks through lm-eval (data included), so that a bad flag or task,
+def prepare_suite(settings: SuiteSettings) -> dict[str, Any] | None:
+    """Check the settings and load the tasks through lm-eval (data included), so that a bad flag or task,
     a malformed row or unreachable data fails before the model is loaded: :func:`evaluate_suite`'s
-    ``harness_tasks`` (None without lm-eval).  ``allow_code``: let a user's task YAML run Python.
+    ``harness_tasks`` (None without lm-eval).  ``settings.allow_code``: let a user's task YAML run Python.
 
-        >>> pre = prepare_suite(["arc_easy_local"], include_path="benchmarks/lm_eval_tasks")  # doctest: +SKIP
+        >>> pre = prepare_suite(SuiteSettings(tasks=("arc_easy_local",),
+        ...                                   include_path="benchmarks/lm_eval_tasks"))  # doctest: +SKIP
     """
-    check_eval_args(tasks, data_dir=data_dir, include_path=include_path, num_fewshot=num_fewshot,
-                    seed=seed, limit=limit, log_samples=log_samples)
+    check_eval_args(settings)
+    tasks, data_dir, limit = list(settings.tasks), settings.data_dir, settings.limit
     if not lm_eval_installed():
         for name in tasks:  # a bad row fails here too, before the model loads
             load_examples(name, data_dir, limit)
         return None
     from headbudget.evaluation.harness import load_harness_tasks
 
-    return load_harness_tasks(tasks, include_path, data_dir, limit, allow_code=allow_code)[1]
+    return load_harness_tasks(tasks, settings.include_path, data_dir, limit, allow_code=settings.allow_code)[1]
 
 
-def evaluate_suite(model: Any, tokenizer: Any, tasks: Sequence[str], *, data_dir: str | None = None,
-                   include_path: Any = None, num_fewshot: int | None = None, seed: Any = None,
-                   limit: int | None = None, batch_size: int = 16, strategy: str = "prefix",
-                   device: str | None = None, log_samples: bool = False,
-                   bootstrap_iters: int = 100000, progress: bool = True,
-                   harness_tasks: dict[str, Any] | None = None, allow_code: bool = False) -> dict[str, Any]:
-    """Evaluate ``tasks`` and return the report (module docstring); ``harness_tasks``: what
+def evaluate_suite(model: Any, tokenizer: Any, settings: SuiteSettings, *, device: str | None = None,
+                   progress: bool = True, harness_tasks: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Evaluate ``settings.tasks`` and return the report (module docstring); ``harness_tasks``: what
     :func:`prepare_suite` returned.  ``details``: ``lm_eval`` (tasks, seconds, model seconds, forward passes)
     or without lm-eval ``task_seconds`` and ``forward_passes`` per task, and ``limit``, ``num_fewshot``,
     ``batch_size``."""
-    check_eval_args(tasks, data_dir=data_dir, include_path=include_path, num_fewshot=num_fewshot,
-                    seed=seed, limit=limit, log_samples=log_samples)
+    check_eval_args(settings)
+    s, tasks = settings, list(settings.tasks)
     t0 = time.perf_counter()
-    run = {"limit": limit, "batch_size": batch_size, "strategy": strategy, "device": device,
-           "progress": progress, "data_dir": data_dir, "seed": seed, "bootstrap_iters": bootstrap_iters}
-    details: dict[str, Any] = {"task_seconds": {}, "forward_passes": {}, "limit": limit,
-                               "num_fewshot": num_fewshot, "batch_size": batch_size}
+    run = {"limit": s.limit, "batch_size": s.batch_size, "strategy": s.strategy, "device": device,
+           "progress": progress, "data_dir": s.data_dir, "seed": s.seed, "bootstrap_iters": s.bootstrap_iters}
+    details: dict[str, Any] = {"task_seconds": {}, "forward_passes": {}, "limit": s.limit,
+                               "num_fewshot": s.num_fewshot, "batch_size": s.batch_size}
     if lm_eval_installed():
-        rep = _lm_eval_report(model, tokenizer, tasks, details, include_path=include_path,
-                              num_fewshot=num_fewshot, log_samples=log_samples, loaded=harness_tasks,
-                              allow_code=allow_code, **run)
+        rep = _lm_eval_report(model, tokenizer, tasks, details, include_path=s.include_path,
+                              num_fewshot=s.num_fewshot, log_samples=s.log_samples, loaded=harness_tasks,
+                              allow_code=s.allow_code, **run)
     else:
         rep = _builtin_report(model, tokenizer, tasks, details, **run)
     rep.update(_tokenizer_info(tokenizer, rep["config"].get("max_length")))
@@ -132,6 +171,9 @@ def _lm_eval_report(model: Any, tokenizer: Any, tasks: Sequence[str], details: d
 def _builtin_report(model: Any, tokenizer: Any, tasks: Sequence[str], details: dict[str, Any], *,
                     data_dir: str | None, seed: Any, bootstrap_iters: int, **run: Any) -> dict[str, Any]:
     """The built-in tasks without lm-eval (:func:`evaluate_tasks`), in the keys lm-eval reports them under."""
+    from headbudget.evaluation.harness import SEED_KEYS, parse_seed
+    from headbudget.evaluation.zeroshot import evaluate_tasks
+
     got = evaluate_tasks(model, tokenizer, tasks, data_dir=data_dir, **run)
     rep: dict[str, Any] = {key: {} for key in _REPORT_KEYS}
     for name, res in got["results"].items():
@@ -181,6 +223,8 @@ def _builtin_size(name: str, data_dir: str | None, limit: int | None, n: int) ->
 def format_report(rep: dict[str, Any]) -> str:
     """lm-eval's table of the tasks (and groups); without lm-eval, the built-in tasks' table."""
     if "lm_eval" not in rep["details"]:
+        from headbudget.evaluation.zeroshot import format_table
+
         return format_table({"results": {  # "acc,none" -> "acc"
             k: {**{m.removesuffix(",none"): float("nan") if x == "N/A" else x for m, x in v.items()
                    if m.endswith(",none")}, "n": v["sample_len"]} for k, v in rep["results"].items()}})
