@@ -41,7 +41,13 @@ from headbudget.io import atomic_write_json
 from headbudget.threads import configure_threads
 from headbudget.train import Trainer, build_model
 from headbudget.train.compare import run_compare
-from headbudget.train.config import RunConfig, apply_overrides, load_config, resolve_config_path
+from headbudget.train.config import (
+    CompareConfig,
+    RunConfig,
+    apply_overrides,
+    load_config,
+    resolve_config_path,
+)
 from headbudget.train.loop import TrainLoop, param_groups
 from headbudget.train.memory import PeakMemory
 from headbudget.train.trainer import build_schedule
@@ -154,7 +160,8 @@ def training(cfg: RunConfig, args: argparse.Namespace, seconds: float, tokens_pe
         f"train.lr={args.lr}",
     ])
     t0 = time.perf_counter()
-    summary = run_compare(run_cfg, list(schedules), 1, out / "compare", save_models=False, plot=False)
+    settings = CompareConfig.from_run(run_cfg, schedules=";".join(schedules), seeds=1, save_models=False)
+    summary = run_compare(settings, out / "compare", plot=False)
     runs = [{k: r[k] for k in ("schedule", "params", "heads", "final_val_loss", "final_train_loss",
                                "tokens_per_s", "peak_memory_mb", "wall_s")} for r in summary["runs"]]
     return {"corpus": source, "tokenizer": tokenizer, "steps": steps, "batch_size": args.train_batch_size,

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from headbudget.train.compare import parse_schedules, run_compare
-    from headbudget.train.config import load_config
+    from headbudget.train.config import CompareConfig, load_config
 
     hf_logging.disable_progress_bar()
     schedules = parse_schedules(args.schedules)
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {sched:>12} seed {seed}: val {r.final_val_loss:.4f}  {r.tokens_per_s:,.0f} tok/s  "
                   f"{r.wall_s:.0f}s", flush=True)
 
-        summary = run_compare(cfg, schedules, args.seeds, out / name, save_models=False, on_run=on_run)
+        settings = CompareConfig.from_run(cfg, schedules=args.schedules, seeds=args.seeds, save_models=False)
+        summary = run_compare(settings, out / name, on_run=on_run)
         results[name] = {"schedules": summary["schedules"], "runs": summary["runs"], "data": summary["data"],
                          "config": summary["config"]}
 

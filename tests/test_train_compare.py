@@ -12,6 +12,7 @@ from conftest import assert_names, error_line, names
 from headbudget.cli.main import main
 from headbudget.train import RunConfig
 from headbudget.train.compare import parse_schedules, run_compare
+from headbudget.train.config import CompareConfig
 from headbudget.train.trainer import Trainer
 
 
@@ -34,14 +35,15 @@ def test_parse_schedules():
 
 
 def test_compare_is_deterministic_and_writes_reports(tmp_path):
-    cfg = tiny(tmp_path).replace(train={"ckpt_every": 2})
     scheds = ["uniform", "prism", "uniform@32"]
-    a = run_compare(cfg, scheds, 2, tmp_path / "a", save_models=False)
+    settings = CompareConfig.from_run(tiny(tmp_path).replace(train={"ckpt_every": 2}), schedules=",".join(scheds),
+                                      seeds=2, save_models=False)
+    a = run_compare(settings, tmp_path / "a")
     # --no-save-models keeps what was asked for: no model/, no optimizer checkpoints per run
     run_dirs = [p for p in (tmp_path / "a").iterdir() if p.is_dir()]
     assert len(run_dirs) == 6 and all((d / "metrics.jsonl").is_file() for d in run_dirs)
     assert not [p for d in run_dirs for p in d.iterdir() if p.name in ("model", "checkpoints")]
-    b = run_compare(cfg, scheds, 2, tmp_path / "b", save_models=False, plot=False)
+    b = run_compare(settings, tmp_path / "b", plot=False)
     key = [(r["schedule"], r["seed"], r["params"], r["final_val_loss"], r["final_train_loss"]) for r in a["runs"]]
     assert key == [(r["schedule"], r["seed"], r["params"], r["final_val_loss"], r["final_train_loss"])
                    for r in b["runs"]]
@@ -186,7 +188,8 @@ def test_until_flat_trains_every_run_as_long_as_the_reference(tmp_path, monkeypa
     # the reference (uniform, trained first although listed second) is "flat" from step 4 on
     monkeypatch.setattr(compare, "is_flat", lambda history, **kw: history[-1]["step"] >= 4)
     cfg = tiny(tmp_path).replace(train={"steps": 8})
-    a = run_compare(cfg, ["prism", "uniform"], 1, tmp_path / "a", save_models=False, plot=False, until_flat=True)
+    settings = CompareConfig.from_run(cfg, schedules="prism,uniform", save_models=False, until_flat=True)
+    a = run_compare(settings, tmp_path / "a", plot=False)
     assert [(r["schedule"], r["steps"]) for r in a["runs"]] == [("uniform", 4), ("prism", 4)]
     assert a["steps_per_run"] == 4 and a["tokens_per_run"] == 4 * 4 * 32
     assert a["until_flat"]["flat_at_step"] == 4 and a["until_flat"]["max_steps"] == 8
@@ -271,15 +274,15 @@ def test_resume_continues_an_interrupted_comparison_exactly(tmp_path, monkeypatc
     (not retrained), continues prism from its checkpoint and trains the rest; every number equals an
     uninterrupted comparison's."""
     cfg = tiny(tmp_path).replace(train={"steps": 6, "ckpt_every": 2})
-    scheds = ["uniform", "prism"]
-    straight = run_compare(cfg, scheds, 2, tmp_path / "straight", plot=False)
+    settings = CompareConfig.from_run(cfg, schedules="uniform,prism", seeds=2)
+    straight = run_compare(settings, tmp_path / "straight", plot=False)
     _kill_run_at(monkeypatch, "prism-seed0", 3)
     with pytest.raises(_Kill):
-        run_compare(cfg, scheds, 2, tmp_path / "cmp", plot=False)
+        run_compare(settings, tmp_path / "cmp", plot=False)
     monkeypatch.undo()
     uniform_metrics = (tmp_path / "cmp" / "uniform-seed0" / "metrics.jsonl").stat().st_mtime_ns
     capsys.readouterr()
-    resumed = run_compare(cfg, scheds, 2, tmp_path / "cmp", plot=False, resume=True)
+    resumed = run_compare(settings, tmp_path / "cmp", plot=False, resume=True)
     out = capsys.readouterr()
     assert _outcome(resumed) == _outcome(straight)
     assert resumed["schedules"]["prism"]["paired"] == straight["schedules"]["prism"]["paired"]
@@ -295,23 +298,24 @@ def test_resume_with_until_flat_keeps_the_flat_length_and_refuses_a_longer_run(t
 
     monkeypatch.setattr(compare, "is_flat", lambda history, **kw: history[-1]["step"] >= 4)
     cfg = tiny(tmp_path).replace(train={"steps": 8, "ckpt_every": 2})
-    straight = run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "straight", plot=False, until_flat=True)
+    settings = CompareConfig.from_run(cfg, schedules="uniform,prism", until_flat=True)
+    straight = run_compare(settings, tmp_path / "straight", plot=False)
     assert [r["steps"] for r in straight["runs"]] == [4, 4]
     _kill_run_at(monkeypatch, "prism-seed0", 3)
     with pytest.raises(_Kill):
-        run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp", plot=False, until_flat=True)
+        run_compare(settings, tmp_path / "cmp", plot=False)
     monkeypatch.setattr(compare, "Trainer", Trainer)
-    resumed = run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp", plot=False, until_flat=True, resume=True)
+    resumed = run_compare(settings, tmp_path / "cmp", plot=False, resume=True)
     assert _outcome(resumed) == _outcome(straight)
     assert resumed["until_flat"]["flat_at_step"] == 4
     # a run that trained longer than this comparison asks is refused, in one line naming it: a comparison
     # flat at step 2 whose prism run is replaced by the 4-step one
     monkeypatch.setattr(compare, "is_flat", lambda history, **kw: history[-1]["step"] >= 2)
-    run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp2", plot=False, until_flat=True)
+    run_compare(settings, tmp_path / "cmp2", plot=False)
     shutil.rmtree(tmp_path / "cmp2" / "prism-seed0")
     shutil.copytree(tmp_path / "cmp" / "prism-seed0", tmp_path / "cmp2" / "prism-seed0")
     with pytest.raises(ValueError, match=names(tmp_path / "cmp2" / "prism-seed0", 4, 2)):
-        run_compare(cfg, ["uniform", "prism"], 1, tmp_path / "cmp2", plot=False, until_flat=True, resume=True)
+        run_compare(settings, tmp_path / "cmp2", plot=False, resume=True)
 
 
 def test_cli_compare_resume(tmp_path, capsys):
@@ -424,8 +428,9 @@ def test_a_schedule_identical_to_the_reference_is_not_reported_higher():
 
 
 def test_run_compare_marks_an_identical_layout_as_identical(tmp_path):
-    a = run_compare(tiny(tmp_path), ["uniform", "uniform@32", "prism"], 2, tmp_path / "a", save_models=False,
-                    plot=False, margin=0.5)
+    settings = CompareConfig.from_run(tiny(tmp_path), schedules="uniform,uniform@32,prism", seeds=2,
+                                      save_models=False, margin=0.5)
+    a = run_compare(settings, tmp_path / "a", plot=False)
     assert a["schedules"]["uniform@32"]["paired"]["diffs"] == [0.0, 0.0]
     assert a["schedules"]["uniform@32"]["paired"]["decision"] == "identical"
     assert a["schedules"]["prism"]["paired"]["decision"] == "equivalent"
@@ -435,7 +440,8 @@ def test_run_compare_marks_an_identical_layout_as_identical(tmp_path):
 def test_one_seed_report_shows_no_spread(tmp_path):
     """One seed has no spread: the report gives each value alone, never "± 0.0000" (which reads as "no
     variation")."""
-    s = run_compare(tiny(tmp_path), ["uniform", "prism"], 1, tmp_path / "one", save_models=False, plot=False)
+    settings = CompareConfig.from_run(tiny(tmp_path), schedules="uniform,prism", seeds=1, save_models=False)
+    s = run_compare(settings, tmp_path / "one", plot=False)
     md = (tmp_path / "one" / "report.md").read_text()
     assert "±" not in md
     assert "same seed (same batches), from one seed: no spread." in md

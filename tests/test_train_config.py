@@ -135,9 +135,9 @@ def test_non_finite_float_settings_are_one_line_naming_the_key(item, capsys):
 @pytest.mark.parametrize("margin", ["inf", "nan", "0", "-1"])
 def test_compare_margin_must_be_finite_and_positive(margin, capsys):
     from headbudget.cli.main import main
-    from headbudget.train.compare import run_compare
+    from headbudget.train.config import CompareConfig
 
     assert main(["compare", "quickstart", "--margin", margin, "--print_config"]) == 2  # inf was accepted
     assert_names(error_line(capsys.readouterr().err, "compare"), "compare.margin", "--margin", float(margin))
-    with pytest.raises(ValueError, match=names("--margin", float(margin))):  # Python callers: the same rule
-        run_compare(RunConfig(), ["uniform"], 1, "never-written", margin=float(margin))
+    with pytest.raises(ValueError, match=names("compare.margin", "--margin", float(margin))):  # Python callers too
+        CompareConfig.from_run(RunConfig(), schedules="uniform", margin=float(margin))

@@ -146,6 +146,14 @@ def test_kill_9_and_resume_is_bit_identical_and_resumes_on_one_process(tmp_path,
 
 
 # ---------------------------------------------------------------------------- compare under torchrun
+def _compare_settings(cache: str):
+    """uniform and prism at 2 seeds, no models saved: the comparison both the 2-process and the 1-process run make."""
+    from headbudget.train.config import CompareConfig
+
+    return CompareConfig.from_run(_config(cache, fsdp=False).replace(train={"ckpt_every": 0}),
+                                  schedules="uniform,prism", seeds=2, save_models=False)
+
+
 def _compare_worker(rank: int, world: int, port: int, cache: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -156,8 +164,7 @@ def _compare_worker(rank: int, world: int, port: int, cache: str, out: str) -> N
     from headbudget.train.compare import run_compare
 
     called = []
-    cfg = _config(cache, fsdp=False).replace(train={"ckpt_every": 0})
-    run_compare(cfg, ["uniform", "prism"], 2, out, save_models=False, plot=False,
+    run_compare(_compare_settings(cache), out, plot=False,
                 on_run=lambda sched, seed, result: called.append([sched, seed]))
     Path(out, f"on_run_rank{rank}.json").write_text(json.dumps(called))
     dist.destroy_process_group()
@@ -176,8 +183,7 @@ def test_compare_under_torchrun_trains_each_run_on_both_processes_and_writes_onc
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_compare_worker, args=(2, port, cache, str(out)), nprocs=2, join=True)
-    one = run_compare(_config(cache, fsdp=False).replace(train={"ckpt_every": 0}), ["uniform", "prism"], 2,
-                      tmp_path / "cmp1", save_models=False, plot=False)
+    one = run_compare(_compare_settings(cache), tmp_path / "cmp1", plot=False)
     two = json.loads((out / "compare.json").read_text())
     assert [(r["schedule"], r["seed"]) for r in two["runs"]] == [(r["schedule"], r["seed"]) for r in one["runs"]]
     for a, b in zip(one["runs"], two["runs"]):

@@ -26,7 +26,13 @@ from headbudget.cli.dataclass_flags import (
 )
 from headbudget.io import atomic_write_json, atomic_write_text
 from headbudget.progress import library_bars
-from headbudget.train.config import DataSection, RunConfig, apply_overrides, resolve_config_path
+from headbudget.train.config import (
+    CompareConfig,
+    DataSection,
+    RunConfig,
+    apply_overrides,
+    resolve_config_path,
+)
 
 #: ``--tiny`` (hidden, for tests): seconds instead of minutes.
 TINY_OVERRIDES = [
@@ -135,7 +141,9 @@ def _quickstart(cfg: RunConfig, write_to: Path) -> int:
 
     print(f"[2/4] training {SCHEDULES[0]} ({cfg.model.preset}, {cfg.train.steps} steps x "
           f"{cfg.train.batch_size} x {cfg.train.context} tokens) ...", flush=True)
-    summary = run_compare(cfg, list(SCHEDULES), [cfg.seed], out, data=data, on_run=on_run)
+    # one seed (cfg.seed) keeps it to minutes on a CPU; `compare --seeds 3` is the way to judge the noise
+    settings = CompareConfig.from_run(cfg, schedules=",".join(SCHEDULES), seeds=1)
+    summary = run_compare(settings, out, data=data, on_run=on_run)
     t0 = time.perf_counter()
     print("[4/4] attention distance and report", flush=True)
     att = _attention_stage(summary, data, cfg, out)

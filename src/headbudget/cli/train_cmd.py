@@ -233,7 +233,7 @@ def _run_compare(settings: CompareConfig, args: argparse.Namespace) -> int:
 
     cfg, c = settings.run_config(), settings.compare
     schedules = parse_schedules(c.schedules)
-    reference = default_reference(schedules, c.reference)
+    default_reference(schedules, c.reference)  # a --reference not compared fails before the output folder is claimed
     out = Path(cfg.out or f"runs/compare-{cfg.name}")
     n = len(schedules) * c.seeds
 
@@ -245,9 +245,7 @@ def _run_compare(settings: CompareConfig, args: argparse.Namespace) -> int:
 
     on_run.i = 1
     with _claim(out, "compare", args, run_inputs(cfg, args)) as write_to:  # torchrun: every run on all ranks
-        summary = run_compare(cfg, schedules, c.seeds, write_to, save_models=c.save_models, on_run=on_run,
-                              reference=reference, until_flat=c.until_flat, resume=args.resume,
-                              margin=c.margin)
+        summary = run_compare(settings, write_to, on_run=on_run, resume=args.resume)
     if not _is_main():
         return 0
     print()

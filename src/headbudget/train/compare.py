@@ -5,10 +5,11 @@ seed (:func:`paired_differences`).  Runs train ``train.steps``, or with ``until_
 reference at the first seed takes to go flat (:func:`is_flat`), all with the learning-rate schedule of
 ``train.steps``.  See docs/training.md ("compare and the quickstart").
 
-    >>> from headbudget.train import load_config
     >>> from headbudget.train.compare import run_compare
-    >>> # summary = run_compare(load_config("configs/cpu-small.yaml"), ["uniform", "prism", "uniform@128"],
-    >>> #                       seeds=3, out="runs/cmp")
+    >>> from headbudget.train.config import CompareConfig, load_config
+    >>> settings = CompareConfig.from_run(load_config("configs/cpu-small.yaml"),
+    ...                                   schedules="uniform,prism,uniform@128", seeds=3)
+    >>> # summary = run_compare(settings, "runs/cmp")
     >>> # summary["schedules"]["prism"]["val_loss_mean"]
 """
 
@@ -29,7 +30,7 @@ from scipy import stats  # a dependency of scikit-learn, which headbudget requir
 from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.io import atomic_write_text
 from headbudget.train.compare_plots import plot_curves, plot_paired_curves, plot_paired_differences
-from headbudget.train.config import RunConfig
+from headbudget.train.config import CompareConfig, RunConfig
 from headbudget.train.config import steps_for_tokens as steps_for_tokens  # kept for benchmarks/prism_study.py
 from headbudget.train.loop import distributed_env, init_distributed, training_device
 from headbudget.train.paired import decide, min_detectable_difference, paired_differences, sample_std
@@ -110,26 +111,23 @@ def prepare_shared(cfg: RunConfig) -> PreparedData:
     return data or prepare_for(cfg, progress=False)
 
 
-def run_compare(cfg: RunConfig, schedules: Sequence[str], seeds: int | Sequence[int], out: str | os.PathLike,
-                *, data: PreparedData | None = None, save_models: bool = True,
+def run_compare(settings: CompareConfig, out: str | os.PathLike, *, data: PreparedData | None = None,
                 on_run: Callable[[str, int, TrainResult], None] | None = None, plot: bool = True,
-                reference: str | None = None, until_flat: bool = False, resume: bool = False,
-                margin: float | None = None) -> dict[str, Any]:
-    """Train every schedule x seed; returns the ``compare.json`` content (also written to ``out``).
+                resume: bool = False) -> dict[str, Any]:
+    """Train every schedule x seed of ``settings``; returns the ``compare.json`` content (also written to ``out``).
 
-    ``seeds`` is a count (seeds ``cfg.seed .. cfg.seed+N-1``) or a list.  ``reference`` (default:
-    :func:`default_reference`) trains first at every seed.  ``margin`` (nats/token) is the equivalence margin
-    of :func:`decide`.  ``resume`` reads finished runs back and continues the others from their checkpoints
-    (none without ``save_models``), giving the result of an uninterrupted comparison.
+    Every run starts from ``settings.run_config()``; its ``compare:`` section names the schedules, the seeds
+    (a count: ``seed .. seed+N-1``), the ``reference`` (default: :func:`default_reference`, trained first at
+    every seed), ``until_flat``, ``save_models`` and the equivalence ``margin`` (nats/token) of :func:`decide`.
+    ``resume`` reads finished runs back and continues the others from their checkpoints (none without
+    ``save_models``), giving the result of an uninterrupted comparison.
     """
-    schedules = list(schedules)
-    reference = default_reference(schedules, reference)
+    cfg, c = settings.run_config(), settings.compare
+    schedules = parse_schedules(c.schedules)
+    reference = default_reference(schedules, c.reference)
     order = [reference] + [s for s in schedules if s != reference]
-    seed_list = list(range(cfg.seed, cfg.seed + seeds)) if isinstance(seeds, int) else list(seeds)
-    if not seed_list:
-        raise ValueError("--seeds must be at least 1")
-    if margin is not None and not (math.isfinite(margin) and margin > 0):  # inf would call every schedule equivalent
-        raise ValueError(f"--margin must be a finite positive loss difference (nats/token), got {margin}")
+    seed_list = list(range(cfg.seed, cfg.seed + c.seeds))
+    save_models, until_flat, margin = c.save_models, c.until_flat, c.margin  # checked by CompareSection
     for s in schedules:  # fail before training anything
         build_schedule(cfg.replace(model={"schedule": s}))
     out = Path(out)

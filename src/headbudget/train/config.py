@@ -218,6 +218,18 @@ class CompareConfig(RunConfig):
 
     compare: CompareSection = field(default_factory=CompareSection)
 
+    @classmethod
+    def from_run(cls, run: RunConfig, **compare: Any) -> CompareConfig:
+        """A comparison whose runs start from ``run``, ``compare`` the fields of its ``compare:`` section (coerced
+        and checked as the config file's are; the rest keep ``run``'s section, or the defaults).
+
+            >>> CompareConfig.from_run(RunConfig(seed=3), schedules="uniform,prism", seeds=2).compare.seeds
+            2
+        """
+        d = run.to_dict()
+        d["compare"] = {**d.get("compare", {}), **compare}
+        return cls.from_dict(d, "CompareConfig.from_run")
+
     def run_config(self) -> RunConfig:
         """The run config every run of the comparison starts from."""
         return RunConfig.from_dict({k: v for k, v in self.to_dict().items() if k != "compare"})
