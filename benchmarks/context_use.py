@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from headbudget.evaluation.perplexity import loss_by_context_length
     from headbudget.io import atomic_write_json, save_figure
     from headbudget.loading import load_model
-    from headbudget.train.compare import prepare_for
+    from headbudget.train.setup import prepare_for
 
     torch.set_num_threads(args.threads)
     if args.size not in prism_study.SIZES:

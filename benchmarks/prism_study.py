@@ -103,7 +103,7 @@ def study_schedules(size: str, names: list[str] | tuple[str, ...] = SCHEDULES) -
 def run_config(size: str, schedule: str, seed: int, tokens: int, threads: int, cache_dir: str | None):
     """The registered training recipe (docs/prism_study.md) for one run."""
     from headbudget.train import RunConfig
-    from headbudget.train.compare import steps_for_tokens
+    from headbudget.train.config import steps_for_tokens
 
     context = SIZES[size]
     steps = steps_for_tokens(tokens, BATCH, context)
@@ -243,7 +243,7 @@ def analyse(records: list[dict[str, Any]], sizes: list[str], mdd: dict[str, floa
     """Paired differences per size, text and comparison; tokens/s ratios; attention profiles; verdicts."""
     import numpy as np
 
-    from headbudget.train.compare import paired_differences
+    from headbudget.train.paired import paired_differences
 
     texts = ["movie_reviews_heldout", *OOD_TEXTS]
     out: dict[str, Any] = {}
@@ -526,7 +526,7 @@ def tail_markdown(t: dict[str, Any]) -> list[str]:
 
 
 def plot_paired_curves(records: list[dict[str, Any]], size: str, path: Path) -> Path:
-    from headbudget.train.compare import plot_paired_curves as plot
+    from headbudget.train.compare_plots import plot_paired_curves as plot
 
     return plot(paired_curves(records, size), study_schedules(size)[0], path,
                 title=f"{size}: validation loss minus uniform's, paired by seed")
@@ -536,7 +536,8 @@ def pilot_report(records: list[dict[str, Any]], size: str, schedules: list[str])
     """Flatness, seed spread and the smallest detectable difference (paired, 5 seeds, 80% power)."""
     import numpy as np
 
-    from headbudget.train.compare import is_flat, paired_differences
+    from headbudget.train.compare import is_flat
+    from headbudget.train.paired import paired_differences
 
     rep: dict[str, Any] = {"size": size, "schedules": schedules, "per_schedule": {}}
     for s in schedules:
@@ -662,7 +663,7 @@ def missing_runs(records: list[dict[str, Any]], sizes: list[str], n_seeds: int =
 
 def report_only(args: argparse.Namespace) -> int:
     """``--report``: the registered analysis from the results file alone (no shared data, no run folders)."""
-    from headbudget.train.compare import plot_curves
+    from headbudget.train.compare_plots import plot_curves
 
     results_path = Path(args.results) if args.results else RESULTS / "prism_study.json"
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -744,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
-    from headbudget.train.compare import plot_curves, prepare_for
+    from headbudget.train.compare_plots import plot_curves
+    from headbudget.train.setup import prepare_for
 
     hf_logging.disable_progress_bar()
     import torch

@@ -113,7 +113,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 @library_bars(False)  # it draws its own bars: transformers' per-file load/save bars stay off
 def _quickstart(cfg: RunConfig, write_to: Path) -> int:
     """The quickstart writing into ``write_to`` (``cfg.out``, or the staging folder of an --overwrite)."""
-    from headbudget.train.compare import prepare_for, run_compare
+    from headbudget.train.compare import run_compare
+    from headbudget.train.setup import prepare_for
 
     t_all = time.perf_counter()
     out, shown = Path(write_to), Path(cfg.out)

@@ -259,15 +259,13 @@ def _run_compare(settings: CompareConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from headbudget.data.prepare import prepare_data
+    from headbudget.train.setup import prepare_for
 
     cfg = getattr(args, "cfg", None) or _load(args)
     if args.print_config:
         return print_config(cfg)
-    d = cfg.data
     t0 = time.perf_counter()
-    data = prepare_data(d.source, d.tokenizer, d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
-                        max_chars=d.max_chars, split_blank_lines=d.split_blank_lines, force=args.force)
+    data = prepare_for(cfg, force=args.force)
     print(f"{'reused' if data.reused else 'prepared'} {data.directory} in {time.perf_counter() - t0:.1f}s")
     print(json.dumps({k: data.meta[k] for k in ("source", "tokenizer", "vocab_size", "dtype", "train_tokens",
                                                 "val_tokens", "content_hash")}, indent=2))

@@ -27,15 +27,14 @@ from typing import Any
 import numpy as np
 from scipy import stats  # a dependency of scikit-learn, which headbudget requires
 
-from headbudget.data.prepare import PreparedData, prepare_data
+from headbudget.data.prepare import PreparedData
 from headbudget.io import atomic_write_text
 from headbudget.train.compare_plots import plot_curves, plot_paired_curves, plot_paired_differences
 from headbudget.train.config import CompareConfig, RunConfig
-from headbudget.train.config import steps_for_tokens as steps_for_tokens  # kept for benchmarks/prism_study.py
-from headbudget.train.loop import distributed_env, init_distributed, training_device
+from headbudget.train.loop import distributed_env
 from headbudget.train.paired import decide, min_detectable_difference, paired_differences, sample_std
 from headbudget.train.records import TrainResult, finished_result
-from headbudget.train.setup import build_schedule
+from headbudget.train.setup import build_schedule, prepare_shared
 from headbudget.train.trainer import Trainer
 
 
@@ -89,26 +88,6 @@ def default_reference(schedules: Sequence[str], reference: str | None = None) ->
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9@._-]+", "_", name)
-
-
-def prepare_for(cfg: RunConfig, progress: bool = True) -> PreparedData:
-    d = cfg.data
-    return prepare_data(d.source, d.tokenizer, d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
-                        max_chars=d.max_chars, split_blank_lines=d.split_blank_lines, progress=progress)
-
-
-def prepare_shared(cfg: RunConfig) -> PreparedData:
-    """:func:`prepare_for` once for all processes: under torchrun the first prepares the cache while the
-    others wait, then they read it."""
-    rank, world, local_rank = distributed_env()
-    if world == 1:
-        return prepare_for(cfg, cfg.train.progress)
-    import torch.distributed as dist
-
-    init_distributed(training_device(cfg.train.device, world, local_rank), world)
-    data = prepare_for(cfg, cfg.train.progress) if rank == 0 else None
-    dist.barrier()
-    return data or prepare_for(cfg, progress=False)
 
 
 def run_compare(settings: CompareConfig, out: str | os.PathLike, *, data: PreparedData | None = None,

@@ -1,5 +1,6 @@
-"""What a run is built from: the model (fresh from the config's schedule, or ``model.init`` converted),
-its vocabulary, the tokenizer spec and the learning-rate schedule of the config (the optimizer: train.loop).
+"""What a run is built from: its prepared data, the model (fresh from the config's schedule, or ``model.init``
+converted), its vocabulary, the tokenizer spec and the learning-rate schedule of the config (the optimizer:
+train.loop).
 
     >>> from headbudget.train import RunConfig
     >>> from headbudget.train.setup import build_model, lr_at
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import math
 
+from headbudget.data.prepare import PreparedData, prepare_data
 from headbudget.schedule_spec import schedule_from_spec
 from headbudget.schedules import HeadSchedule, ModelPreset, get_preset
 from headbudget.train.config import RunConfig
-from headbudget.train.loop import warmup_cosine
+from headbudget.train.loop import distributed_env, init_distributed, training_device, warmup_cosine
 
 
 def model_preset(cfg: RunConfig) -> ModelPreset:
@@ -30,6 +32,28 @@ def model_preset(cfg: RunConfig) -> ModelPreset:
 
 def build_schedule(cfg: RunConfig) -> HeadSchedule:
     return schedule_from_spec(cfg.model.schedule, model_preset(cfg))
+
+
+def prepare_for(cfg: RunConfig, progress: bool = True, force: bool = False) -> PreparedData:
+    """The config's ``data:`` section tokenized into its cache, or read back from it (``force``: rebuilt)."""
+    d = cfg.data
+    return prepare_data(d.source, data_tokenizer_spec(cfg), d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
+                        max_chars=d.max_chars, split_blank_lines=d.split_blank_lines, progress=progress,
+                        force=force)
+
+
+def prepare_shared(cfg: RunConfig) -> PreparedData:
+    """:func:`prepare_for` once for all processes: under torchrun the first prepares the cache while the
+    others wait, then they read it."""
+    rank, world, local_rank = distributed_env()
+    if world == 1:
+        return prepare_for(cfg, cfg.train.progress)
+    import torch.distributed as dist
+
+    init_distributed(training_device(cfg.train.device, world, local_rank), world)
+    data = prepare_for(cfg, cfg.train.progress) if rank == 0 else None
+    dist.barrier()
+    return data or prepare_for(cfg, progress=False)
 
 
 def data_tokenizer_spec(cfg: RunConfig) -> str:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from headbudget.data.loader import train_batch, val_batches
-from headbudget.data.prepare import PreparedData, prepare_data
+from headbudget.data.prepare import PreparedData
 from headbudget.devices import use_bf16_autocast
 from headbudget.io import atomic_write_dir, atomic_write_text
 from headbudget.threads import configure_threads
@@ -61,7 +61,7 @@ from headbudget.train.records import (  # TrainResult is also imported from here
     last_train_loss,
     trim_metrics,
 )
-from headbudget.train.setup import build_model, build_schedule, data_tokenizer_spec, lr_at, resolve_vocab_size
+from headbudget.train.setup import build_model, build_schedule, lr_at, prepare_shared, resolve_vocab_size
 
 __all__ = ["Trainer", "TrainResult", "build_model", "build_schedule", "lr_at", "train"]
 
@@ -138,25 +138,6 @@ class Trainer:
         if not self.cfg.model.init:
             build_schedule(self.cfg)  # schedule errors before any data work
 
-    # ------------------------------------------------------------------ setup
-    def _prepare(self) -> PreparedData:
-        if self.data is not None:
-            return self.data
-        d, tokenizer = self.cfg.data, data_tokenizer_spec(self.cfg)
-
-        def prepare(progress: bool) -> PreparedData:
-            return prepare_data(d.source, tokenizer, d.cache_dir, seed=d.seed, val_fraction=d.val_fraction,
-                                max_chars=d.max_chars, split_blank_lines=d.split_blank_lines,
-                                progress=progress)
-
-        if self.world == 1:
-            return prepare(self.cfg.train.progress)
-        import torch.distributed as dist
-
-        data = prepare(self.cfg.train.progress) if self.rank == 0 else None  # the others wait for its cache
-        dist.barrier()
-        return data if data is not None else prepare(False)
-
     # ------------------------------------------------------------------ main
     def run(self) -> TrainResult:
         device = training_device(self.cfg.train.device, self.world, self.local_rank)
@@ -201,7 +182,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         distributed = init_distributed(device, self.world)
         self.out.mkdir(parents=True, exist_ok=True)
-        data = self.data = self._prepare()
+        data = self.data = self.data if self.data is not None else prepare_shared(self.cfg)
         vocab = resolve_vocab_size(cfg, data.tokenizer.vocab_size)
         torch.manual_seed(cfg.seed)
         raw_model = build_model(cfg, vocab).to(device)
