@@ -50,7 +50,7 @@ from headbudget.train.config import (
 )
 from headbudget.train.loop import TrainLoop, param_groups
 from headbudget.train.memory import PeakMemory
-from headbudget.train.trainer import build_schedule
+from headbudget.train.setup import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 #: dense bf16 tensor-core peaks (FLOP/s) by a substring of torch.cuda.get_device_name()

@@ -195,7 +195,8 @@ def _train_and_measure(cfg, run_dir: Path, size: str, schedule: str, seed: int, 
     from headbudget.loading import load_model
     from headbudget.train.compare import is_flat
     from headbudget.train.records import read_metrics
-    from headbudget.train.trainer import Trainer, build_schedule
+    from headbudget.train.setup import build_schedule
+    from headbudget.train.trainer import Trainer
 
     done = run_dir / "run.json"
     # a killed run continues from its newest checkpoint; a new one starts (without resume's notice)

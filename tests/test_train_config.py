@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_names, error_line, names
-from headbudget.train.config import ConfigError, RunConfig, apply_overrides, load_config, resolve_config_path
+from headbudget.train.config import RunConfig, apply_overrides, load_config, resolve_config_path
 from headbudget.train.setup import build_schedule, lr_at
+from headbudget.typed_config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

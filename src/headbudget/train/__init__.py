@@ -7,7 +7,8 @@ DDP/FSDP2) and schedule comparisons.
 
 from typing import Any
 
-from headbudget.train.config import ConfigError, RunConfig, apply_overrides, load_config, resolve_config_path
+from headbudget.train.config import RunConfig, apply_overrides, load_config, resolve_config_path
+from headbudget.typed_config import ConfigError
 
 __all__ = ["ConfigError", "RunConfig", "apply_overrides", "load_config", "resolve_config_path", "Trainer",
            "TrainingDivergedError", "TrainResult", "build_model", "train"]

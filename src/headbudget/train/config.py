@@ -22,7 +22,7 @@ from typing import Any
 from headbudget import typed_config
 from headbudget.typed_config import ConfigError, from_dict, load_yaml, option, to_dict, to_yaml
 
-__all__ = ["CompareConfig", "CompareSection", "ConfigError", "DataSection", "DistillSection", "ModelSection",
+__all__ = ["CompareConfig", "CompareSection", "DataSection", "DistillSection", "ModelSection",
            "RunConfig", "TrainSection", "apply_overrides", "bundled_configs", "load_config", "parse_token_count",
            "resolve_config_path", "steps_for_tokens"]
 
