@@ -519,7 +519,7 @@ def check_outputs(cmd: DocCommand, ns, stdout: str) -> None:
         if ns.json:
             has(Path(ns.json))
             res = json.loads(Path(ns.json).read_text())["results"]
-            assert set(res) == set(ns.tasks.split(",")), f"{w}: results for {sorted(res)}"
+            assert set(res) == set(ns.tasks), f"{w}: results for {sorted(res)}"
             assert all(r.get("n", ns.limit) == ns.limit for r in res.values()), f"{w}: {res}"
     elif name == "perplexity":
         assert re.search(r"ppl \d", stdout), f"{w}: printed no perplexity:\n{stdout[-500:]}"
