@@ -97,6 +97,56 @@ def test_perplexity_and_attention_commands(model_dir, tmp_path, capsys):
     assert len(s["layers"]) == 2 and s["n_sequences"] == 2 and s["n_tokens"] == 32
 
 
+def test_run_perplexity_is_what_the_command_writes(model_dir, tmp_path, capsys):
+    """The library call, given the settings the flags describe, returns the dict ``--json`` holds; its loss is
+    the sliding-window loss of the model in memory."""
+    from headbudget.evaluation.perplexity import PerplexitySettings, perplexity, run_perplexity
+
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 8)
+    settings = PerplexitySettings(model=str(model_dir), data=str(text), context=64, stride=32,
+                                  context_lengths="16,1,4", quiet=True, device="cpu")
+    scored: list[dict] = []
+    got = run_perplexity(settings, on_scored=scored.append)
+    js = tmp_path / "p.json"
+    assert main(["perplexity", str(model_dir), "--data", str(text), "--context", "64", "--stride", "32",
+                 "--context-lengths", "16,1,4", "--device", "cpu", "--json", str(js), "--quiet"]) == 0
+    written = json.loads(js.read_text())
+    assert list(got) == list(written)  # the same keys in the same order
+    assert {k: v for k, v in got.items() if k != "seconds"} == {k: v for k, v in written.items() if k != "seconds"}
+    assert (got["model"], got["data"]) == (str(model_dir), str(text))
+    assert got["by_context_length"]["lengths"] == [1, 4, 16]
+    assert len(scored) == 1 and scored[0]["loss"] == got["loss"]
+    want = perplexity(tiny_gpt2(), byte_tokenizer(), text.read_text(), context=64, stride=32, progress=False)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens_scored"] == want["tokens_scored"]
+    # the flags are checked before the model loads (there is none here)
+    missing = PerplexitySettings(model=str(tmp_path / "no-model"), data=str(text), context=64,
+                                 context_lengths="8,4,4")
+    with pytest.raises(ValueError, match="--context-lengths: 4 is given twice in '8,4,4'"):
+        run_perplexity(missing)
+
+
+def test_run_attention_writes_the_files_and_returns_the_summaries(model_dir, tmp_path):
+    from headbudget.analysis.attention import AttentionSettings, attention_summary_from_text, run_attention
+
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question. " * 8)
+    out = tmp_path / "attn"
+    settings = AttentionSettings(model=str(model_dir), compare=str(model_dir), data=str(text), out=str(out),
+                                 seq_len=32, n_seqs=2, device="cpu")
+    seen: list[str] = []
+    got = run_attention(settings, on_model=lambda label, s: seen.append(label))
+    labels = [model_dir.name, f"{model_dir.name}_1"]
+    assert list(got) == seen == labels
+    assert sorted(f.name for f in out.iterdir()) == sorted(
+        [f"attention_{x}.json" for x in labels] + [f"distance_{x}.png" for x in labels] + ["distance_comparison.png"])
+    s = got[model_dir.name]
+    assert len(s["layers"]) == 2 and s["n_sequences"] == 2 and s["n_tokens"] == 32
+    assert json.loads((out / f"attention_{model_dir.name}.json").read_text()) == s
+    want = attention_summary_from_text(tiny_gpt2(), byte_tokenizer(), text.read_text(), seq_len=32, n_seqs=2)
+    assert s["mean_distance"] == pytest.approx(want["mean_distance"], rel=1e-5)
+
+
 def test_tokenizer_saved_by_training_is_found_with_the_same_ids(tmp_path):
     """An older checkpoint keeps its tokenizer in model/tokenizer/ (the legacy place): still found, same ids."""
     from headbudget.loading import load_tokenizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -51,7 +52,27 @@ def resolve_device(device: str | torch.device | None, flag: str = "--device") ->
     return torch.device(text)
 
 
-__all__ = ["DTYPES", "resolve_device", "resolve_dtype"]
+@contextlib.contextmanager
+def scoring_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` scored: eval mode under ``torch.inference_mode()``, its training mode restored afterwards.
+
+        >>> m = torch.nn.Dropout().train()
+        >>> with scoring_mode(m):
+        ...     m.training, torch.is_inference_mode_enabled()
+        (False, True)
+        >>> m.training
+        True
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+__all__ = ["DTYPES", "resolve_device", "resolve_dtype", "scoring_mode"]
 
 
 # --------------------------------------------------------------------------- training precision

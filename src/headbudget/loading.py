@@ -12,7 +12,9 @@ folder holding a model a few levels down, or a cached hub name; a folder holding
 ``as_headbudget=True`` converts a causal decoder to :class:`~headbudget.models.HeadBudgetForCausalLM`.  The
 tokenizer precedence of :func:`load_tokenizer` (explicit spec, the model folder's root, the legacy
 ``tokenizer/`` subfolders, the GGUF file, the hub) is in docs/evaluation.md; its pad token is always set.
-See docs/pruning-models.md for pruned folders (``kept_heads.json``) and wheels.
+See docs/pruning-models.md for pruned folders (``kept_heads.json``) and wheels.  :class:`ModelSettings` is the
+model part of a command's settings (MODEL, --tokenizer, --gguf-file, --device, --dtype) and opens it:
+``ModelSettings(model="runs/prism", dtype="bfloat16").load()``.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from headbudget import model_files  # what a folder holds: each file checked before it is opened
 from headbudget.io import regular_file
-from headbudget.weight_shapes import check_weight_shapes
+from headbudget.typed_config import device_option, dtype_option, option
+
+if TYPE_CHECKING:  # torch is imported where a model is opened: the CLI imports ModelSettings to build its flags
+    import torch
 
 # torch warns in two lines before refusing a plain pickle (a crafted .bin), which loading reports in one
 warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
@@ -255,6 +258,8 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
         config = _read_config(src)
         _check_role(config, "causal", src.where)
         if src.is_local:
+            from headbudget.weight_shapes import check_weight_shapes  # imports torch
+
             check_weight_shapes(Path(src.where), config)
     try:
         return AutoModelForCausalLM.from_pretrained(str(src.where), **kwargs)
@@ -267,6 +272,7 @@ def _load_causal(src: ModelSource) -> torch.nn.Module:
 
 def _load_classifier(src: ModelSource, num_labels: int, label_names: Any, seed: int,
                      dtype: torch.dtype | None) -> torch.nn.Module:
+    import torch
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -413,5 +419,50 @@ def load_model_and_tokenizer(path_or_name: str | os.PathLike[str], kind: str = "
     return model, tok
 
 
-__all__ = ["KINDS", "ModelSource", "check_vocab", "checkpoint_role", "load_model", "load_model_and_tokenizer",
-           "load_tokenizer", "resolve_model", "to_headbudget"]
+# --------------------------------------------------------------------------- a command's model settings
+@dataclass(kw_only=True)
+class ModelSettings:
+    """The model a command scores (every flag declared once, on its field), opened by :meth:`load`; the
+    settings of ``headbudget eval``, ``perplexity`` and ``attention`` extend it.
+
+        >>> settings = ModelSettings(model="runs/prism", tokenizer="byte", dtype="bfloat16")
+        >>> model, tok = settings.load()                                  # doctest: +SKIP
+    """
+
+    model: str = option(help="model folder, `headbudget train` run folder, GGUF file or hub name", metavar="MODEL")
+    tokenizer: str | None = option(None, help="tokenizer folder, byte, gpt2[:DIR], hf:NAME or hub name (default: "
+                                              "the model's own, see headbudget.loading)")
+    gguf_file: str | None = option(None, help="GGUF file name inside MODEL (a folder with several)")
+    device: str | None = device_option()
+    dtype: str = dtype_option()
+
+    def resolved_device(self) -> str:
+        """The device the model runs on, ``device`` or else cuda when available (``"cpu"``, ``"cuda:0"``), with
+        ``dtype`` checked too: a bad --device or --dtype is one error line, so a command calls this before
+        any slow work (reading data, loading a model).
+
+            >>> ModelSettings(model="runs/prism", device="cpu").resolved_device()
+            'cpu'
+        """
+        from headbudget.devices import resolve_device, resolve_dtype
+
+        device = str(resolve_device(self.device))
+        resolve_dtype(self.dtype)
+        return device
+
+    def load(self, model: str | None = None) -> tuple[torch.nn.Module, Any]:
+        """The causal language model and the tokenizer of these settings, on :meth:`resolved_device` in
+        ``dtype``; ``model``: another model opened the same way (a second one to compare), without
+        ``gguf_file``, which names a file inside MODEL.
+
+            >>> model, tok = ModelSettings(model="runs/uniform").load("runs/prism")   # doctest: +SKIP
+        """
+        from headbudget.devices import resolve_dtype
+
+        return load_model_and_tokenizer(model or self.model, tokenizer=self.tokenizer,
+                                        gguf_file=None if model else self.gguf_file, device=self.resolved_device(),
+                                        dtype=resolve_dtype(self.dtype))
+
+
+__all__ = ["KINDS", "ModelSettings", "ModelSource", "check_vocab", "checkpoint_role", "load_model",
+           "load_model_and_tokenizer", "load_tokenizer", "resolve_model", "to_headbudget"]

@@ -11,27 +11,86 @@ See docs/evaluation.md ("Attention analysis").
     s1 = attention_summary(model_uniform, input_ids, local_window=8)   # runs output_attentions=True
     s2 = attention_summary_from_text(model_prism, tokenizer, text, seq_len=128, n_seqs=4)
     plot_distance_comparison({"uniform": s1, "prism": s2}, "compare.png")
+
+:func:`run_attention` is ``headbudget attention``'s whole run from its :class:`AttentionSettings`: each model
+loaded and summarized, its JSON and plot written, then the comparison plot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from headbudget.io import atomic_write_json, new_figure, read_text, save_figure
+from headbudget.loading import ModelSettings
+from headbudget.typed_config import option
 
-from headbudget.io import atomic_write_json, new_figure, save_figure
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["attention_stats", "attention_summary", "attention_summary_from_text",
-           "plot_distance", "plot_distance_comparison", "write_json"]
+__all__ = ["AttentionSettings", "attention_stats", "attention_summary", "attention_summary_from_text",
+           "plot_distance", "plot_distance_comparison", "run_attention", "write_json"]
 
 _STATS = ("distance", "entropy", "local_share")
+@dataclass(kw_only=True)
+class AttentionSettings(ModelSettings):
+    """``headbudget attention``'s settings: the model (:class:`~headbudget.loading.ModelSettings`), the text,
+    the output folder, a second model to compare and the sequences summarized, each field one flag.
+
+        >>> settings = AttentionSettings(model="runs/uniform", compare="runs/prism", data="tinyshakespeare.txt",
+        ...                              out="attn")
+        >>> summaries = run_attention(settings)          # {"uniform": ..., "prism": ...}    # doctest: +SKIP
+    """
+
+    data: str = option(help="text file, or HF dataset NAME[:CONFIG]")
+    out: str = option(help="output directory")
+    compare: str | None = option(None, help="a second model, plotted side by side")
+    seq_len: int = option(128, help="tokens per sequence")
+    n_seqs: int = option(4, help="sequences averaged")
+    local_window: int = option(8, help="distance counted as local (local share)")
+
+
+def run_attention(settings: AttentionSettings, out: str | Path | None = None, *,
+                  on_model: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
+    """``headbudget attention``: :func:`attention_summary_from_text` of ``settings.data`` under MODEL and, with
+    ``settings.compare``, the second model, each written to ``out`` (default ``settings.out``) as
+    ``attention_<label>.json`` and ``distance_<label>.png``, then ``distance_comparison.png`` with two models.
+    A label is the model folder's name (``<name>_1`` for a compared model of the same name).  Returns
+    ``{label: summary}``; ``on_model(label, summary)`` is called as each model's files are written (the command
+    prints its line then, while the next model loads).
+
+        >>> s = run_attention(AttentionSettings(model="runs/uniform", data="tiny.txt", out="attn"))  # doctest: +SKIP
+        >>> s["uniform"]["mean_distance"]                                                         # doctest: +SKIP
+    """
+    settings.resolved_device()  # a bad --device or --dtype: one error line before the text is read
+    text = read_text(settings.data)
+    out = Path(out or settings.out)
+    models = [settings.model] + ([settings.compare] if settings.compare else [])
+    summaries: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(models):
+        model, tok = settings.load(name if i else None)
+        s = attention_summary_from_text(model, tok, text, seq_len=settings.seq_len, n_seqs=settings.n_seqs,
+                                        local_window=settings.local_window)
+        label = Path(str(name).rstrip("/")).name or str(name)
+        if label in summaries:
+            label = f"{label}_{i}"
+        summaries[label] = s
+        write_json(s, out / f"attention_{label}.json")
+        plot_distance(s, out / f"distance_{label}.png", title=f"{label}: mean attention distance")
+        if on_model is not None:
+            on_model(label, s)
+    if len(summaries) > 1:
+        plot_distance_comparison(summaries, out / "distance_comparison.png")
+    return summaries
 
 
 def _per_query(probs: torch.Tensor, local_window: int) -> tuple[torch.Tensor, ...]:
     """Per-(batch, head, query) distance, entropy and local share of probs (B, H, Tq, Tk); queries are aligned
     to the *last* Tq keys (Tq == Tk without a cache)."""
+    import torch
+
     p = probs.float()
     tq, tk = p.shape[-2], p.shape[-1]
     qpos = torch.arange(tk - tq, tk, device=p.device, dtype=torch.float32)[:, None]
@@ -49,6 +108,8 @@ def attention_stats(probs: torch.Tensor, local_window: int = 8,
         >>> attention_stats(p, local_window=1)["distance"]
         [0.25]
     """
+    import torch
+
     if probs.dim() == 3:
         probs = probs[None]
     if probs.dim() != 4:
@@ -77,18 +138,19 @@ def _attentions(model: torch.nn.Module, input_ids: torch.Tensor,
     return atts
 
 
-@torch.inference_mode()
 def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_window: int = 8,
                       attention_mask: torch.Tensor | None = None, batch_size: int = 1) -> dict[str, Any]:
     """Per-layer, per-head attention statistics of ``model`` on ``input_ids`` (B, T), ``batch_size`` sequences
     at a time, averaged over every query position of every sequence (``attention_mask``: padding left out)."""
+    import torch
+
+    from headbudget.devices import scoring_mode
+
     ids = torch.atleast_2d(torch.as_tensor(input_ids, dtype=torch.long))
     dev = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     sums: list[dict[str, torch.Tensor]] = []
     total_w, plain_sum = 0.0, 0.0
-    try:
+    with scoring_mode(model):
         for b in range(0, ids.shape[0], batch_size):
             chunk = ids[b: b + batch_size].to(dev)
             mask = attention_mask[b: b + batch_size].to(dev) if attention_mask is not None else None
@@ -103,8 +165,6 @@ def attention_summary(model: torch.nn.Module, input_ids: torch.Tensor, local_win
             total_w += float(w.sum())
             # a plain average over the j + 1 real tokens up to a query (its j-th real token) has distance j / 2
             plain_sum += float((w * (w.cumsum(-1) - 1).clamp_min(0) / 2).sum())
-    finally:
-        model.train(was_training)
     layers = []
     for i, acc in enumerate(sums):
         row: dict[str, Any] = {"layer": i, "n_heads": int(acc["distance"].numel())}
@@ -139,6 +199,8 @@ def _leading_ids(tokenizer: Any, text: str, need: int) -> list[int]:
 def attention_summary_from_text(model: torch.nn.Module, tokenizer: Any, text: str, *, seq_len: int = 128,
                                 n_seqs: int = 4, local_window: int = 8) -> dict[str, Any]:
     """:func:`attention_summary` on ``n_seqs`` consecutive ``seq_len``-token chunks of ``text``."""
+    import torch
+
     n_pos = getattr(getattr(model, "config", None), "n_positions", None)
     if n_pos is not None:
         seq_len = min(seq_len, int(n_pos))

@@ -16,24 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headbudget.analysis.attention import AttentionSettings
+from headbudget.analysis.attention import run_attention as attention_run
 from headbudget.cli.dataclass_flags import add_overwrite_flag, add_settings, printed
+from headbudget.evaluation.perplexity import PerplexitySettings
+from headbudget.evaluation.perplexity import run_perplexity as perplexity_run
 from headbudget.evaluation.suite import SuiteSettings
 from headbudget.io import atomic_write_json
+from headbudget.loading import ModelSettings
 from headbudget.progress import library_bars
 from headbudget.run_dir import check_not_an_input, check_output_file
-from headbudget.typed_config import device_option, dtype_option, option
-
-
-@dataclass(kw_only=True)
-class ModelSettings:
-    """The model a command scores (every flag declared once, on its field)."""
-
-    model: str = option(help="model folder, `headbudget train` run folder, GGUF file or hub name", metavar="MODEL")
-    tokenizer: str | None = option(None, help="tokenizer folder, byte, gpt2[:DIR], hf:NAME or hub name (default: "
-                                              "the model's own, see headbudget.loading)")
-    gguf_file: str | None = option(None, help="GGUF file name inside MODEL (a folder with several)")
-    device: str | None = device_option()
-    dtype: str = dtype_option()
+from headbudget.typed_config import option
 
 
 @dataclass(kw_only=True)
@@ -48,54 +41,6 @@ class EvalSettings(SuiteSettings, ModelSettings):  # this base order lists MODEL
                                          "--log-samples, in its folder)")
     quiet: bool = option(False, help="no progress bars and no results table (the --json / --output-path files are "
                                      "still written, and their 'wrote FILE' lines printed)")
-
-
-@dataclass(kw_only=True)
-class PerplexitySettings(ModelSettings):
-    """``headbudget perplexity``."""
-
-    data: str = option(help="text file, or HF dataset NAME[:CONFIG]")
-    split: str = option("test", help="HF split")
-    context: int = option(1024, help="window length in tokens")
-    stride: int | None = option(None, help="window step (default: half the context)")
-    max_windows: int | None = option(None, help="score only the first N windows")
-    context_lengths: str | None = option(
-        None, help="also score the same targets with each of these tokens of left context (e.g. 1,4,16,127): how "
-                   "much the model gains from its context (paired by target)")
-    json: str | None = option(None, help="also write the result (loss, ppl, windows, ...) to this JSON file")
-    quiet: bool = option(False, help="no progress bar")
-
-
-@dataclass(kw_only=True)
-class AttentionSettings(ModelSettings):
-    """``headbudget attention``."""
-
-    data: str = option(help="text file, or HF dataset NAME[:CONFIG]")
-    out: str = option(help="output directory")
-    compare: str | None = option(None, help="a second model, plotted side by side")
-    seq_len: int = option(128, help="tokens per sequence")
-    n_seqs: int = option(4, help="sequences averaged")
-    local_window: int = option(8, help="distance counted as local (local share)")
-
-
-def _check_model_flags(args: argparse.Namespace) -> None:
-    """--device and --dtype checked (one-line errors) before any slow work; ``args.device`` becomes
-    the resolved device (cuda when available), which the scorer is given too."""
-    from headbudget.devices import resolve_device, resolve_dtype
-
-    args.device = str(resolve_device(args.device))
-    resolve_dtype(args.dtype)
-
-
-def _load(args: argparse.Namespace, other: str | None = None) -> tuple[Any, Any]:
-    """The model (MODEL, or ``other`` without --gguf-file) and tokenizer of ``args``, its flags already
-    checked by :func:`_check_model_flags`."""
-    from headbudget.devices import resolve_dtype
-    from headbudget.loading import load_model_and_tokenizer
-
-    return load_model_and_tokenizer(other or args.model, tokenizer=args.tokenizer,
-                                    gguf_file=None if other else args.gguf_file, device=args.device,
-                                    dtype=resolve_dtype(args.dtype))
 
 
 def _inputs(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,11 +65,11 @@ def run_eval(args: argparse.Namespace) -> int:
                       model_name=str(args.model))
     if args.json:  # a real write probe too (a read-only folder), before the evaluation, not after it
         check_output_file(args.json, "--json", inputs=_inputs(args))
-    _check_model_flags(args)
+    device = args.settings.resolved_device()  # a bad --device or --dtype: one line, before the tasks load
     with library_bars(not args.quiet):
         harness_tasks = prepare_suite(args.settings)
-        model, tok = _load(args)
-        report = evaluate_suite(model, tok, args.settings, device=args.device, progress=not args.quiet,
+        model, tok = args.settings.load()
+        report = evaluate_suite(model, tok, args.settings, device=device, progress=not args.quiet,
                                 harness_tasks=harness_tasks)
     if not args.quiet:
         _print_report(report, format_report)
@@ -155,79 +100,43 @@ def _print_report(report: dict[str, Any], format_report: Any) -> None:
 
 
 def run_perplexity(args: argparse.Namespace) -> int:
+    """``headbudget perplexity``: :func:`headbudget.evaluation.perplexity.run_perplexity`, its lines printed."""
     if printed(args):
         return 0
-    from headbudget.evaluation.perplexity import loss_by_context_length, perplexity
-    from headbudget.experiments._common import parse_int_list
-    from headbudget.io import read_text
-
-    if args.json:  # checked before the model loads, not after the scoring
-        check_output_file(args.json, "--json", inputs=_inputs(args))
-    lengths = parse_int_list(args.context_lengths, "--context-lengths") if args.context_lengths else None
-    if lengths:  # one row per length, shortest first (the gains are against the shortest)
-        twice = next((k for i, k in enumerate(lengths) if k in lengths[:i]), None)
-        if twice is not None:
-            raise ValueError(f"--context-lengths: {twice} is given twice in {args.context_lengths!r}")
-        lengths = sorted(lengths)
-        if lengths[-1] >= args.context:
-            raise ValueError(f"--context-lengths: {lengths[-1]} is not below --context {args.context}")
-    _check_model_flags(args)
-    text = read_text(args.data, split=args.split)
-    model, tok = _load(args)
-    ids = tok.encode(text, add_special_tokens=False)  # once, for both scorings
-    res = perplexity(model, tok, input_ids=ids, context=args.context, stride=args.stride,
-                     max_windows=args.max_windows, progress=not args.quiet)
-    print(f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens_scored']:,} of "
-          f"{res['tokens_total']:,} tokens scored, {res['windows']} windows of {res['context']}, "
-          f"stride {res['stride']}, {res['seconds']:.1f}s)")
-    if lengths:
-        if lengths[-1] >= res["context"]:  # the model has fewer positions than --context
-            raise ValueError(f"--context-lengths: {lengths[-1]} is not below the model's {res['context']} "
-                             "positions")
-        by = loss_by_context_length(model, ids, lengths=tuple(lengths), every=max(1, len(ids) // 2048))
-        res["by_context_length"] = by
+    settings: PerplexitySettings = args.settings
+    if settings.json:  # checked before the model loads, not after the scoring
+        check_output_file(settings.json, "--json", inputs=_inputs(args))
+    res = perplexity_run(settings, on_scored=_print_perplexity)
+    if "by_context_length" in res:
+        by = res["by_context_length"]
         print(f"the same {by['targets']:,} targets with k tokens of left context (gain: loss with "
               f"{by['lengths'][0]} minus loss with k, ± standard error):")
         for k, loss, g, se in zip(by["lengths"], by["loss"], by["gain_vs_shortest"], by["gain_sem"]):
             print(f"  k={k:<6} loss {loss:.4f}  gain {g:+.4f} ± {se:.4f}")
-    if args.json:
-        atomic_write_json(args.json, dict(res, model=str(args.model), data=str(args.data)))
-        print(f"wrote {args.json}")
+    if settings.json:
+        atomic_write_json(settings.json, res)
+        print(f"wrote {settings.json}")
     return 0
+
+
+def _print_perplexity(res: dict[str, Any]) -> None:
+    print(f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens_scored']:,} of "
+          f"{res['tokens_total']:,} tokens scored, {res['windows']} windows of {res['context']}, "
+          f"stride {res['stride']}, {res['seconds']:.1f}s)")
 
 
 def run_attention(args: argparse.Namespace, out: Path | None = None) -> int:
-    """``headbudget attention`` writing into ``out`` (default ``--out``: the claim may give a staging folder)."""
-    from headbudget.analysis.attention import (
-        attention_summary_from_text,
-        plot_distance,
-        plot_distance_comparison,
-        write_json,
-    )
-    from headbudget.io import read_text
-
-    _check_model_flags(args)
-    text = read_text(args.data)
-    out = Path(out or args.out)
-    models = [args.model] + ([args.compare] if args.compare else [])
-    summaries: dict[str, Any] = {}
-    for i, name in enumerate(models):
-        model, tok = _load(args, name if i else None)
-        s = attention_summary_from_text(model, tok, text, seq_len=args.seq_len, n_seqs=args.n_seqs,
-                                        local_window=args.local_window)
-        label = Path(str(name).rstrip("/")).name or str(name)
-        if label in summaries:
-            label = f"{label}_{i}"
-        summaries[label] = s
-        write_json(s, out / f"attention_{label}.json")
-        plot_distance(s, out / f"distance_{label}.png", title=f"{label}: mean attention distance")
-        print(f"{label}: mean distance per layer "
-              + " ".join(f"{d:.2f}" for d in s["mean_distance"])
-              + f" (a plain average over the prefix: {s['plain_average_distance']:.2f})")
-    if len(summaries) > 1:
-        plot_distance_comparison(summaries, out / "distance_comparison.png")
+    """``headbudget attention`` writing into ``out`` (default ``--out``: the claim may give a staging folder):
+    :func:`headbudget.analysis.attention.run_attention`, a line per model printed."""
+    attention_run(args.settings, out, on_model=_print_attention)
     print(f"wrote {args.out}/")
     return 0
+
+
+def _print_attention(label: str, s: dict[str, Any]) -> None:
+    print(f"{label}: mean distance per layer "
+          + " ".join(f"{d:.2f}" for d in s["mean_distance"])
+          + f" (a plain average over the prefix: {s['plain_average_distance']:.2f})")
 
 
 def _attention_in_out(args: argparse.Namespace) -> int:

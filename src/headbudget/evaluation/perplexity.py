@@ -4,19 +4,100 @@ scoring only the tokens the previous one did not, so every token after the first
 
     >>> r = perplexity(model, tokenizer, text, context=1024, stride=512)   # doctest: +SKIP
     >>> r["ppl"], r["tokens_scored"]                                        # doctest: +SKIP
+
+:func:`run_perplexity` is ``headbudget perplexity``'s whole run from its :class:`PerplexitySettings`: the
+model loaded, the text read and scored, and with ``context_lengths`` :func:`loss_by_context_length` too.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from headbudget.io import read_text
+from headbudget.loading import ModelSettings
 from headbudget.progress import ProgressBar
+from headbudget.typed_config import option
 
-__all__ = ["loss_by_context_length", "perplexity", "window_plan"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PerplexitySettings", "loss_by_context_length", "perplexity", "run_perplexity", "window_plan"]
+
+@dataclass(kw_only=True)
+class PerplexitySettings(ModelSettings):
+    """``headbudget perplexity``'s settings: the model (:class:`~headbudget.loading.ModelSettings`), the text,
+    the windows, the context lengths and the output, each field one flag of the same name.
+
+        >>> settings = PerplexitySettings(model="runs/prism", data="wikitext2_valid.tokens", context=256,
+        ...                               context_lengths="1,4,16", quiet=True)
+        >>> run_perplexity(settings)["by_context_length"]["gain_vs_shortest"]   # doctest: +SKIP
+    """
+
+    data: str = option(help="text file, or HF dataset NAME[:CONFIG]")
+    split: str = option("test", help="HF split")
+    context: int = option(1024, help="window length in tokens")
+    stride: int | None = option(None, help="window step (default: half the context)")
+    max_windows: int | None = option(None, help="score only the first N windows")
+    context_lengths: str | None = option(
+        None, help="also score the same targets with each of these tokens of left context (e.g. 1,4,16,127): how "
+                   "much the model gains from its context (paired by target)")
+    json: str | None = option(None, help="also write the result (loss, ppl, windows, ...) to this JSON file")
+    quiet: bool = option(False, help="no progress bar")
+
+
+def _context_lengths(settings: PerplexitySettings) -> list[int] | None:
+    """``--context-lengths`` as integers, shortest first (the gains are against the shortest), or None; a bad
+    list, a repeated length or one not below ``--context`` is one error line naming the flag."""
+    text = settings.context_lengths
+    if not text:
+        return None
+    try:
+        lengths = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--context-lengths: expected a comma list of integers, got {text!r}") from None
+    if not lengths or any(k <= 0 for k in lengths):
+        raise ValueError(f"--context-lengths: expected positive integers, got {text!r}")
+    twice = next((k for i, k in enumerate(lengths) if k in lengths[:i]), None)
+    if twice is not None:
+        raise ValueError(f"--context-lengths: {twice} is given twice in {text!r}")
+    lengths = sorted(lengths)
+    if lengths[-1] >= settings.context:
+        raise ValueError(f"--context-lengths: {lengths[-1]} is not below --context {settings.context}")
+    return lengths
+
+
+def run_perplexity(settings: PerplexitySettings, *,
+                   on_scored: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """``headbudget perplexity``: :func:`perplexity` of ``settings.data`` (tokenized once) under the settings'
+    model, and with ``settings.context_lengths`` :func:`loss_by_context_length` of the same ids as
+    ``"by_context_length"``.  The flags are checked first, before the text is read or the model loads.
+    Returns what ``--json`` holds: :func:`perplexity`'s dict, ``by_context_length`` when asked, ``model`` and
+    ``data``.  ``on_scored`` gets :func:`perplexity`'s dict as soon as it is computed (the command prints its
+    line then, while the context lengths are still to be scored).
+
+        >>> r = run_perplexity(PerplexitySettings(model="runs/prism", data="valid.txt", context=256))  # doctest: +SKIP
+        >>> r["loss"], r["ppl"], r["windows"]                                                           # doctest: +SKIP
+    """
+    lengths = _context_lengths(settings)
+    settings.resolved_device()  # a bad --device or --dtype: one error line before the text is read
+    text = read_text(settings.data, split=settings.split)
+    model, tok = settings.load()
+    ids = tok.encode(text, add_special_tokens=False)  # once, for both scorings
+    res = perplexity(model, tok, input_ids=ids, context=settings.context, stride=settings.stride,
+                     max_windows=settings.max_windows, progress=not settings.quiet)
+    if on_scored is not None:
+        on_scored(res)
+    if lengths:
+        if lengths[-1] >= res["context"]:  # the model has fewer positions than --context
+            raise ValueError(f"--context-lengths: {lengths[-1]} is not below the model's {res['context']} "
+                             "positions")
+        res["by_context_length"] = loss_by_context_length(model, ids, lengths=tuple(lengths),
+                                                          every=max(1, len(ids) // 2048))
+    return dict(res, model=str(settings.model), data=str(settings.data))
 
 
 def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -41,7 +122,6 @@ def window_plan(n_tokens: int, context: int, stride: int) -> list[tuple[int, int
     return plan
 
 
-@torch.inference_mode()
 def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, *,
                input_ids: torch.Tensor | list[int] | None = None, context: int = 1024,
                stride: int | None = None, max_windows: int | None = None, device: str | None = None,
@@ -49,6 +129,10 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
     """Token-level mean negative log-likelihood (``loss``, nats) and ``ppl = exp(loss)`` of ``text`` (or
     ``input_ids``) with a sliding window.  ``max_windows`` scores only the first windows; ``context`` is
     capped at the model's positions; ``stride`` defaults to half of it."""
+    import torch
+
+    from headbudget.devices import scoring_mode
+
     if input_ids is None:
         if text is None:
             raise ValueError("perplexity needs text or input_ids")
@@ -64,24 +148,19 @@ def perplexity(model: torch.nn.Module, tokenizer: Any, text: str | None = None, 
     if not plan:
         raise ValueError(f"text too short: {len(ids_t)} tokens, need at least 2")
     dev = torch.device(device) if device else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     nll_sum, n_scored, t0 = 0.0, 0, time.perf_counter()
-    try:
+    with scoring_mode(model):
         for begin, end, trg in ProgressBar(plan, desc="perplexity", disable=not progress, leave=False):
             window = ids_t[begin:end].to(dev)[None]
             logits = model(input_ids=window, use_cache=False).logits[0, -trg - 1: -1].float()
             nll_sum += float(torch.nn.functional.cross_entropy(logits, window[0, -trg:], reduction="sum"))
             n_scored += trg
-    finally:
-        model.train(was_training)
     loss = nll_sum / n_scored
     return {"loss": loss, "ppl": math.exp(loss), "tokens_scored": n_scored,
             "tokens_total": int(len(ids_t)), "windows": len(plan), "context": context,
             "stride": stride, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-@torch.inference_mode()
 def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | list[int], *,
                            lengths: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 127), every: int = 16,
                            max_targets: int | None = 2048, batch_size: int = 64) -> dict[str, Any]:
@@ -93,6 +172,10 @@ def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | lis
         >>> r = loss_by_context_length(model, ids, lengths=(1, 4, 127))     # doctest: +SKIP
         >>> r["loss"], r["gain_vs_shortest"]                                # doctest: +SKIP
     """
+    import torch
+
+    from headbudget.devices import scoring_mode
+
     ids_t = torch.as_tensor(input_ids, dtype=torch.long).flatten()
     lengths = tuple(sorted({int(k) for k in lengths}))
     if not lengths or lengths[0] < 1 or every < 1:
@@ -102,10 +185,8 @@ def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | lis
         raise ValueError(f"loss_by_context_length needs at least {lengths[-1] + every + 1} tokens for "
                          f"context {lengths[-1]}, got {len(ids_t)}")
     dev = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     nll = torch.empty(len(lengths), len(targets), dtype=torch.float64)
-    try:
+    with scoring_mode(model):
         for i, k in enumerate(lengths):
             for b in range(0, len(targets), batch_size):
                 t = targets[b: b + batch_size]
@@ -113,8 +194,6 @@ def loss_by_context_length(model: torch.nn.Module, input_ids: torch.Tensor | lis
                 logits = model(input_ids=x, use_cache=False, logits_to_keep=1).logits[:, -1].float()
                 nll[i, b: b + len(t)] = torch.nn.functional.cross_entropy(
                     logits, ids_t[t].to(dev), reduction="none").double().cpu()
-    finally:
-        model.train(was_training)
     gain = nll[0][None] - nll  # paired by target
     n = len(targets)
     return {"lengths": list(lengths), "targets": n, "every": every, "loss": nll.mean(1).tolist(),
