@@ -34,6 +34,8 @@ __all__ = ["AttentionSettings", "attention_stats", "attention_summary", "attenti
            "plot_distance", "plot_distance_comparison", "run_attention", "write_json"]
 
 _STATS = ("distance", "entropy", "local_share")
+
+
 @dataclass(kw_only=True)
 class AttentionSettings(ModelSettings):
     """``headbudget attention``'s settings: the model (:class:`~headbudget.loading.ModelSettings`), the text,

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PerplexitySettings", "loss_by_context_length", "perplexity", "run_perplexity", "window_plan"]
 
+
 @dataclass(kw_only=True)
 class PerplexitySettings(ModelSettings):
     """``headbudget perplexity``'s settings: the model (:class:`~headbudget.loading.ModelSettings`), the text,
@@ -72,12 +73,9 @@ def _context_lengths(settings: PerplexitySettings) -> list[int] | None:
 
 def run_perplexity(settings: PerplexitySettings, *,
                    on_scored: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """``headbudget perplexity``: :func:`perplexity` of ``settings.data`` (tokenized once) under the settings'
-    model, and with ``settings.context_lengths`` :func:`loss_by_context_length` of the same ids as
-    ``"by_context_length"``.  The flags are checked first, before the text is read or the model loads.
-    Returns what ``--json`` holds: :func:`perplexity`'s dict, ``by_context_length`` when asked, ``model`` and
-    ``data``.  ``on_scored`` gets :func:`perplexity`'s dict as soon as it is computed (the command prints its
-    line then, while the context lengths are still to be scored).
+    """``headbudget perplexity``: :func:`perplexity` of ``settings.data`` and, with ``context_lengths``,
+    :func:`loss_by_context_length` of the same ids (``"by_context_length"``), the flags checked before anything
+    loads; returns what ``--json`` holds.  ``on_scored(result)``: as soon as the perplexity is known.
 
         >>> r = run_perplexity(PerplexitySettings(model="runs/prism", data="valid.txt", context=256))  # doctest: +SKIP
         >>> r["loss"], r["ppl"], r["windows"]                                                           # doctest: +SKIP
