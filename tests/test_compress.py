@@ -302,3 +302,24 @@ def test_run_compress_sweep_without_text_is_refused_before_anything_is_written(t
         run_compress(CompressJob(str(tmp_path / "model"), str(tmp_path / "out"), sweep=(0.5,), progress=False),
                      threads=1)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("changes", "values"), [
+    ({"keep_ratio": 1.5}, ("--keep-ratio", 1.5)),
+    ({"kv_heads": 2}, ("--kv-heads", "merge-kv")),
+    ({"groups": "g.json", "method": "svd"}, ("--groups", "group")),
+    ({"method": "merge-kv"}, ("--kv-heads", "--kv-budget")),
+    ({"method": "merge-kv", "kv_budget": 0.5, "merge_rule": "fitted"}, ("--merge-rule fitted", "--calib-data")),
+])
+def test_the_library_refuses_a_job_that_cannot_run_before_it_opens_anything(tmp_path, changes, values):
+    """run_compress and run_merge_kv check the whole job first (the command checks it with the same function
+    before torch loads): the model path does not exist, and the job's own error comes first."""
+    from headbudget.compression.job import CompressJob
+    from headbudget.compression.merge_kv_pipeline import run_merge_kv
+    from headbudget.compression.pipeline import run_compress
+
+    job = CompressJob(str(tmp_path / "no-model"), str(tmp_path / "out"), progress=False, **changes)
+    with pytest.raises(ValueError) as info:
+        (run_merge_kv if job.method == "merge-kv" else run_compress)(job, threads=1)
+    assert_names(str(info.value), *values)
+    assert not (tmp_path / "out").exists()

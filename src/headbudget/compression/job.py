@@ -9,8 +9,12 @@ from them (:mod:`headbudget.cli.dataclass_flags`).  Importing this module needs 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from headbudget.io import read_text
 from headbudget.typed_config import device_option, dtype_option, option
 
 #: headbudget.compression.pipeline.METHODS and headbudget.compression.allocation.ALLOCATIONS (not imported:
@@ -74,4 +78,78 @@ class CompressJob:
     progress: bool = option(True, help="no progress bars", flag="--no-progress")
 
 
-__all__ = ["ALLOCATION_NAMES", "KV_ALLOCATION_NAMES", "MERGE_RULE_NAMES", "METHOD_NAMES", "CompressJob"]
+def _fraction(value: float, flag: str) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{flag} must be in (0, 1], got {value}")
+
+
+def check_compress_job(job: CompressJob) -> None:
+    """A one-line error naming the flag of the first setting of ``job`` that cannot run (no file is read):
+    merge-kv's flags only with merge-kv, exactly one of its targets, fractions in (0, 1], calibration text
+    where the merge needs it.
+
+        >>> check_compress_job(CompressJob("m", "o", method="merge-kv"))
+        Traceback (most recent call last):
+        ValueError: --method merge-kv needs --kv-heads N or --kv-budget FRACTION (one of them)
+    """
+    if job.context < 2:
+        raise ValueError(f"--context must be >= 2, got {job.context}")
+    given = [f for f, v in (("--kv-heads", job.kv_heads), ("--kv-budget", job.kv_budget),
+                            ("--calib-data", job.calib_data)) if v is not None]
+    if job.method != "merge-kv":
+        if given:
+            raise ValueError(f"{given[0]} only applies to --method merge-kv")
+        _fraction(job.keep_ratio, "--keep-ratio")
+        for k in job.sweep:
+            _fraction(k, "--sweep")
+        if job.groups and job.method != "group":
+            raise ValueError("--groups only applies to --method group")
+        if job.sweep and not job.data:
+            raise ValueError("a sweep needs text data (it plots perplexity)")
+        return
+    if (job.kv_heads is None) == (job.kv_budget is None):
+        raise ValueError("--method merge-kv needs --kv-heads N or --kv-budget FRACTION (one of them)")
+    if job.kv_heads is not None and job.kv_heads < 1:
+        raise ValueError(f"--kv-heads must be >= 1, got {job.kv_heads}")
+    if job.kv_budget is not None:
+        _fraction(job.kv_budget, "--kv-budget")
+    for flag, value in (("--calib-tokens", job.calib_tokens), ("--sensitivity-tokens", job.sensitivity_tokens)):
+        if value < 2:
+            raise ValueError(f"{flag} must be >= 2, got {value}")
+    if job.sweep or job.groups:
+        raise ValueError(f"{'--sweep' if job.sweep else '--groups'} does not apply to --method merge-kv")
+    if job.merge_rule not in MERGE_RULE_NAMES:
+        raise ValueError(f"unknown --merge-rule {job.merge_rule!r}; choose from {', '.join(MERGE_RULE_NAMES)}")
+    if not (job.data or job.calib_data):
+        if job.merge_rule == "fitted":
+            raise ValueError("--merge-rule fitted needs calibration text: --data or --calib-data")
+        if job.kv_budget is not None and job.kv_allocation == "sensitivity":
+            raise ValueError("--kv-allocation sensitivity needs calibration text: --data or --calib-data "
+                             "(or --kv-allocation uniform)")
+
+
+def read_groups(path: str) -> list[Any] | dict[int, Any]:
+    """Read a --groups JSON file: ``[[[0, 1], [2, 3]], null, ...]`` (one entry per layer) or
+    ``{"0": [[0, 1], [2, 3]]}`` (only the named layers)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--groups: no file {path}")
+    try:
+        data = json.loads(read_text(p))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    if isinstance(data, dict):  # {"layer": groups}: layers not named are allocated
+        try:
+            data = {int(k): v for k, v in data.items()}
+        except ValueError:
+            raise ValueError(f"{path}: keys must be layer indices, got {sorted(data)[:3]}") from None
+    elif not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list with one entry per layer")
+    for i, g in data.items() if isinstance(data, dict) else enumerate(data):
+        if g is not None and not (isinstance(g, list) and all(isinstance(x, list) for x in g)):
+            raise ValueError(f"{path}: layer {i}: expected a list of head-index lists or null, got {g!r}")
+    return data
+
+
+__all__ = ["ALLOCATION_NAMES", "KV_ALLOCATION_NAMES", "MERGE_RULE_NAMES", "METHOD_NAMES", "CompressJob",
+           "check_compress_job", "read_groups"]

@@ -21,10 +21,9 @@ import torch
 from torch import nn
 
 from headbudget.compression import pipeline
-from headbudget.compression.job import CompressJob
+from headbudget.compression.job import CompressJob, check_compress_job
 from headbudget.compression.merge_kv import (
     KV_ALLOCATIONS,
-    MERGE_RULES,
     allocate_kv,
     allowed_counts,
     check_counts,
@@ -71,8 +70,7 @@ def run_merge_kv(job: CompressJob, threads: int | None = None) -> dict[str, Any]
 
         >>> run_merge_kv(CompressJob("smollm2.gguf", "runs/kv50", method="merge-kv", kv_budget=0.5, data="t.txt"))
     """
-    if job.merge_rule not in MERGE_RULES:
-        raise CompressionError(f"unknown --merge-rule {job.merge_rule!r}; choose from {', '.join(MERGE_RULES)}")
+    check_compress_job(job)
     dtype, device = resolve_dtype(job.dtype) or torch.float32, resolve_device(job.device)
     with torch_threads(threads):
         return _run(job, dtype, device)
@@ -81,12 +79,6 @@ def run_merge_kv(job: CompressJob, threads: int | None = None) -> dict[str, Any]
 def _run(job: CompressJob, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     from headbudget.loading import resolve_model
 
-    if not (job.data or job.calib_data):
-        if job.merge_rule == "fitted":
-            raise CompressionError("--merge-rule fitted needs calibration text: --data or --calib-data")
-        if job.kv_budget is not None and job.kv_allocation == "sensitivity":
-            raise CompressionError("--kv-allocation sensitivity needs calibration text: --data or --calib-data "
-                                   "(or --kv-allocation uniform)")
     src = resolve_model(job.model)
     need_tok = bool(job.data or job.calib_data or job.tokenizer)
     model, tok = pipeline._load_model_and_tokenizer(job.model, job.tokenizer, need_tokenizer=need_tok)

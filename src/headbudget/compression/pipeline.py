@@ -26,7 +26,7 @@ from torch import nn
 
 from headbudget.compression.allocation import ALLOCATIONS, allocate, divisors
 from headbudget.compression.grouping import adjacent_groups, check_groups, group_heads
-from headbudget.compression.job import CompressJob
+from headbudget.compression.job import CompressJob, check_compress_job, read_groups
 from headbudget.compression.svd import CompressionError, rotary_reason, svd_compress
 from headbudget.devices import resolve_device, resolve_dtype
 from headbudget.io import atomic_write_dir, atomic_write_json, new_figure, read_text, save_figure
@@ -182,15 +182,15 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
 
 
 @quiet_unless_progress
-def run_compress(job: CompressJob, *, groups: Sequence[Sequence[Sequence[int]] | None] | None = None,
-                 threads: int | None = None) -> dict[str, Any]:
+def run_compress(job: CompressJob, *, threads: int | None = None) -> dict[str, Any]:
     """Load ``job.model``, compress, evaluate and write ``job.out/model/``, ``job.out/report.json`` (and the sweep).
-    ``groups``: explicit head groups for ``group`` (from ``job.groups``); ``threads``: torch's threads
-    meanwhile (None: the idle cores).  Compression runs in float32 on the CPU; perplexity is measured in
+    ``threads``: torch's threads meanwhile (None: the idle cores).  Compression runs in float32 on the CPU; perplexity is measured in
     ``job.dtype`` (auto: float32; also the saved type) on ``job.device`` (default: cuda when available).
 
         >>> run_compress(CompressJob("runs/prism/model", "runs/svd50", keep_ratio=0.5, data="wikitext2"))
     """
+    check_compress_job(job)
+    groups = read_groups(job.groups) if job.groups else None
     dtype, device = resolve_dtype(job.dtype) or torch.float32, resolve_device(job.device)
     with torch_threads(threads):
         return _run_compress(job, groups, dtype, device)
@@ -201,8 +201,6 @@ def _run_compress(job: CompressJob, groups: Sequence[Sequence[Sequence[int]] | N
     from headbudget.loading import resolve_model
 
     sweep, context, progress = list(job.sweep), job.context, job.progress
-    if sweep and not job.data:  # refused before anything is written
-        raise ValueError("a sweep needs text data (it plots perplexity)")
     src = resolve_model(job.model)
     model, tok = _load_model_and_tokenizer(job.model, job.tokenizer, need_tokenizer=bool(job.data or job.tokenizer))
     ids = _token_ids(tok, job.data, job.max_tokens) if job.data else None
