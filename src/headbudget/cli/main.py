@@ -90,13 +90,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
     for module_name in modules:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:  # a command module not yet written in this checkout
-            if exc.name == module_name:
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(module_name).register(sub)
     from headbudget.threads import add_threads_flag
 
     for name, cmd in sub.choices.items():  # one --threads on every command (schedule needs none)

@@ -51,14 +51,10 @@ def quickstart_config(overrides: list[str] | None = None, tiny: bool = False) ->
     return apply_overrides(cfg, (TINY_OVERRIDES if tiny else []) + list(overrides or []))
 
 
-def _attention_stage(summary: dict[str, Any], data, cfg: RunConfig, out: Path) -> str | None:
+def _attention_stage(summary: dict[str, Any], data, cfg: RunConfig, out: Path) -> str:
     """Per-layer mean attention distance of the two trained models on fixed validation windows: writes
-    ``attention.json`` and ``attention_distance.png``, returns a markdown section (None when
-    ``headbudget.analysis.attention`` is not installed)."""
-    try:
-        from headbudget.analysis.attention import attention_summary, plot_distance_comparison, write_json
-    except ImportError:
-        return None
+    ``attention.json`` and ``attention_distance.png``, returns a markdown section."""
+    from headbudget.analysis.attention import attention_summary, plot_distance_comparison, write_json
     from headbudget.data.loader import val_batches
     from headbudget.models import HeadBudgetForCausalLM
 
@@ -148,15 +144,14 @@ def _quickstart(cfg: RunConfig, write_to: Path) -> int:
     t0 = time.perf_counter()
     print("[4/4] attention distance and report", flush=True)
     att = _attention_stage(summary, data, cfg, out)
-    if att is not None:
-        timings["attention analysis"] = time.perf_counter() - t0
+    timings["attention analysis"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_all
     s = summary["schedules"]
     u, p = s["uniform"]["val_loss_mean"], s["prism"]["val_loss_mean"]
     better = "prism" if p < u else "uniform"
     print(f"      val loss: uniform {u:.4f}   prism {p:.4f}   (Δ prism-uniform {p - u:+.4f}; lower is "
           f"better: {better}; one seed - use `headbudget compare --seeds 3` to judge noise)")
-    text = (out / "report.md").read_text() + ("" if att is None else "\n" + att)
+    text = (out / "report.md").read_text() + "\n" + att
     text += "\n## Quickstart stage times\n\n| stage | seconds |\n|---|---:|\n" + "".join(
         f"| {k} | {v:.1f} |\n" for k, v in timings.items())
     atomic_write_text(out / "report.md", text)
@@ -164,8 +159,7 @@ def _quickstart(cfg: RunConfig, write_to: Path) -> int:
     print("      stage times: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
     print(f"      report: {shown / 'report.md'}\n      curves: {shown / 'loss_curves.png'}\n"
           f"      numbers: {shown / 'compare.json'}")
-    if att is not None:
-        print(f"      attention: {shown / 'attention_distance.png'}, {shown / 'attention.json'}")
+    print(f"      attention: {shown / 'attention_distance.png'}, {shown / 'attention.json'}")
     print(f"      models: {shown / 'uniform-seed0' / 'model'}, {shown / 'prism-seed0' / 'model'}")
     return 0
 
