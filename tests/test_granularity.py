@@ -190,7 +190,7 @@ def test_prune_cli_granularity_group_reports_kv_cache_bytes(tmp_path, capsys):
     kv = rep["cost"]["kv_cache_bytes_per_token"]
     assert kv == {"before": 2 * LAYERS * KV * HEAD_DIM * 4, "after": 2 * 6 * HEAD_DIM * 4}  # 12 heads = 6 groups
     assert f"KV-cache bytes / token {kv['before']:,} -> {kv['after']:,}" in printed
-    assert "KV-cache bytes / token" in (out / "report.md").read_text()
+    assert f"| KV-cache bytes / token | {kv['before']:,} | {kv['after']:,} |" in (out / "report.md").read_text()
     specs = json.loads((out / "model" / "config.json").read_text())["schedule"]["layers"]
     assert sum(s["n_kv_heads"] for s in specs) == 6 and all(s["n_heads"] == 2 * s["n_kv_heads"] for s in specs)
 

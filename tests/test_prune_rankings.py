@@ -234,3 +234,20 @@ def test_ranking_table_of_one_seed_shows_no_spread():
     two = ranking_markdown({"cahp": {"wiki": [51.0, 53.0]}, "fisher": {"wiki": [60.0, 62.0]}}, lower_is_better=True)
     assert "| cahp | **52.00 ± 1.41 [51.00–53.00]** |" in two and "over 2 seeds" in two
     assert format_spread(spread([0.25]), 4) == "0.2500" and format_spread(spread([1.0, 3.0]), 1) == "2.0 ± 1.4"
+
+
+def test_a_comparison_takes_its_own_job_and_typed_seeds():
+    """run_prune_compare takes a PruneCompareJob (a PruneJob has no methods to compare: a TypeError saying so,
+    not an AttributeError); its seeds read from a comma string as the flag does, and a bad one is named."""
+    from headbudget.pruning.compare import run_prune_compare
+    from headbudget.pruning.job import PruneCompareJob, PruneJob
+    from headbudget.typed_config import ConfigError
+
+    with pytest.raises(TypeError, match="PruneCompareJob"):
+        run_prune_compare(PruneJob("m", "lm", None, "o"))
+    with pytest.raises(TypeError):  # resume is keyword-only: the old positional methods string is refused
+        run_prune_compare(PruneCompareJob("m", "lm", None, "o"), "cahp,random")
+    assert PruneCompareJob("m", "lm", None, "o", calibration_seeds="0, 1").calibration_seeds == (0, 1)
+    with pytest.raises(ConfigError) as info:
+        PruneCompareJob("m", "lm", None, "o", calibration_seeds="0,x")
+    assert_names(str(info.value), "calibration_seeds", "'x'")

@@ -69,6 +69,9 @@ def _finished(sub: PruneJob) -> dict[str, Any] | None:
 
 def check_compare_job(job: PruneCompareJob) -> list[tuple[str, str, int | None]]:
     """A one-line error naming the first invalid setting of ``job`` (nothing is loaded); its parsed ``methods``."""
+    if not isinstance(job, PruneCompareJob):
+        raise TypeError(f"a comparison takes a PruneCompareJob (its methods, calibration_seeds and ranking_rule "
+                        f"with the shared settings), not a {type(job).__name__}")
     entries = parse_methods(job.methods)
     forced = job.keep is not None or job.keep_ratio is not None
     if not forced and not get_importance(entries[0][1]).finds_count:
@@ -93,7 +96,7 @@ def check_compare_job(job: PruneCompareJob) -> list[tuple[str, str, int | None]]
 
 
 @quiet_unless_progress
-def run_prune_compare(job: PruneCompareJob, resume: bool = False,
+def run_prune_compare(job: PruneCompareJob, *, resume: bool = False,
                       on_row: Callable[[dict[str, Any]], None] | None = None,
                       on_stage: Callable[[str, str, float], None] | None = None) -> dict[str, Any]:
     """Run several methods.  Without a forced count (``job.keep`` / ``job.keep_ratio``) every ``cahp`` entry

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from headbudget.typed_config import device_option, dtype_option, option
+from headbudget.typed_config import coerce, device_option, dtype_option, option
 
 #: the titles PruneJob's flags are grouped under in ``headbudget prune --help`` (the rest: every method's)
 CAHP = "CAHP: signatures, clustering and the knee"
@@ -221,6 +221,11 @@ class PruneCompareJob(PruneJob):
     ranking_rule: str = option("mean", choices=("mean", "range"),
                                help="with --calibration-seeds: best = better mean on every text (mean), or worst "
                                     "seed better than every other method's best seed on every text (range)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # "0,1,2" or [0, 1, 2] from Python, as the flag and a config file give them
+        self.calibration_seeds = coerce(self.calibration_seeds, tuple[int, ...] | None, "calibration_seeds")
 
     def prune_job(self) -> PruneJob:
         """The settings every method of the comparison shares."""
