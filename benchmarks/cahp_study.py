@@ -371,9 +371,7 @@ def plot_depth(analysis: Mapping[str, Any], count: str, path: Path) -> Path:
     from headbudget.io import new_figure, save_figure
 
     heads = analysis["counts"][count]["heads"]
-    fig, first = new_figure(figsize=(10, 3.8))
-    first.remove()
-    panels = list(fig.subplots(1, 2, sharey=True))
+    fig, panels = new_figure(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, name in zip(panels, ("floor", "no_floor")):
         for m, h in heads.items():
             if name in h:

@@ -340,3 +340,14 @@ def test_output_path_in_a_read_only_folder_fails_before_any_work(tmp_path, capsy
         assert_names(line, "--output-path", ro, "Permission denied")
         assert f" {out}/" in line  # the file it would write, inside --output-path
     assert list(ro.iterdir()) == []
+
+
+def test_the_suite_takes_its_settings_whole():
+    """prepare_suite / evaluate_suite take a SuiteSettings: a bare task list is a TypeError naming it (not an
+    AttributeError), and a comma string of tasks reads as the flag does."""
+    from headbudget.evaluation.suite import SuiteSettings, evaluate_suite, prepare_suite
+
+    for call in (lambda: prepare_suite(["piqa"]), lambda: evaluate_suite(None, None, ["piqa"])):
+        with pytest.raises(TypeError, match="SuiteSettings"):
+            call()
+    assert SuiteSettings(tasks="piqa, arc_easy").tasks == ("piqa", "arc_easy")

@@ -463,3 +463,16 @@ def test_paired_differences_pair_by_seed_whatever_the_order_or_the_gaps():
     # swapping the arguments negates every difference, seed by seed
     back = paired_differences(reference, values)
     assert back["seeds"] == [0, 2, 3] and back["diffs"] == pytest.approx([0.5, 0.2, 0.1], abs=1e-12)
+
+
+def test_a_comparison_is_one_compare_config(tmp_path, capsys):
+    """run_compare takes the CompareConfig whole (a RunConfig alone: a TypeError naming what to build);
+    from_run takes the schedules as a list too, a head-count list kept whole; headbudget prepare with
+    data.tokenizer=model names the model.init it needs instead of an unknown tokenizer 'model'."""
+    with pytest.raises(TypeError, match="CompareConfig"):
+        run_compare(RunConfig(), tmp_path / "never")
+    settings = CompareConfig.from_run(RunConfig(seed=4), schedules=["uniform", "3,3,6,6"], seeds=2)
+    assert parse_schedules(settings.compare.schedules) == ["uniform", "3,3,6,6"]
+    assert (settings.seed, settings.compare.seeds) == (4, 2)
+    assert main(["prepare", "quickstart", "--set", "data.tokenizer=model"]) == 2
+    assert_names(error_line(capsys.readouterr().err, "prepare"), "data.tokenizer=model", "model.init")

@@ -25,7 +25,8 @@ from typing import Any
 def refused_pickle_reason(exc: BaseException) -> str:
     """The one line of ``torch.load(weights_only=True)``'s several that says what it refused.
 
-    >>> refused_pickle_reason(exc)   # 'Trying to load unsupported GLOBAL posix.system whose module posix is blocked.'
+    >>> refused_pickle_reason(exc)   # doctest: +SKIP
+    'Trying to load unsupported GLOBAL posix.system whose module posix is blocked.'
     """
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     for ln in lines:
@@ -42,7 +43,7 @@ def regular_file(path: str | os.PathLike, error: type[Exception] = ValueError) -
     """``path`` if it is a regular file (or a link to one), else ``error`` naming what it is (a FIFO blocks
     ``open``, a device never ends); a missing file is ``os.stat``'s ``FileNotFoundError``.
 
-    >>> regular_file("runs/demo/model/config.json")   # a FIFO: "...config.json: a FIFO, not a regular file; ..."
+    >>> regular_file("runs/demo/model/config.json")   # a FIFO: one error naming it  # doctest: +SKIP
     PosixPath('runs/demo/model/config.json')
     """
     path = Path(path)

@@ -106,6 +106,7 @@ def attention_stats(probs: torch.Tensor, local_window: int = 8,
     """Per-head mean distance, entropy and local share of ``probs`` (B, H, T, T) or (H, T, T); ``query_mask``
     (B, T), 1 for real tokens, drops padded query rows from the averages.
 
+        >>> import torch
         >>> p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])   # one head, 2 tokens
         >>> attention_stats(p, local_window=1)["distance"]
         [0.25]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from headbudget.devices import scoring_mode
 from headbudget.evaluation.encoding import HarnessEncoder, model_max_length
 from headbudget.evaluation.scorer_check import _TreeMismatch, _unit_kind, verify_units
 from headbudget.evaluation.tasks import MCExample
@@ -324,14 +325,11 @@ class Scorer:
         return [item[0] for item in self._score_items([[(list(s), n)] for s, n in rows], desc,
                                                        source="rolling window")]
 
-    @torch.inference_mode()
     def _score_items(self, seqs: list[list[tuple[list[int], int]]], desc: str,
                      source: str = "loglikelihood") -> list[list[tuple[float, bool]]]:
-        was_training = self.model.training
-        self.model.eval()
         # the model may have been cast since the scorer was made: masks and checks follow it
         self._dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), self._dtype)
-        try:
+        with scoring_mode(self.model):
             if self.strategy == "full":  # every row whole, batched by length
                 flat = [row for item in seqs for row in item]
                 scores: list[tuple[float, bool]] = [(0.0, False)] * len(flat)
@@ -341,8 +339,6 @@ class Scorer:
                 return [[next(it) for _ in item] for item in seqs]
             got = self._try_trees(seqs, desc, source)
             return got if got is not None else self._score_items(seqs, desc, source)  # now "full"
-        finally:
-            self.model.train(was_training)
 
     def _try_trees(self, items: list[list[tuple[list[int], int]]], desc: str = "scoring",
                    source: str = "loglikelihood") -> list[list[tuple[float, bool]]] | None:

@@ -82,6 +82,10 @@ def check_eval_args(settings: SuiteSettings) -> None:
     without lm-eval that only what the built-in path does is asked for."""
     from headbudget.evaluation.harness import parse_seed
 
+    if not isinstance(settings, SuiteSettings):
+        raise TypeError(f"the tasks and how they are scored come as one SuiteSettings (e.g. "
+                        f"SuiteSettings(tasks=('piqa',), limit=100)), not a {type(settings).__name__}")
+
     s = settings
     if not s.tasks:
         raise ValueError("--tasks is empty")

@@ -101,6 +101,9 @@ def run_compare(settings: CompareConfig, out: str | os.PathLike, *, data: Prepar
     ``resume`` reads finished runs back and continues the others from their checkpoints (none without
     ``save_models``), giving the result of an uninterrupted comparison.
     """
+    if not isinstance(settings, CompareConfig):
+        raise TypeError(f"run_compare takes a CompareConfig (CompareConfig.from_run(run_config, schedules=..., "
+                        f"seeds=...)), not a {type(settings).__name__}")
     cfg, c = settings.run_config(), settings.compare
     schedules = parse_schedules(c.schedules)
     reference = default_reference(schedules, c.reference)

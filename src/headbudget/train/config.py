@@ -221,11 +221,14 @@ class CompareConfig(RunConfig):
     @classmethod
     def from_run(cls, run: RunConfig, **compare: Any) -> CompareConfig:
         """A comparison whose runs start from ``run``, ``compare`` the fields of its ``compare:`` section (coerced
-        and checked as the config file's are; the rest keep ``run``'s section, or the defaults).
+        and checked as the config file's are; the rest keep ``run``'s section, or the defaults); ``schedules``
+        may be a list too (a head-count list among them keeps its commas).
 
-            >>> CompareConfig.from_run(RunConfig(seed=3), schedules="uniform,prism", seeds=2).compare.seeds
-            2
+            >>> CompareConfig.from_run(RunConfig(seed=3), schedules=["uniform", "3,3,6,6"], seeds=2).compare.schedules
+            'uniform;3,3,6,6'
         """
+        if not isinstance(compare.get("schedules", ""), str):
+            compare["schedules"] = ";".join(compare["schedules"])
         d = run.to_dict()
         d["compare"] = {**d.get("compare", {}), **compare}
         return cls.from_dict(d, "CompareConfig.from_run")
