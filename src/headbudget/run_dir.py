@@ -77,7 +77,10 @@ def _is_result(entry: Path) -> bool:
 def previous_results(directory: str | os.PathLike, keep: tuple[str, ...] = ()) -> list[str]:
     """Names of the entries of ``directory`` that are results of an earlier run (sorted; [] when none).
 
-    >>> previous_results("runs/prism")          # a finished training run
+    >>> run = Path(tempfile.mkdtemp())          # a finished training run, and a note of one's own
+    >>> for name in ("checkpoints", "model", "tokenizer"): (run / name).mkdir()
+    >>> for name in ("config.yaml", "metrics.jsonl", "summary.json", "notes.txt"): (run / name).touch()
+    >>> previous_results(run)
     ['checkpoints', 'config.yaml', 'metrics.jsonl', 'model', 'summary.json', 'tokenizer']
     """
     d = Path(directory)
@@ -132,9 +135,10 @@ def check_not_an_input(out: str | os.PathLike, inputs: Mapping[str, object] | No
     """Refuse an output ``out`` that is, contains or lies inside one of ``inputs`` (flag -> path(s) or None),
     real paths compared (a symlink to the input is the input): writing it would destroy what is read.
 
-    >>> check_not_an_input("runs/m", {"MODEL": "runs/m", "--data": "text.txt"})
+    >>> with tempfile.TemporaryDirectory() as m:             # a model folder
+    ...     check_not_an_input(m, {"MODEL": m, "--data": "text.txt"})
     Traceback (most recent call last):
-    OutputDirError: --out runs/m is the MODEL runs/m: choose another --out
+    headbudget.run_dir.OutputDirError: --out ... is the MODEL ...: choose another --out
     """
     target = os.path.realpath(out)
     for name, value in (inputs or {}).items():

@@ -236,7 +236,8 @@ def apply_overrides(cls: type, d: dict[str, Any], overrides: typing.Iterable[str
     """``d`` (a mapping for dataclass ``cls``) with ``section.key=value`` strings applied; values are read as
     YAML and coerced later by :func:`from_dict`.  A key that is not a field of ``cls`` is refused here.
 
-    >>> apply_overrides(Job, {}, ["steps=20"])       # Job: a dataclass with a field steps: int
+    >>> Job = dataclasses.make_dataclass("Job", [("steps", int)])     # a dataclass with a field steps: int
+    >>> apply_overrides(Job, {}, ["steps=20"])
     {'steps': 20}
     """
     d = dict(d)

@@ -17,7 +17,12 @@ def check_weight_shapes(folder: Path, config: Any) -> None:
     on the meta device: a corrupt file, or a config edited to another layout, is one ValueError naming the
     file and the first tensor (instead of transformers' multi-line load report and a RuntimeError).
 
-    >>> check_weight_shapes(Path("runs/prism/model"), AutoConfig.from_pretrained("runs/prism/model"))
+    >>> import tempfile
+    >>> from transformers import AutoConfig
+    >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    >>> model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+    >>> model.save_pretrained(folder := Path(tempfile.mkdtemp()))
+    >>> check_weight_shapes(folder, AutoConfig.from_pretrained(folder))     # they fit: nothing to say
     """
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -7,10 +7,10 @@ file and line; a file that is not UTF-8 a :class:`headbudget.io.NotUTF8Error` na
 and line.
 
     >>> from headbudget.data.classification import load_task, make_loader
-    >>> data = load_task("sst5", "../shared/data/classification/sst5")
-    >>> data.num_labels, len(data.splits["dev"]), data.splits["dev"][0].label
+    >>> data = load_task("sst5", "../shared/data/classification/sst5")           # doctest: +SKIP
+    >>> data.num_labels, len(data.splits["dev"]), data.splits["dev"][0].label    # doctest: +SKIP
     (5, 1101, 3)
-    >>> loader = make_loader(data.splits["train"], tokenizer, batch_size=32, shuffle=True, seed=0)
+    >>> loader = make_loader(data.splits["train"], tokenizer, batch_size=32, shuffle=True, seed=0)  # doctest: +SKIP
 """
 
 from __future__ import annotations

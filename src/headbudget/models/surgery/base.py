@@ -179,8 +179,12 @@ class AdapterBase:
     def gates(self) -> Iterator[list[torch.Tensor]]:
         """Per-layer head gates (init 1.0, ``requires_grad``) active inside the block.
 
+        >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+        >>> from headbudget.models.surgery import get_adapter
+        >>> model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+        >>> adapter, ids = get_adapter(model), torch.arange(8)[None]
         >>> with adapter.gates() as gates:
-        ...     model(**batch).loss.backward()
+        ...     model(input_ids=ids, labels=ids).loss.backward()
         ...     importance = [g.grad.abs() for g in gates]
         """
         device = next(self.model.parameters()).device

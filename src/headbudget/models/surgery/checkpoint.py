@@ -19,7 +19,10 @@ from headbudget.models.surgery.families import LlamaAdapter, get_adapter
 def save_pruned(model: nn.Module, out_dir: str | os.PathLike[str], tokenizer: Any = None) -> Path:
     """``save_pretrained`` plus ``kept_heads.json`` (original kept heads per layer, re-applied by :func:`load_pruned`).
 
-    >>> save_pruned(model, "runs/pruned")            # then: model = load_pruned("runs/pruned")
+    >>> import tempfile
+    >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
+    >>> model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
+    >>> out = save_pruned(model, tempfile.mkdtemp())            # then: model = load_pruned(out)
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,16 @@
 """The head adapter as the rest of headbudget sees it: the one interface pruning, compression and analysis use
 to read, gate and remove a model's attention heads, whatever its family.
 
+    >>> from headbudget.models import HeadBudgetConfig, HeadBudgetForCausalLM
     >>> from headbudget.models.surgery import get_adapter
+    >>> model = HeadBudgetForCausalLM(HeadBudgetConfig.from_preset("cpu-tiny", "uniform", vocab_size=64))
     >>> adapter: HeadAdapter = get_adapter(model)           # BERT, GPT-2, Llama/Mistral/Qwen2 or headbudget
-    >>> with adapter.gates() as g:                           # one gate per head, 1.0 = unchanged
-    ...     g[0][3].fill_(0.0)                               # head 3 of layer 0 off, exactly like removal
+    >>> ids = torch.arange(8)[None]                          # one sequence of 8 tokens
+    >>> with adapter.set_gate_values({0: [1, 1, 1, 0]}):    # one gate per head, 1.0 = unchanged
+    ...     gated = model(ids).logits                        # head 3 of layer 0 off, exactly like removal
     >>> adapter.prune_heads({0: [3]})                         # then really removed
+    >>> torch.allclose(model(ids).logits, gated, atol=1e-6), adapter.head_counts()
+    (True, [3, 4, 4, 4])
 """
 
 from __future__ import annotations
