@@ -10,7 +10,7 @@ from typing import Any
 
 from headbudget.io import atomic_write_json
 
-__all__ = ["RUN_SETTINGS", "parse_int_list", "recorded_config", "write_result"]
+__all__ = ["RUN_SETTINGS", "recorded_config", "write_result"]
 
 #: config fields that say where and how a run reports (its --out folder, its progress bars), not what it
 #: measures: left out of the config recorded in the result JSON
@@ -20,20 +20,6 @@ RUN_SETTINGS = ("out", "progress")
 def recorded_config(cfg: Any) -> dict[str, Any]:
     """The experiment config as its result JSON records it (tuples as lists; :data:`RUN_SETTINGS` left out)."""
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k not in RUN_SETTINGS}
-
-
-def parse_int_list(text: str | list[int] | tuple[int, ...], flag: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]`` with a one-line error naming the flag."""
-    if isinstance(text, (list, tuple)):
-        values = list(text)
-    else:
-        try:
-            values = [int(x) for x in str(text).split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"{flag}: expected a comma list of integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{flag}: expected positive integers, got {text!r}")
-    return values
 
 
 def write_result(result: dict[str, Any], out_dir: str | os.PathLike, name: str,
